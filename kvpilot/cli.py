@@ -1,0 +1,46 @@
+"""The ``kvpilot`` command line: one subcommand per entry point.
+
+Each subcommand lives in its own module, which exposes ``add_arguments(parser)`` and
+``run(args) -> int | None``. Those modules import nothing heavy (torch, kopf) at module level, so
+``kvpilot --help`` stays fast; the work is imported inside ``run``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("kvpilot.engine.entrypoints.generate_cli", "generate text offline with the engine"),
+    "serve": ("kvpilot.engine.server.cli", "run the OpenAI-compatible server"),
+    "plan": ("kvpilot.operator.plan_cli", "size a model for a GPU type (tensor parallel, KV capacity)"),
+    "operator": ("kvpilot.operator.main", "run the Kubernetes operator (kopf)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the top-level parser with every subcommand's arguments."""
+    parser = argparse.ArgumentParser(prog="kvpilot", description=__doc__.splitlines()[0])
+    from kvpilot import __version__
+
+    parser.add_argument("--version", action="version", version=f"kvpilot {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        module = importlib.import_module(module_name)
+        sp = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sp)
+        sp.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "command", None):
+        parser.print_help()
+        sys.exit(2)
+    code = args._run(args)
+    sys.exit(code or 0)

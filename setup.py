@@ -1,0 +1,20 @@
+"""Maps the top-level folders onto the ``kvpilot`` namespace (see ARCHITECTURE.md).
+
+``engine/``, ``kernels/`` and ``operator/`` are installed as ``kvpilot.engine``,
+``kvpilot.kernels`` and ``kvpilot.operator``; they are never top-level import packages
+(``operator`` would shadow the standard library, ``kernels`` is a PyPI name transformers probes).
+Everything else about the distribution lives in pyproject.toml.
+"""
+
+from setuptools import find_packages, setup
+
+SUBPACKAGES = {"engine": "engine", "kernels": "kernels", "operator": "operator"}
+
+package_dir = {"kvpilot": "kvpilot"}
+packages = ["kvpilot"]
+for name, folder in SUBPACKAGES.items():
+    package_dir[f"kvpilot.{name}"] = folder
+    packages.append(f"kvpilot.{name}")
+    packages += [f"kvpilot.{name}.{sub}" for sub in find_packages(folder)]
+
+setup(package_dir=package_dir, packages=packages, include_package_data=True)
