@@ -1,0 +1,93 @@
+"""The GPU catalogue: device memory and default GPUs per node of each ``spec.gpu.type``.
+
+Memory is the total the NVIDIA driver reports (``nvidia-smi --query-gpu=memory.total``, MiB),
+not the marketing size: an "80 GB" H100 holds 81,559 MiB and vLLM's
+``gpu_memory_utilization`` is a fraction of that total. ``perNode`` is the largest common
+node shape (8 GPUs for the cloud instances that carry each type: AWS g6/g5/g6e.48xlarge,
+p4d/p4de/p5/p5e/p6, GCP a2/a3/g2), overridden by ``spec.gpu.perNode``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1024**2
+GiB = 1024**3
+
+CUSTOM = "custom"
+"""``spec.gpu.type`` for a GPU outside the catalogue; ``spec.gpu.memoryGiB`` gives its memory."""
+
+CPU = "cpu"
+"""The ``gpuType`` of a plan without a GPU (``spec.gpu`` absent: CPU development mode)."""
+
+DEFAULT_RESOURCE_NAME = "nvidia.com/gpu"
+"""The extended resource the NVIDIA device plugin advertises."""
+
+
+@dataclass(frozen=True)
+class GpuType:
+    """One accelerator model.
+
+    Attributes:
+        name: catalogue key, as written in ``spec.gpu.type`` (e.g. ``"H100-80GB"``).
+        memory_bytes: total device memory, bytes.
+        per_node: GPUs per node, the upper bound of ``tensor_parallel_size``.
+        nvlink: whether the GPUs of one node talk over NVLink (tensor parallelism over PCIe
+            works but its all-reduces are slower).
+    """
+
+    name: str
+    memory_bytes: int
+    per_node: int = 8
+    nvlink: bool = False
+
+    def __post_init__(self) -> None:
+        if self.memory_bytes < 1:
+            raise ValueError(f"GPU {self.name!r}: memory_bytes must be positive")
+        if self.per_node < 1:
+            raise ValueError(f"GPU {self.name!r}: per_node must be at least 1")
+
+
+CATALOGUE: dict[str, GpuType] = {
+    gpu.name: gpu
+    for gpu in (
+        GpuType("L4", 23_034 * MiB),
+        GpuType("A10G", 23_028 * MiB),
+        GpuType("L40S", 46_068 * MiB),
+        GpuType("A100-40GB", 40_960 * MiB, nvlink=True),
+        GpuType("A100-80GB", 81_920 * MiB, nvlink=True),
+        GpuType("H100-80GB", 81_559 * MiB, nvlink=True),
+        GpuType("H200-141GB", 143_771 * MiB, nvlink=True),
+        GpuType("B200", 183_359 * MiB, nvlink=True),
+    )
+}
+"""Every named GPU type ``spec.gpu.type`` accepts besides ``custom``."""
+
+
+def gpu_type(name: str, *, memory_gib: float | None = None, per_node: int | None = None) -> GpuType:
+    """Look up a catalogue GPU, or describe a ``custom`` one, optionally overriding ``per_node``.
+
+    Args:
+        name: a ``CATALOGUE`` key or ``"custom"``.
+        memory_gib: device memory in GiB; required for ``custom``, refused otherwise (the
+            catalogue already knows it).
+        per_node: GPUs per node; default the catalogue's (8), or 1 for ``custom``.
+
+    Raises:
+        ValueError: unknown name (listing the known ones), ``custom`` without ``memory_gib``,
+            ``memory_gib`` on a catalogue type, or a non-positive size.
+    """
+    if name == CUSTOM:
+        if memory_gib is None:
+            raise ValueError("gpu type 'custom' needs memoryGiB")
+        if memory_gib <= 0:
+            raise ValueError(f"gpu memoryGiB must be positive, got {memory_gib!r}")
+        return GpuType(CUSTOM, int(memory_gib * GiB), per_node or 1)
+    if name not in CATALOGUE:
+        raise ValueError(f"unknown gpu type {name!r}; known: {', '.join([*CATALOGUE, CUSTOM])}")
+    if memory_gib is not None:
+        raise ValueError(f"gpu memoryGiB is only for type 'custom', not {name!r}")
+    known = CATALOGUE[name]
+    if per_node is None:
+        return known
+    return GpuType(known.name, known.memory_bytes, per_node, known.nvlink)

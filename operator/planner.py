@@ -1,0 +1,379 @@
+"""Sizing: model + device -> tensor parallel size, memory split and KV capacity (pure).
+
+The plan is data (KubeAI's "plan, then apply"): the handlers write it to ``status.plan`` and
+render manifests from it; ``kvpilot plan`` prints it. The arithmetic follows vLLM's memory
+model: of each GPU's total memory, the fraction ``gpu_memory_utilization`` holds the weights
+shard, the peak activations of one profiling step plus non-torch allocations, and the KV cache
+(PagedAttention, Kwon et al., 2023: whole ``block_size``-token blocks). Sizes per GPU come from
+``kvpilot.engine.model_spec``, the functions the engine itself uses.
+
+Tensor parallel size: the smallest ``tp`` in ``1..gpu.per_node`` that passes vLLM's divisor
+rule (``check_tensor_parallel_size``; any divisor, not only powers of two, as vLLM accepts) and
+leaves room for ``concurrency`` sequences of ``max_model_len`` tokens. A replica never spans
+nodes (no pipeline parallelism), so ``gpus_per_replica == tp``.
+
+``gpu_memory_utilization`` when not given: 0.90 (vLLM's default), lowered on small GPUs so that
+at least ``OUTSIDE_BUDGET_HEADROOM_BYTES`` stay outside the budget for what vLLM does not count
+in it (CUDA graphs captured after the KV cache is allocated, the CUDA context): 0.86 on a 24 GB
+L4/A10G.
+
+CPU mode (``gpu=None``): one process, TP 1, dtype ``auto`` = float32; the budget is the
+container's memory limit minus ``CPU_RUNTIME_BYTES`` for Python, torch and the tokenizer; the
+KV cache gets what is left after weights and activations and is passed as ``--kv-cache-memory``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from kvpilot.engine.config import (
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    GPU_MAX_NUM_BATCHED_TOKENS,
+    GPU_MAX_NUM_SEQS,
+)
+from kvpilot.engine.model_spec import (
+    DTYPE_BYTES,
+    SUPPORTED_ARCHITECTURES,
+    ModelSpec,
+    check_tensor_parallel_size,
+)
+from kvpilot.operator.gpus import CPU, GiB, GpuType
+from kvpilot.operator.spec import LLMDeploymentSpec
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.90
+"""vLLM's default fraction of GPU memory for weights, activations and KV cache."""
+
+OUTSIDE_BUDGET_HEADROOM_BYTES = 3 * GiB
+"""Memory left outside the budget for CUDA graphs and the CUDA context when choosing it."""
+
+GPU_RUNTIME_BYTES = 1 * GiB
+"""Non-torch memory inside the budget per GPU: cuBLAS workspaces, NCCL buffers, fragmentation."""
+
+CPU_RUNTIME_BYTES = 3 * GiB // 2
+"""Memory of the engine process besides weights and KV cache (Python, torch, tokenizer, server).
+
+Measured on the default model (2 cores, torch 2.13): 0.35 GiB resident besides weights and
+cache once loaded, 1.34 GiB peak while loading (weights included); the margin covers the API
+server and the one-time GGUF conversion of a fresh model cache.
+"""
+
+LOGITS_BYTES = 4
+"""Logits are float32 whatever the model dtype (the sampler's input)."""
+
+
+class PlanError(Exception):
+    """The model cannot be served as asked; written as ``Sized=False`` with ``reason``.
+
+    Attributes:
+        reason: CamelCase condition reason: ``UnsupportedArchitecture``,
+            ``UnsupportedQuantization``, ``MaxModelLenTooLarge``, ``InvalidTensorParallelSize``,
+            ``ModelTooLarge`` or ``InsufficientKVCache``. (TP 1 always splits a model, so
+            "no valid tensor parallel size" shows as ``ModelTooLarge`` at the largest valid
+            one, which the message names.)
+        message: a sentence for people, with the numbers that decided.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one replica is sized. Bytes are per GPU (per process in CPU mode).
+
+    Attributes:
+        gpu_type: catalogue name, ``"custom"``, or ``"cpu"``.
+        dtype: concrete weight and KV dtype (``"bfloat16"``, ...).
+        tensor_parallel_size: ranks per replica.
+        gpus_per_replica: GPUs a pod requests (0 in CPU mode).
+        gpu_memory_utilization: the budget fraction passed to the engine (None in CPU mode).
+        max_model_len: longest prompt + output, tokens.
+        max_num_seqs: most sequences per step (the engine default unless set).
+        max_num_batched_tokens: token budget per step (the engine default unless set).
+        block_size: tokens per KV block.
+        num_parameters: whole model.
+        weight_bytes_per_gpu: this rank's weight shard.
+        reserve_bytes_per_gpu: peak activations of one step plus runtime overhead.
+        kv_cache_bytes_per_gpu: the KV cache (whole blocks), also ``--kv-cache-memory`` on CPU.
+        kv_bytes_per_token: KV of one token on one rank.
+        kv_capacity_tokens: tokens the KV cache holds (per replica; every rank holds the same
+            tokens for its own heads).
+        max_concurrency: sequences of ``max_model_len`` tokens the cache holds at once.
+    """
+
+    gpu_type: str
+    dtype: str
+    tensor_parallel_size: int
+    gpus_per_replica: int
+    gpu_memory_utilization: float | None
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    block_size: int
+    num_parameters: int
+    weight_bytes_per_gpu: int
+    reserve_bytes_per_gpu: int
+    kv_cache_bytes_per_gpu: int
+    kv_bytes_per_token: int
+    kv_capacity_tokens: int
+    max_concurrency: int
+
+    def to_status(self) -> dict[str, Any]:
+        """The plan as ``status.plan`` (camelCase keys, JSON values)."""
+        status = {
+            "gpuType": self.gpu_type,
+            "dtype": self.dtype,
+            "tensorParallelSize": self.tensor_parallel_size,
+            "gpusPerReplica": self.gpus_per_replica,
+            "maxModelLen": self.max_model_len,
+            "numParameters": self.num_parameters,
+            "weightBytesPerGpu": self.weight_bytes_per_gpu,
+            "kvBytesPerToken": self.kv_bytes_per_token,
+            "kvCacheBytesPerGpu": self.kv_cache_bytes_per_gpu,
+            "kvCapacityTokens": self.kv_capacity_tokens,
+            "maxConcurrency": self.max_concurrency,
+        }
+        if self.gpu_memory_utilization is not None:
+            status["gpuMemoryUtilization"] = self.gpu_memory_utilization
+        return status
+
+
+def default_gpu_memory_utilization(gpu: GpuType) -> float:
+    """0.90, or less so that ``OUTSIDE_BUDGET_HEADROOM_BYTES`` stay free; two decimals, down."""
+    fraction = 1 - OUTSIDE_BUDGET_HEADROOM_BYTES / gpu.memory_bytes
+    return min(DEFAULT_GPU_MEMORY_UTILIZATION, math.floor(fraction * 100) / 100)
+
+
+def activation_bytes(
+    model: ModelSpec,
+    *,
+    dtype_bytes: int,
+    tensor_parallel_size: int,
+    max_num_batched_tokens: int,
+    max_num_seqs: int,
+) -> int:
+    """Peak activation memory of one step on one rank, bytes (what vLLM's profiling run sees).
+
+    The largest live tensors of a step of ``max_num_batched_tokens`` tokens: the MLP's
+    ``[tokens, 2 * intermediate / tp]`` gate/up output with its ``[tokens, intermediate / tp]``
+    product (per routed expert for MoE), about four ``[tokens, hidden]`` residual and norm
+    buffers, and ``[max_num_seqs, vocab_size]`` float32 logits.
+    """
+    intermediate = model.intermediate_size // tensor_parallel_size
+    per_token = 3 * intermediate * max(1, model.num_experts_per_tok) + 4 * model.hidden_size
+    logits = max_num_seqs * model.vocab_size * LOGITS_BYTES
+    return max_num_batched_tokens * per_token * dtype_bytes + logits
+
+
+def plan(
+    model: ModelSpec,
+    *,
+    gpu: GpuType | None,
+    dtype: str = "auto",
+    max_model_len: int | None = None,
+    tensor_parallel_size: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    memory_bytes: int | None = None,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
+    concurrency: int = 1,
+    block_size: int = 16,
+) -> Plan:
+    """Size one replica of ``model`` on ``gpu`` (or on CPU when ``gpu`` is None).
+
+    Args:
+        model: the model's shape.
+        gpu: the GPU type (its ``per_node`` bounds the tensor parallel size); None for CPU mode.
+        dtype: ``--dtype`` value (``auto``, ``bfloat16``, ...).
+        max_model_len: tokens per sequence; default the model's derived maximum.
+        tensor_parallel_size: fixed by the user; default the smallest that fits.
+        gpu_memory_utilization: fixed by the user; default ``default_gpu_memory_utilization``.
+        memory_bytes: CPU mode only: the container's memory limit, bytes.
+        max_num_seqs: sequences per step; default the engine's for the device.
+        max_num_batched_tokens: tokens per step; default the engine's for the device.
+        concurrency: sequences of ``max_model_len`` the KV cache must hold at once (>= 1).
+        block_size: tokens per KV block.
+
+    Returns:
+        The plan for the smallest tensor parallel size that fits.
+
+    Raises:
+        PlanError: the model cannot be served as asked (``.reason`` says why).
+        ValueError: an argument out of range (a caller's bug: spec.py validates user input).
+    """
+    _check_arguments(gpu, memory_bytes, gpu_memory_utilization, concurrency, block_size)
+    _check_model(model)
+    device = "cpu" if gpu is None else "cuda"
+    dtype_name = model.resolve_dtype(dtype, device)
+    dtype_bytes = DTYPE_BYTES[dtype_name]
+    limit = model.derived_max_model_len
+    max_len = limit if max_model_len is None else max_model_len
+    if max_len > limit:
+        raise PlanError(
+            "MaxModelLenTooLarge",
+            f"maxModelLen {max_len} exceeds the model's maximum context of {limit} tokens "
+            "(max_position_embeddings with its rope scaling)",
+        )
+    if gpu is None:
+        seqs = max_num_seqs or CPU_MAX_NUM_SEQS
+        batched = max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS
+        candidates = [tensor_parallel_size or 1]
+        if candidates != [1]:
+            raise PlanError("InvalidTensorParallelSize", "CPU mode runs one process: TP must be 1")
+        utilization = None
+        budget = memory_bytes - CPU_RUNTIME_BYTES
+    else:
+        seqs = max_num_seqs or GPU_MAX_NUM_SEQS
+        batched = max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS
+        candidates = _tensor_parallel_candidates(model, gpu, tensor_parallel_size)
+        utilization = gpu_memory_utilization or default_gpu_memory_utilization(gpu)
+        budget = int(gpu.memory_bytes * utilization)
+
+    blocks_per_sequence = -(-max_len // block_size)
+    for tp in candidates:
+        weights = model.weight_bytes(dtype_bytes, tp)
+        reserve = activation_bytes(
+            model,
+            dtype_bytes=dtype_bytes,
+            tensor_parallel_size=tp,
+            max_num_batched_tokens=batched,
+            max_num_seqs=seqs,
+        ) + (0 if gpu is None else GPU_RUNTIME_BYTES)
+        kv_per_token = model.kv_bytes_per_token(dtype_bytes, tp)
+        num_blocks = max(0, budget - weights - reserve) // (kv_per_token * block_size)
+        if num_blocks >= concurrency * blocks_per_sequence:
+            return Plan(
+                gpu_type=CPU if gpu is None else gpu.name,
+                dtype=dtype_name,
+                tensor_parallel_size=tp,
+                gpus_per_replica=0 if gpu is None else tp,
+                gpu_memory_utilization=utilization,
+                max_model_len=max_len,
+                max_num_seqs=seqs,
+                max_num_batched_tokens=batched,
+                block_size=block_size,
+                num_parameters=model.num_parameters(),
+                weight_bytes_per_gpu=weights,
+                reserve_bytes_per_gpu=reserve,
+                kv_cache_bytes_per_gpu=num_blocks * block_size * kv_per_token,
+                kv_bytes_per_token=kv_per_token,
+                kv_capacity_tokens=num_blocks * block_size,
+                max_concurrency=num_blocks // blocks_per_sequence,
+            )
+
+    where = "the memory limit" if gpu is None else f"{gpu.name} x{tp}"
+    budget_text = f"{_gib(budget)} budget" + (
+        "" if utilization is None else f" ({utilization:.2f} of {_gib(gpu.memory_bytes)})"
+    )
+    if weights + reserve >= budget:
+        raise PlanError(
+            "ModelTooLarge",
+            f"{model.num_parameters() / 1e9:.1f}B parameters in {dtype_name}: weights "
+            f"{_gib(weights)} + activations {_gib(reserve)} per device exceed the {budget_text} "
+            f"even at tensorParallelSize {tp}, the largest valid one on {where}",
+        )
+    fitting_len = num_blocks * block_size // concurrency
+    raise PlanError(
+        "InsufficientKVCache",
+        f"after weights {_gib(weights)} and activations {_gib(reserve)} of the {budget_text} "
+        f"on {where}, the KV cache holds {num_blocks * block_size} tokens: fewer than "
+        f"{concurrency} x maxModelLen {max_len}; a maxModelLen of at most {fitting_len} fits",
+    )
+
+
+def plan_for_spec(spec: LLMDeploymentSpec, model: ModelSpec, *, concurrency: int = 1) -> Plan:
+    """Plan a parsed LLMDeployment spec: ``plan`` with the spec's GPU, engine and memory fields.
+
+    To plan another shape (the autoscaler's "bigger, not more"), pass a spec changed with
+    ``dataclasses.replace`` (``gpu``, ``tensor_parallel_size``).
+
+    Raises:
+        PlanError: as ``plan``.
+    """
+    return plan(
+        model,
+        gpu=None if spec.gpu is None else spec.gpu.gpu_type(),
+        dtype=spec.engine.dtype,
+        max_model_len=spec.engine.max_model_len,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        gpu_memory_utilization=spec.gpu_memory_utilization,
+        memory_bytes=spec.memory_limit_bytes if spec.gpu is None else None,
+        max_num_seqs=spec.engine.max_num_seqs,
+        max_num_batched_tokens=spec.engine.max_num_batched_tokens,
+        concurrency=concurrency,
+    )
+
+
+def _check_arguments(
+    gpu: GpuType | None,
+    memory_bytes: int | None,
+    gpu_memory_utilization: float | None,
+    concurrency: int,
+    block_size: int,
+) -> None:
+    if gpu is None and (memory_bytes is None or memory_bytes <= 0):
+        raise ValueError("CPU mode needs memory_bytes (the container's memory limit)")
+    if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+    if concurrency < 1 or block_size < 1:
+        raise ValueError(
+            f"concurrency and block_size must be >= 1, got {concurrency}, {block_size}"
+        )
+
+
+def _check_model(model: ModelSpec) -> None:
+    if model.quantization_method is not None:
+        raise PlanError(
+            "UnsupportedQuantization",
+            f"the checkpoint is quantized ({model.quantization_method}); the kvpilot engine "
+            "loads unquantized safetensors only",
+        )
+    if model.is_moe:
+        raise PlanError(
+            "UnsupportedArchitecture",
+            f"{'/'.join(model.architectures) or model.model_type} is a mixture of experts "
+            f"({model.num_experts} experts, {model.num_parameters() / 1e9:.1f}B parameters); "
+            "the kvpilot engine implements dense models only",
+        )
+    if not model.is_supported_by_engine:
+        raise PlanError(
+            "UnsupportedArchitecture",
+            f"{'/'.join(model.architectures) or model.model_type!r} is not implemented by the "
+            f"kvpilot engine; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
+        )
+
+
+def _tensor_parallel_candidates(
+    model: ModelSpec, gpu: GpuType, tensor_parallel_size: int | None
+) -> list[int]:
+    if tensor_parallel_size is not None:
+        if tensor_parallel_size > gpu.per_node:
+            raise PlanError(
+                "InvalidTensorParallelSize",
+                f"tensorParallelSize {tensor_parallel_size} exceeds the {gpu.per_node} GPUs "
+                f"per node of {gpu.name} (a replica does not span nodes)",
+            )
+        try:
+            check_tensor_parallel_size(model, tensor_parallel_size)
+        except ValueError as exc:
+            raise PlanError("InvalidTensorParallelSize", str(exc)) from exc
+        return [tensor_parallel_size]
+    # Never empty: TP 1 always splits.
+    return [tp for tp in range(1, gpu.per_node + 1) if _splits(model, tp)]
+
+
+def _splits(model: ModelSpec, tp: int) -> bool:
+    try:
+        check_tensor_parallel_size(model, tp)
+    except ValueError:
+        return False
+    return True
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.1f} GiB"

@@ -1,0 +1,228 @@
+"""The CRD: a valid CustomResourceDefinition; its schema and operator/spec.py reject the same specs.
+
+Schema rules are checked with jsonschema, CEL rules with cel-python (both through crd_schema.py);
+spec.py must reject the same specs naming the same field, since it enforces the rules where an
+API server does not.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import kubernetes_validate
+import pytest
+from kvpilot.operator.gpus import CATALOGUE, CUSTOM
+from kvpilot.operator.spec import MANAGED_FLAGS, SpecError, parse_spec, validate_name
+
+from tests.operator.crd_schema import (
+    apply_defaults,
+    cel_program,
+    cel_rules,
+    cel_violations,
+    load_crd,
+    open_api_schema,
+    validation_errors,
+)
+
+CRD = load_crd()
+SCHEMA = open_api_schema(CRD)
+RULES = cel_rules(SCHEMA)
+
+BASE = {
+    "apiVersion": "kvpilot.dev/v1alpha1",
+    "kind": "LLMDeployment",
+    "metadata": {"name": "chat", "namespace": "default"},
+    "spec": {
+        "model": {"source": "hf://meta-llama/Meta-Llama-3-8B-Instruct"},
+        "engine": {"maxModelLen": 8192},
+        "gpu": {"type": "L4"},
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 3},
+        "adapters": [{"name": "sql", "source": "hf://org/sql-lora"}],
+    },
+}
+
+
+def test_crd_is_a_valid_custom_resource_definition():
+    kubernetes_validate.validate(CRD, "1.32.0", strict=True)
+    spec = CRD["spec"]
+    assert CRD["metadata"]["name"] == "llmdeployments.kvpilot.dev"
+    assert (spec["group"], spec["scope"]) == ("kvpilot.dev", "Namespaced")
+    assert spec["names"]["kind"] == "LLMDeployment"
+    assert spec["names"]["plural"] == "llmdeployments"
+    assert spec["names"]["shortNames"] == ["llmd"]
+    (version,) = spec["versions"]
+    assert (version["name"], version["served"], version["storage"]) == ("v1alpha1", True, True)
+    assert version["subresources"]["status"] == {}
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
+    assert columns["TP"] == ".status.plan.tensorParallelSize"
+    assert columns["GPUs/Replica"] == ".status.plan.gpusPerReplica"
+    assert columns["Ready"] == ".status.readyReplicas"
+    assert columns["KV Usage"] == ".status.kvCacheUsage"
+    assert columns["Age"] == ".metadata.creationTimestamp"
+
+
+def test_gpu_enum_matches_the_catalogue():
+    gpu_types = SCHEMA["properties"]["spec"]["properties"]["gpu"]["properties"]["type"]["enum"]
+    assert gpu_types == [*CATALOGUE, CUSTOM]
+
+
+def test_plan_status_fields_match_the_planner():
+    from kvpilot.operator.planner import Plan
+
+    plan_schema = SCHEMA["properties"]["status"]["properties"]["plan"]["properties"]
+    sample = Plan(**{name: 1 for name in Plan.__dataclass_fields__}).to_status()
+    assert set(sample) == set(plan_schema)
+
+
+def test_base_is_valid_and_defaults_agree_with_spec_py():
+    assert validation_errors(BASE) == []
+    defaulted = apply_defaults(BASE)["spec"]
+    parsed = parse_spec(copy.deepcopy(BASE["spec"]))
+    assert defaulted["replicas"] == parsed.replicas == 1
+    assert defaulted["gpu"]["resourceName"] == parsed.gpu.resource_name == "nvidia.com/gpu"
+    assert defaulted["engine"]["dtype"] == parsed.engine.dtype == "auto"
+    assert defaulted["autoscaling"]["mode"] == parsed.autoscaling.mode == "kvpilot"
+    with_secret = {**BASE["spec"], "model": {"hfTokenSecretRef": {"name": "hf"}}}
+    defaulted = apply_defaults({**BASE, "spec": with_secret})["spec"]
+    assert defaulted["model"]["hfTokenSecretRef"]["key"] == "token"
+    assert parse_spec(with_secret).model.hf_token_secret_key == "token"
+
+
+def with_change(path: str, value) -> dict:
+    """BASE with the field at dotted ``path`` set to ``value`` (``...`` deletes it)."""
+    obj = copy.deepcopy(BASE)
+    *parents, last = path.split(".")
+    node = obj
+    for part in parents:
+        node = node[int(part)] if part.isdigit() else node.setdefault(part, {})
+    if value is ...:
+        del node[last]
+    else:
+        node[last] = value
+    return obj
+
+
+SCHEMA_CASES = [
+    ("spec.gpu.type", "V100", "spec.gpu.type"),
+    ("spec.replicas", -1, "spec.replicas"),
+    ("spec.gpuMemoryUtilization", 1.5, "spec.gpuMemoryUtilization"),
+    ("spec.gpuMemoryUtilization", 0, "spec.gpuMemoryUtilization"),
+    ("spec.tensorParallelSize", "2", "spec.tensorParallelSize"),
+    ("spec.model.source", "s3://bucket/llama", "spec.model.source"),
+    ("spec.engine.dtype", "int8", "spec.engine.dtype"),
+    ("spec.engine.maxModelLength", 4096, "spec.engine.maxModelLength"),
+    ("spec.autoscaling.maxReplicas", ..., "spec.autoscaling.maxReplicas"),
+    ("spec.autoscaling.targetKVCacheUsage", 0, "spec.autoscaling.targetKVCacheUsage"),
+    ("spec.autoscaling.maxScaleUpRate", 1, "spec.autoscaling.maxScaleUpRate"),
+    ("spec.autoscaling.allowedGpuTypes", ["TPU"], "spec.autoscaling.allowedGpuTypes[0]"),
+    ("spec.resources", {"limits": {"memory": "lots"}}, "spec.resources.limits.memory"),
+    ("spec.resources", {"limits": {"nvidia.com/gpu": 1}}, "spec.resources.limits.nvidia.com/gpu"),
+    ("spec.adapters", [{"name": "sql"}], "spec.adapters[0].source"),
+    ("spec.model.hfTokenSecretRef", {"key": "token"}, "spec.model.hfTokenSecretRef.name"),
+]
+
+
+@pytest.mark.parametrize(("path", "value", "field"), SCHEMA_CASES)
+def test_schema_and_spec_py_reject_the_same_field(path, value, field):
+    obj = with_change(path, value)
+    errors = validation_errors(obj)
+    assert errors, f"the schema accepted {path}={value!r}"
+    assert errors[0].startswith(f"{field}: "), errors
+    with pytest.raises(SpecError) as caught:
+        parse_spec(obj["spec"])
+    assert caught.value.field == field
+
+
+CEL_CASES = [
+    ({"autoscaling": {"minReplicas": 5, "maxReplicas": 2}}, "spec.autoscaling.minReplicas"),
+    (
+        {"autoscaling": {"maxReplicas": 2, "panicWindowSeconds": 90, "stableWindowSeconds": 60}},
+        "spec.autoscaling.panicWindowSeconds",
+    ),
+    ({"gpu": {"type": "custom"}}, "spec.gpu.memoryGiB"),
+    ({"gpu": {"type": "L4", "memoryGiB": 24}}, "spec.gpu.memoryGiB"),
+    ({"gpu": ..., "tensorParallelSize": 2}, "spec.tensorParallelSize"),
+    ({"gpu": ..., "gpuMemoryUtilization": 0.8}, "spec.gpuMemoryUtilization"),
+    ({"model": {"source": "pvc://weights/llama"}}, "spec.model.config"),
+    ({"model": {"source": "file:///models/x", "revision": "main"}}, "spec.model.revision"),
+    ({"model": {"revision": "main"}}, "spec.model.revision"),
+    ({"engine": {"extraArgs": ["--tensor-parallel-size=4"]}}, "spec.engine.extraArgs"),
+    ({"engine": {"extraArgs": ["--no-enable-prefix-caching"]}}, "spec.engine.extraArgs"),
+    (
+        {
+            "engine": {
+                "maxModelLen": 8192,
+                "maxNumBatchedTokens": 2048,
+                "enableChunkedPrefill": False,
+            }
+        },
+        "spec.engine.maxNumBatchedTokens",
+    ),
+    ({"modelCache": {"claimName": "models", "size": "10Gi"}}, "spec.modelCache.claimName"),
+    ({"modelCache": {"storageClassName": "fast"}}, "spec.modelCache.size"),
+]
+
+
+@pytest.mark.parametrize(("changes", "field"), CEL_CASES)
+def test_cel_rules_and_spec_py_reject_the_same_field(changes, field):
+    pytest.importorskip("celpy")
+    spec = {**copy.deepcopy(BASE["spec"]), **changes}
+    obj = {**BASE, "spec": {k: v for k, v in spec.items() if v is not ...}}
+    # Only a CEL rule can catch these: the plain schema accepts them.
+    assert validation_errors(obj) == []
+    broken = cel_violations(apply_defaults(obj))
+    assert [violation.split(": ")[0] for violation in broken] == [field], broken
+    with pytest.raises(SpecError) as caught:
+        parse_spec(obj["spec"])
+    assert caught.value.field.startswith(field)
+
+
+def test_every_cel_rule_compiles():
+    pytest.importorskip("celpy")
+    # Every rule has a case above (the root rule: test_name_rule).
+    assert {field for field, _, _ in RULES} == {"", *(field for _, field in CEL_CASES)}
+    for _, rule, message in RULES:
+        assert cel_program(rule) is not None and message
+
+
+@pytest.mark.parametrize("flag", MANAGED_FLAGS)
+def test_managed_flags_are_refused_in_extra_args(flag):
+    pytest.importorskip("celpy")
+    obj = with_change("spec.engine.extraArgs", ["--seed=3", f"{flag}=1"])
+    assert [v.split(": ")[0] for v in cel_violations(apply_defaults(obj))] == [
+        "spec.engine.extraArgs"
+    ]
+    with pytest.raises(SpecError) as caught:
+        parse_spec(obj["spec"])
+    assert caught.value.field == "spec.engine.extraArgs[1]"
+
+
+def test_valid_objects_break_no_cel_rule():
+    pytest.importorskip("celpy")
+    assert cel_violations(apply_defaults(BASE)) == []
+    minimal = {**BASE, "spec": {}}
+    assert cel_violations(apply_defaults(minimal)) == []
+
+
+@pytest.mark.parametrize("bad", ["Llama", "3-llamas", "a" * 64, "llama.8b"])
+def test_name_rule(bad):
+    pytest.importorskip("celpy")
+    obj = {**BASE, "metadata": {"name": bad}}
+    (violation,) = cel_violations(obj)
+    assert "metadata.name must be a DNS-1035 label" in violation
+    with pytest.raises(SpecError, match="metadata.name"):
+        validate_name(bad)
+    validate_name("llama-3-8b")
+
+
+def test_cpu_mode_needs_a_memory_limit():
+    with pytest.raises(SpecError) as caught:
+        parse_spec({"resources": {"requests": {"cpu": "2"}}})
+    assert caught.value.field == "spec.resources.limits.memory"
+    spec = parse_spec({})
+    assert spec.gpu is None and spec.memory_limit_bytes == 4 * 1024**3

@@ -1,0 +1,256 @@
+"""Rendered children: valid Kubernetes objects (kubernetes-validate --strict) with the right fields."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.operator import manifests
+from kvpilot.operator.gpus import GiB
+from kvpilot.operator.images import ENGINE_IMAGE
+from kvpilot.operator.planner import plan_for_spec
+from kvpilot.operator.spec import MANAGED_FLAGS, parse_spec
+
+CONFIGS = Path(__file__).parent / "configs"
+K8S_VERSION = "1.32.0"
+
+
+def model(name: str) -> ModelSpec:
+    return ModelSpec.from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+
+
+def render(spec_dict: dict, config: str, name: str = "llm") -> tuple:
+    spec = parse_spec(spec_dict)
+    p = plan_for_spec(spec, model(config))
+    return spec, p, manifests.children(name, "team-a", spec, p)
+
+
+def by_kind(objects: list[dict]) -> dict[str, dict]:
+    return {obj["kind"]: obj for obj in objects}
+
+
+def container(objects: list[dict]) -> dict:
+    (engine,) = by_kind(objects)["Deployment"]["spec"]["template"]["spec"]["containers"]
+    return engine
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+GPU_SPEC = {
+    "model": {
+        "source": "hf://meta-llama/Meta-Llama-3-70B-Instruct",
+        "revision": "main",
+        "servedModelName": "llama-3-70b",
+        "hfTokenSecretRef": {"name": "hf-token"},
+    },
+    "engine": {"maxModelLen": 8192, "enablePrefixCaching": False, "extraArgs": ["--seed=7"]},
+    "gpu": {"type": "H100-80GB"},
+    "replicas": 3,
+    "modelCache": {"claimName": "models"},
+    "nodeSelector": {"pool": "h100"},
+}
+CPU_SPEC = {"engine": {"maxModelLen": 4096}, "resources": {"limits": {"memory": "3Gi"}}}
+
+
+def test_children_are_valid_kubernetes_objects():
+    for spec_dict, config in ((GPU_SPEC, "Meta-Llama-3-70B"), (CPU_SPEC, "SmolLM2-135M-Instruct")):
+        _, _, objects = render(spec_dict, config)
+        assert [o["kind"] for o in objects] == ["Deployment", "Service", "PodDisruptionBudget"]
+        for obj in objects:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_every_flag_the_operator_sets_is_reserved_from_extra_args():
+    for spec_dict, config in ((GPU_SPEC, "Meta-Llama-3-70B"), (CPU_SPEC, "SmolLM2-135M-Instruct")):
+        args = container(render(spec_dict, config)[2])["args"]
+        extra = parse_spec(spec_dict).engine.extra_args
+        flags = [a for a in args[: len(args) - len(extra)] if a.startswith("-")]
+        assert flags and set(flags) <= set(MANAGED_FLAGS)
+
+
+def test_gpu_deployment_args_and_resources_follow_the_plan():
+    spec, p, objects = render(GPU_SPEC, "Meta-Llama-3-70B")
+    assert p.tensor_parallel_size == 2
+    engine = container(objects)
+    args = engine["args"]
+    assert engine["command"] == ["kvpilot"] and engine["image"] == ENGINE_IMAGE
+    assert args[:2] == ["serve", "meta-llama/Meta-Llama-3-70B-Instruct"]
+    assert flag(args, "--tensor-parallel-size") == "2"
+    assert flag(args, "--gpu-memory-utilization") == "0.9"
+    assert flag(args, "--max-model-len") == "8192"
+    assert flag(args, "--dtype") == "bfloat16"
+    assert flag(args, "--device") == "cuda"
+    assert flag(args, "--max-num-seqs") == "256"
+    assert flag(args, "--revision") == "main"
+    assert flag(args, "--served-model-name") == "llama-3-70b"
+    assert "--no-enable-prefix-caching" in args and "--kv-cache-memory" not in args
+    assert args[-1] == "--seed=7"
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert engine["resources"]["requests"] == {"cpu": "4", "memory": "16Gi"}
+    pod = by_kind(objects)["Deployment"]["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "h100"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
+    ]
+    assert by_kind(objects)["Deployment"]["spec"]["replicas"] == 3
+
+
+def test_tensor_parallel_pods_get_shared_memory_and_single_gpu_pods_do_not():
+    _, _, objects = render(GPU_SPEC, "Meta-Llama-3-70B")
+    pod = by_kind(objects)["Deployment"]["spec"]["template"]["spec"]
+    shm = next(v for v in pod["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "2Gi"}
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in pod["containers"][0]["volumeMounts"]
+    _, _, small = render({**GPU_SPEC, "gpu": {"type": "H100-80GB"}}, "Meta-Llama-3-8B")
+    small_pod = by_kind(small)["Deployment"]["spec"]["template"]["spec"]
+    assert all(v["name"] != "dshm" for v in small_pod["volumes"])
+
+
+def test_probes_metrics_and_security():
+    _, _, objects = render(GPU_SPEC, "Meta-Llama-3-70B")
+    engine = container(objects)
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert engine[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    startup = engine["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] == 3600
+    assert engine["ports"] == [{"name": "http", "containerPort": 8000, "protocol": "TCP"}]
+    template = by_kind(objects)["Deployment"]["spec"]["template"]
+    assert template["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert template["metadata"]["annotations"]["prometheus.io/port"] == "8000"
+    assert template["metadata"]["annotations"]["prometheus.io/path"] == "/metrics"
+    pod_security = template["spec"]["securityContext"]
+    assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] == 1000
+    assert engine["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
+def test_model_cache_and_hf_token():
+    _, _, objects = render(GPU_SPEC, "Meta-Llama-3-70B")
+    engine = container(objects)
+    pod = by_kind(objects)["Deployment"]["spec"]["template"]["spec"]
+    cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
+    assert cache["persistentVolumeClaim"] == {"claimName": "models"}
+    env = {e["name"]: e for e in engine["env"]}
+    assert env["HF_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": "hf-token", "key": "token"}}
+    assert env["HF_HOME"]["value"] == "/models/cache/huggingface"
+    no_cache = {**GPU_SPEC, "modelCache": {"size": "100Gi"}}
+    pod = by_kind(render(no_cache, "Meta-Llama-3-70B")[2])["Deployment"]["spec"]["template"]["spec"]
+    cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
+    assert cache == {"name": "model-cache", "emptyDir": {"sizeLimit": "100Gi"}}
+
+
+def test_cache_claim_created_for_size_and_storage_class():
+    spec_dict = {**GPU_SPEC, "modelCache": {"size": "200Gi", "storageClassName": "fast-rwx"}}
+    _, _, objects = render(spec_dict, "Meta-Llama-3-70B", name="big")
+    claim = objects[0]
+    assert claim["kind"] == "PersistentVolumeClaim"
+    kubernetes_validate.validate(claim, K8S_VERSION, strict=True)
+    assert claim["metadata"]["name"] == "big-model-cache"
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    pod = by_kind(objects)["Deployment"]["spec"]["template"]["spec"]
+    cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
+    assert cache["persistentVolumeClaim"] == {"claimName": "big-model-cache"}
+
+
+def test_pvc_source_is_mounted_read_only():
+    config = json.loads((CONFIGS / "Meta-Llama-3-8B.json").read_text())
+    spec_dict = {
+        **GPU_SPEC,
+        "model": {"source": "pvc://weights/llama/8b", "config": config},
+    }
+    _, _, objects = render(spec_dict, "Meta-Llama-3-8B")
+    engine = container(objects)
+    assert engine["args"][1] == "/models/pvc/weights/llama/8b"
+    assert {"name": "model-source", "mountPath": "/models/pvc/weights", "readOnly": True} in engine[
+        "volumeMounts"
+    ]
+    kubernetes_validate.validate(by_kind(objects)["Deployment"], K8S_VERSION, strict=True)
+
+
+def test_cpu_deployment_passes_the_kv_budget():
+    _, p, objects = render(CPU_SPEC, "SmolLM2-135M-Instruct")
+    args = container(objects)["args"]
+    assert args[1] == "--host"  # no MODEL: the built-in default
+    assert flag(args, "--device") == "cpu"
+    assert flag(args, "--dtype") == "float32"
+    assert flag(args, "--kv-cache-memory") == str(p.kv_cache_bytes_per_gpu)
+    assert "--gpu-memory-utilization" not in args
+    limits = container(objects)["resources"]["limits"]
+    assert limits == {"memory": "3Gi"}
+    assert p.kv_cache_bytes_per_gpu < 3 * GiB
+
+
+def test_labels_selector_service_and_pdb():
+    _, _, objects = render(GPU_SPEC, "Meta-Llama-3-70B", name="chat")
+    kinds = by_kind(objects)
+    selector = {"kvpilot.dev/llmdeployment": "chat"}
+    assert kinds["Deployment"]["spec"]["selector"]["matchLabels"] == selector
+    assert kinds["Service"]["spec"]["selector"] == selector
+    assert kinds["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"] == selector
+    assert kinds["PodDisruptionBudget"]["spec"]["maxUnavailable"] == 1
+    for obj in objects:
+        assert obj["metadata"]["namespace"] == "team-a"
+        assert obj["metadata"]["labels"]["app.kubernetes.io/instance"] == "chat"
+    pod_labels = kinds["Deployment"]["spec"]["template"]["metadata"]["labels"]
+    assert selector.items() <= pod_labels.items()
+    assert kinds["Service"]["spec"]["ports"][0]["port"] == 8000
+    assert manifests.selector("chat") == "kvpilot.dev/llmdeployment=chat"
+    assert manifests.endpoint("chat", "team-a") == "http://chat.team-a.svc.cluster.local:8000/v1"
+
+
+def template_hash(objects: list[dict]) -> str:
+    deployment = by_kind(objects)["Deployment"]
+    value = deployment["spec"]["template"]["metadata"]["annotations"]["kvpilot.dev/template-hash"]
+    assert deployment["metadata"]["annotations"]["kvpilot.dev/template-hash"] == value
+    return value
+
+
+def test_template_hash_rolls_on_pod_changes_only():
+    spec, p, objects = render(GPU_SPEC, "Meta-Llama-3-70B")
+    again = manifests.children("llm", "team-a", parse_spec(GPU_SPEC), p)
+    assert again == objects and template_hash(again) == template_hash(objects)
+    # Replicas are not part of the pod: scaling must not roll the pods.
+    scaled = manifests.children("llm", "team-a", replace(spec, replicas=5), p)
+    assert template_hash(scaled) == template_hash(objects)
+    longer = {**GPU_SPEC, "engine": {**GPU_SPEC["engine"], "maxModelLen": 4096}}
+    assert template_hash(render(longer, "Meta-Llama-3-70B")[2]) != template_hash(objects)
+    assert template_hash(
+        manifests.children("llm", "team-a", spec, replace(p, gpu_memory_utilization=0.8))
+    ) != template_hash(objects)
+
+
+def test_user_env_overrides_operator_env():
+    spec_dict = {**GPU_SPEC, "env": [{"name": "HF_HOME", "value": "/data/hf"}]}
+    env = container(render(spec_dict, "Meta-Llama-3-70B")[2])["env"]
+    assert [e["value"] for e in env if e["name"] == "HF_HOME"] == ["/data/hf"]
+
+
+@pytest.mark.parametrize(
+    ("engine", "expected"),
+    [
+        (
+            {"enableChunkedPrefill": False, "maxNumBatchedTokens": 8192},
+            ["--no-enable-chunked-prefill"],
+        ),
+        ({"enablePrefixCaching": True}, ["--enable-prefix-caching"]),
+        (
+            {"speculativeConfig": {"method": "ngram", "num_speculative_tokens": 4}},
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}'],
+        ),
+    ],
+)
+def test_optional_engine_flags(engine, expected):
+    spec = parse_spec({**GPU_SPEC, "engine": {"maxModelLen": 8192, **engine}})
+    args = manifests.engine_args(spec, plan_for_spec(spec, model("Meta-Llama-3-70B")))
+    position = args.index(expected[0])
+    assert args[position : position + len(expected)] == expected

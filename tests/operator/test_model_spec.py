@@ -1,0 +1,242 @@
+"""ModelSpec on real public config.json files, with hand-computed sizes.
+
+Hand computations (bf16 = 2 bytes):
+- Llama-3-8B layer: q 4096*4096 + k,v 2*4096*1024 + o 4096*4096 = 41,943,040; MLP
+  3*4096*14336 = 176,160,768; norms 2*4096 -> 218,112,000 per layer, * 32 layers; embeddings
+  2 * 128256*4096 (untied); final norm 4096 -> 8,030,261,248. KV/token 2*32*8*128*2 = 131,072.
+- SmolLM2-135M: layer 884,736 + 2,654,208 + 1,152 = 3,540,096 * 30; embeddings 49152*576 once
+  (tied); final norm 576 -> 134,515,008. KV/token 2*30*3*64*2 = 23,040.
+- Llama-3-70B: layer 150,994,944 + 704,643,072 + 16,384 = 855,654,400 * 80; embeddings
+  2*128256*8192; final norm 8192 -> 70,553,706,496. KV/token 2*80*8*128*2 = 327,680.
+- Qwen2.5-72B: as Llama with q/k/v biases (8192 + 1024 + 1024 per layer) -> 72,706,203,648.
+- Mixtral-8x7B: Mistral-7B attention, 8 experts * 176,160,768 + router 8*4096 per layer ->
+  46,702,792,704.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvpilot.engine.model_spec import (
+    DTYPE_BYTES,
+    SUPPORTED_ARCHITECTURES,
+    ModelSpec,
+    UnsupportedModelError,
+    check_tensor_parallel_size,
+)
+
+CONFIGS = Path(__file__).parent / "configs"
+
+
+def load(name: str) -> dict:
+    return json.loads((CONFIGS / f"{name}.json").read_text())
+
+
+def spec(name: str) -> ModelSpec:
+    return ModelSpec.from_hf_config(load(name))
+
+
+@pytest.mark.parametrize(
+    ("name", "parameters"),
+    [
+        ("SmolLM2-135M-Instruct", 134_515_008),
+        ("Meta-Llama-3-8B", 8_030_261_248),
+        ("Meta-Llama-3-70B", 70_553_706_496),
+        ("Mistral-7B-v0.1", 7_241_732_096),
+        ("Qwen2.5-72B-Instruct", 72_706_203_648),
+        ("Mixtral-8x7B-v0.1", 46_702_792_704),
+    ],
+)
+def test_num_parameters_of_public_models(name, parameters):
+    assert spec(name).num_parameters() == parameters
+
+
+def test_fields_read_from_llama3_8b():
+    s = spec("Meta-Llama-3-8B")
+    assert (s.num_layers, s.hidden_size, s.num_attention_heads, s.num_key_value_heads) == (
+        32,
+        4096,
+        32,
+        8,
+    )
+    assert (s.head_dim, s.vocab_size, s.intermediate_size) == (128, 128256, 14336)
+    assert s.max_position_embeddings == 8192
+    assert s.architectures == ("LlamaForCausalLM",)
+    assert s.model_type == "llama"
+    assert not s.tie_word_embeddings and not s.qkv_bias and not s.is_moe
+    assert s.torch_dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype", "tp", "kv_bytes"),
+    [
+        ("Meta-Llama-3-8B", "bfloat16", 1, 131_072),
+        ("Meta-Llama-3-8B", "float32", 1, 262_144),
+        ("Meta-Llama-3-8B", "bfloat16", 2, 65_536),
+        ("Meta-Llama-3-70B", "bfloat16", 1, 327_680),
+        ("Meta-Llama-3-70B", "bfloat16", 4, 81_920),
+        # 16 ranks > 8 KV heads: each rank keeps one replicated head, 2*80*1*128*2.
+        ("Meta-Llama-3-70B", "bfloat16", 16, 40_960),
+        ("SmolLM2-135M-Instruct", "bfloat16", 1, 23_040),
+        ("SmolLM2-135M-Instruct", "float32", 3, 15_360),
+    ],
+)
+def test_kv_bytes_per_token(name, dtype, tp, kv_bytes):
+    assert spec(name).kv_bytes_per_token(DTYPE_BYTES[dtype], tp) == kv_bytes
+
+
+def test_weight_bytes_per_gpu_shards_matrices_and_replicates_norms():
+    s = spec("Meta-Llama-3-8B")
+    assert s.weight_bytes(2) == 2 * 8_030_261_248
+    # Per rank at TP 2: embeddings 2*64128*4096; layer 8,388,608*2 + 2,097,152*2 + 88,080,384
+    # + 8192 norms = 109,060,096, * 32; final norm 4096 -> 4,015,263,744 parameters.
+    assert s.weight_bytes(2, tensor_parallel_size=2) == 2 * 4_015_263_744
+    replicated_norms = 32 * 2 * 4096 + 4096
+    assert 2 * 4_015_263_744 == 8_030_261_248 + replicated_norms
+
+
+def test_tp_rule_matches_vllm():
+    smol = spec("SmolLM2-135M-Instruct")  # 9 heads, 3 KV heads, 1536 MLP channels
+    check_tensor_parallel_size(smol, 3)
+    with pytest.raises(ValueError, match="num_attention_heads 9 is not divisible by .* 2"):
+        check_tensor_parallel_size(smol, 2)
+    llama70 = spec("Meta-Llama-3-70B")
+    for tp in (1, 2, 4, 8, 16):
+        check_tensor_parallel_size(llama70, tp)
+    qwen = spec("Qwen2.5-72B-Instruct")  # 29568 = 2^7 * 231: 8 divides, 3 does not divide 64
+    check_tensor_parallel_size(qwen, 8)
+    with pytest.raises(ValueError, match="num_attention_heads 64"):
+        check_tensor_parallel_size(qwen, 3)
+    with pytest.raises(ValueError, match="positive integer"):
+        check_tensor_parallel_size(qwen, 0)
+    with pytest.raises(ValueError, match="intermediate_size 29568 is not divisible by .* 256"):
+        check_tensor_parallel_size(
+            ModelSpec.from_hf_config({**load("Qwen2.5-72B-Instruct"), "num_attention_heads": 256}),
+            256,
+        )
+
+
+def test_kv_heads_neither_dividing_is_refused():
+    config = {**load("Meta-Llama-3-8B"), "num_attention_heads": 48, "num_key_value_heads": 6}
+    config["head_dim"] = 128
+    with pytest.raises(ValueError, match="num_key_value_heads 6 and tensor_parallel_size 4"):
+        check_tensor_parallel_size(ModelSpec.from_hf_config(config), 4)
+
+
+def test_resolve_dtype_follows_the_engine():
+    assert spec("Meta-Llama-3-8B").resolve_dtype("auto") == "bfloat16"
+    fp32 = ModelSpec.from_hf_config({**load("Meta-Llama-3-8B"), "torch_dtype": "float32"})
+    assert fp32.resolve_dtype("auto") == "bfloat16"
+    assert fp32.resolve_dtype("auto", device="cpu") == "float32"
+    fp16 = ModelSpec.from_hf_config({**load("Meta-Llama-3-8B"), "torch_dtype": "float16"})
+    assert fp16.resolve_dtype("auto") == "float16"
+    assert fp32.resolve_dtype("half") == "float16"
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        fp32.resolve_dtype("int8")
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"hidden_size": None}, "missing 'hidden_size'"),
+        ({"num_hidden_layers": 0}, "'num_hidden_layers' must be a positive integer, got 0"),
+        ({"vocab_size": "big"}, "'vocab_size' must be a positive integer"),
+        ({"num_attention_heads": 30}, "hidden_size 4096 is not divisible by .* 30"),
+        (
+            {"num_attention_heads": 30, "head_dim": 128},
+            "num_attention_heads 30 is not a multiple of num_key_value_heads 8",
+        ),
+    ],
+)
+def test_malformed_configs_name_the_key(change, message):
+    config = {**load("Meta-Llama-3-8B"), **change}
+    config = {k: v for k, v in config.items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        ModelSpec.from_hf_config(config)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"kv_lora_rank": 512}, {"num_experts": 60, "moe_intermediate_size": 1408}],
+)
+def test_unmodelled_layouts_are_refused(extra):
+    with pytest.raises(UnsupportedModelError):
+        ModelSpec.from_hf_config({**load("Meta-Llama-3-8B"), **extra})
+
+
+def test_text_config_of_a_multimodal_config_is_read():
+    config = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"}
+    config["text_config"] = load("Mistral-7B-v0.1")
+    s = ModelSpec.from_hf_config(config)
+    assert s.num_layers == 32 and s.vocab_size == 32000
+    assert s.architectures == ("LlavaForConditionalGeneration",)
+
+
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 128,
+    "max_position_embeddings": 256,
+}
+
+
+@pytest.mark.parametrize(
+    ("model_type", "extra"),
+    [
+        ("llama", {"attention_bias": True, "mlp_bias": True}),
+        ("llama", {"tie_word_embeddings": True, "head_dim": 32}),
+        ("qwen2", {}),
+        ("qwen3", {"head_dim": 8, "attention_bias": False}),
+        ("qwen3", {"head_dim": 16, "attention_bias": True}),
+        ("mistral", {}),
+        ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    ],
+)
+def test_num_parameters_matches_transformers(model_type, extra):
+    """The count equals the parameters of transformers' own module on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = {"model_type": model_type, "tie_word_embeddings": False, **TINY, **extra}
+    hf_config = AutoConfig.for_model(**config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    expected = sum(p.numel() for p in model.parameters())
+    assert ModelSpec.from_hf_config(config).num_parameters() == expected
+
+
+@pytest.mark.parametrize(
+    ("rope", "derived"),
+    [
+        (None, 32768),
+        ({"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072),
+        ({"rope_type": "linear", "factor": 2.0}, 65536),
+        ({"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}, 32768),
+    ],
+)
+def test_derived_max_model_len_follows_rope_scaling(rope, derived):
+    config = {**load("Qwen2.5-72B-Instruct"), "rope_scaling": rope}
+    assert ModelSpec.from_hf_config(config).derived_max_model_len == derived
+
+
+def test_supported_architectures_are_the_engines():
+    from kvpilot.engine.models import MODEL_REGISTRY
+
+    assert set(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES
+
+
+def test_engine_support():
+    assert spec("Meta-Llama-3-8B").is_supported_by_engine
+    assert spec("Qwen2.5-72B-Instruct").is_supported_by_engine
+    assert not spec("Mixtral-8x7B-v0.1").is_supported_by_engine
+    awq = {**load("Mistral-7B-v0.1"), "quantization_config": {"quant_method": "awq", "bits": 4}}
+    assert ModelSpec.from_hf_config(awq).quantization_method == "awq"
+    assert not ModelSpec.from_hf_config(awq).is_supported_by_engine
+    # transformers' configs built from GGUF metadata carry model_type but no architectures.
+    gguf_like = {**load("SmolLM2-135M-Instruct"), "architectures": None}
+    assert ModelSpec.from_hf_config(gguf_like).is_supported_by_engine

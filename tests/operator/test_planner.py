@@ -1,0 +1,249 @@
+"""The planner on real public configs, against sizes worked out by hand.
+
+Each expected value is written as the arithmetic a person does with the numbers of the
+config and the GPU (the memory model is in operator/planner.py's docstring):
+
+    budget      = total memory * gpu_memory_utilization
+    weights     = parameters on this rank * dtype bytes
+    reserve     = batched tokens * (3 * intermediate/tp + 4 * hidden) * dtype bytes
+                  + max_num_seqs * vocab * 4 (float32 logits) + 1 GiB runtime (GPU)
+    blocks      = (budget - weights - reserve) // (kv bytes per token * 16)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.operator.gpus import CATALOGUE, GiB, MiB, gpu_type
+from kvpilot.operator.planner import PlanError, default_gpu_memory_utilization, plan
+
+CONFIGS = Path(__file__).parent / "configs"
+H100 = CATALOGUE["H100-80GB"]
+L4 = CATALOGUE["L4"]
+
+
+def spec(name: str, **changes) -> ModelSpec:
+    return ModelSpec.from_hf_config(
+        {**json.loads((CONFIGS / f"{name}.json").read_text()), **changes}
+    )
+
+
+# Budgets of the two GPUs most cases use: 81,559 MiB at 0.90 and 23,034 MiB at 0.86.
+H100_BUDGET = int(81_559 * MiB * 0.90)
+L4_BUDGET = int(23_034 * MiB * 0.86)
+# Llama-3-8B (and Mistral-7B) at TP 1, bf16, 8192 batched tokens, 256 sequences.
+LLAMA3_8B_WEIGHTS = 2 * 8_030_261_248
+LLAMA3_8B_RESERVE = 8192 * (3 * 14336 + 4 * 4096) * 2 + 256 * 128256 * 4 + GiB
+
+
+def test_llama3_8b_on_h100():
+    p = plan(spec("Meta-Llama-3-8B"), gpu=H100)
+    blocks = (H100_BUDGET - LLAMA3_8B_WEIGHTS - LLAMA3_8B_RESERVE) // (131_072 * 16)
+    assert blocks == 28_004
+    assert (p.tensor_parallel_size, p.gpus_per_replica, p.gpu_memory_utilization) == (1, 1, 0.90)
+    assert (p.dtype, p.max_model_len) == ("bfloat16", 8192)
+    assert p.weight_bytes_per_gpu == LLAMA3_8B_WEIGHTS
+    assert p.reserve_bytes_per_gpu == LLAMA3_8B_RESERVE
+    assert p.kv_bytes_per_token == 131_072
+    assert p.kv_capacity_tokens == 28_004 * 16 == 448_064
+    assert p.max_concurrency == 28_004 // (8192 // 16) == 54
+
+
+def test_llama3_8b_on_l4_lowers_utilization_for_headroom():
+    p = plan(spec("Meta-Llama-3-8B"), gpu=L4)
+    # 1 - 3 GiB / 22.49 GiB = 0.8666 -> 0.86
+    assert p.gpu_memory_utilization == 0.86
+    blocks = (L4_BUDGET - LLAMA3_8B_WEIGHTS - LLAMA3_8B_RESERVE) // (131_072 * 16)
+    assert blocks == 1207
+    assert (p.tensor_parallel_size, p.kv_capacity_tokens, p.max_concurrency) == (1, 19_312, 2)
+
+
+def test_llama3_70b_on_h100_needs_tp2_for_one_sequence():
+    p = plan(spec("Meta-Llama-3-70B"), gpu=H100, max_model_len=8192)
+    # Per rank at TP 2: embeddings 2 * 64128*8192; per layer q,o 2 * 8192*4096, k,v 2 * 8192*512,
+    # MLP 3 * 8192*14336, norms 2*8192 = 427,835,392, * 80 layers; final norm 8192.
+    params = 2 * 64128 * 8192 + 80 * 427_835_392 + 8192
+    assert p.weight_bytes_per_gpu == 2 * params == 70_555_025_408
+    reserve = 8192 * (3 * 14336 + 4 * 8192) * 2 + 256 * 128256 * 4 + GiB
+    blocks = (H100_BUDGET - 2 * params - reserve) // (2 * 80 * 4 * 128 * 2 * 16)
+    assert blocks == 1513
+    assert p.tensor_parallel_size == 2
+    assert p.kv_bytes_per_token == 163_840
+    assert (p.kv_capacity_tokens, p.max_concurrency) == (24_208, 2)
+
+
+def test_llama3_70b_concurrency_asks_for_tp4():
+    p = plan(spec("Meta-Llama-3-70B"), gpu=H100, max_model_len=8192, concurrency=32)
+    # TP 2 holds 2 sequences; TP 3 does not split 64 heads; TP 4:
+    reserve = 8192 * (3 * 7168 + 4 * 8192) * 2 + 256 * 128256 * 4 + GiB
+    blocks = (H100_BUDGET - p.weight_bytes_per_gpu - reserve) // (81_920 * 16)
+    assert blocks == 30_209
+    assert (p.tensor_parallel_size, p.gpus_per_replica) == (4, 4)
+    assert p.reserve_bytes_per_gpu == reserve
+    assert (p.kv_capacity_tokens, p.max_concurrency) == (483_344, 59)
+
+
+def test_qwen25_72b_at_full_context_needs_tp4():
+    p = plan(spec("Qwen2.5-72B-Instruct"), gpu=H100)
+    assert (p.max_model_len, p.tensor_parallel_size) == (32768, 4)
+    assert p.max_concurrency == p.kv_capacity_tokens // 32768 >= 1
+
+
+def test_qwen25_72b_tp2_reports_the_context_that_would_fit():
+    # Per rank at TP 2: embeddings 2 * 76032*8192; per layer q 8192*4096 + 4096 bias,
+    # k,v 2 * (8192*512 + 512), o 4096*8192, MLP 3 * 8192*14784, norms 16384; final norm.
+    layer = (8192 * 4096 + 4096) + 2 * (8192 * 512 + 512) + 4096 * 8192 + 3 * 8192 * 14784 + 16384
+    weights = 2 * (2 * 76032 * 8192 + 80 * layer + 8192)
+    reserve = 8192 * (3 * 14784 + 4 * 8192) * 2 + 256 * 152064 * 4 + GiB
+    blocks = (H100_BUDGET - weights - reserve) // (163_840 * 16)
+    assert blocks == 674
+    with pytest.raises(PlanError) as caught:
+        plan(spec("Qwen2.5-72B-Instruct"), gpu=H100, tensor_parallel_size=2)
+    assert caught.value.reason == "InsufficientKVCache"
+    assert "holds 10784 tokens" in caught.value.message
+    assert "a maxModelLen of at most 10784 fits" in caught.value.message
+    shorter = plan(spec("Qwen2.5-72B-Instruct"), gpu=H100, max_model_len=8192)
+    assert (shorter.tensor_parallel_size, shorter.kv_capacity_tokens) == (2, 10_784)
+
+
+def test_mistral_7b_32k_context_on_l4_takes_two_gpus():
+    reserve = 8192 * (3 * 14336 + 4 * 4096) * 2 + 256 * 32000 * 4 + GiB
+    blocks_tp1 = (L4_BUDGET - 2 * 7_241_732_096 - reserve) // (131_072 * 16)
+    assert blocks_tp1 == 2006  # < 32768 / 16 = 2048 blocks for one sequence
+    assert plan(spec("Mistral-7B-v0.1"), gpu=L4).tensor_parallel_size == 2
+    p = plan(spec("Mistral-7B-v0.1"), gpu=L4, max_model_len=16384)
+    assert (p.tensor_parallel_size, p.kv_capacity_tokens, p.max_concurrency) == (1, 32_096, 1)
+
+
+def test_smollm2_on_cpu_sizes_kv_from_the_memory_limit():
+    p = plan(spec("SmolLM2-135M-Instruct"), gpu=None, memory_bytes=3 * GiB, max_model_len=4096)
+    # float32 on CPU; budget 3 GiB - 1.5 GiB runtime; 2048 batched tokens, 64 sequences.
+    weights = 4 * 134_515_008
+    reserve = 2048 * (3 * 1536 + 4 * 576) * 4 + 64 * 49152 * 4
+    blocks = (3 * GiB - 3 * GiB // 2 - weights - reserve) // (2 * 30 * 3 * 64 * 4 * 16)
+    assert blocks == 1360
+    assert (p.gpu_type, p.dtype, p.tensor_parallel_size, p.gpus_per_replica) == (
+        "cpu",
+        "float32",
+        1,
+        0,
+    )
+    assert p.gpu_memory_utilization is None
+    assert p.kv_cache_bytes_per_gpu == 1360 * 16 * 46_080
+    assert (p.kv_capacity_tokens, p.max_concurrency) == (21_760, 5)
+    assert "gpuMemoryUtilization" not in p.to_status()
+
+
+def test_mixtral_is_refused_with_its_size():
+    with pytest.raises(PlanError) as caught:
+        plan(spec("Mixtral-8x7B-v0.1"), gpu=H100)
+    assert caught.value.reason == "UnsupportedArchitecture"
+    assert "mixture of experts (8 experts, 46.7B parameters)" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "reason", "words"),
+    [
+        ({"max_model_len": 8193}, "MaxModelLenTooLarge", "8193 exceeds .* 8192"),
+        ({"tensor_parallel_size": 3}, "InvalidTensorParallelSize", "32 is not divisible by .* 3"),
+        ({"tensor_parallel_size": 16}, "InvalidTensorParallelSize", "16 exceeds the 8 GPUs"),
+    ],
+)
+def test_refusals_name_the_numbers(kwargs, reason, words):
+    with pytest.raises(PlanError, match=words) as caught:
+        plan(spec("Meta-Llama-3-8B"), gpu=H100, **kwargs)
+    assert caught.value.reason == reason
+
+
+def test_model_too_large_names_the_largest_tp_tried():
+    four_l4 = gpu_type("L4", per_node=4)
+    with pytest.raises(PlanError, match="tensorParallelSize 4, the largest valid one") as caught:
+        plan(spec("Meta-Llama-3-70B"), gpu=four_l4)
+    assert caught.value.reason == "ModelTooLarge"
+
+
+def test_unsupported_models():
+    phi = spec("Meta-Llama-3-8B", architectures=["Phi3ForCausalLM"], model_type="phi3")
+    with pytest.raises(PlanError) as caught:
+        plan(phi, gpu=H100)
+    assert caught.value.reason == "UnsupportedArchitecture"
+    assert "Phi3ForCausalLM" in caught.value.message
+    awq = spec("Mistral-7B-v0.1", quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(PlanError) as caught:
+        plan(awq, gpu=H100)
+    assert caught.value.reason == "UnsupportedQuantization"
+
+
+def test_cpu_mode_is_one_process():
+    with pytest.raises(PlanError) as caught:
+        plan(spec("SmolLM2-135M-Instruct"), gpu=None, memory_bytes=4 * GiB, tensor_parallel_size=2)
+    assert caught.value.reason == "InvalidTensorParallelSize"
+    with pytest.raises(ValueError, match="memory_bytes"):
+        plan(spec("SmolLM2-135M-Instruct"), gpu=None)
+
+
+def test_explicit_utilization_and_custom_gpu():
+    p = plan(spec("Meta-Llama-3-8B"), gpu=L4, gpu_memory_utilization=0.95)
+    blocks = (int(23_034 * MiB * 0.95) - LLAMA3_8B_WEIGHTS - LLAMA3_8B_RESERVE) // (131_072 * 16)
+    assert (p.gpu_memory_utilization, p.kv_capacity_tokens) == (0.95, blocks * 16)
+    custom = gpu_type("custom", memory_gib=48)
+    assert (custom.memory_bytes, custom.per_node) == (48 * GiB, 1)
+    assert plan(spec("Meta-Llama-3-8B"), gpu=custom).gpu_type == "custom"
+    with pytest.raises(PlanError, match="exceeds the 1 GPUs per node"):
+        plan(spec("Meta-Llama-3-8B"), gpu=custom, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    ("name", "utilization"),
+    [("L4", 0.86), ("A10G", 0.86), ("L40S", 0.90), ("A100-40GB", 0.90), ("B200", 0.90)],
+)
+def test_default_utilization_rule(name, utilization):
+    assert default_gpu_memory_utilization(CATALOGUE[name]) == utilization
+
+
+def test_plan_as_status_is_camel_case():
+    status = plan(spec("Meta-Llama-3-8B"), gpu=H100).to_status()
+    assert status == {
+        "gpuType": "H100-80GB",
+        "dtype": "bfloat16",
+        "tensorParallelSize": 1,
+        "gpusPerReplica": 1,
+        "gpuMemoryUtilization": 0.9,
+        "maxModelLen": 8192,
+        "numParameters": 8_030_261_248,
+        "weightBytesPerGpu": LLAMA3_8B_WEIGHTS,
+        "kvBytesPerToken": 131_072,
+        "kvCacheBytesPerGpu": 448_064 * 131_072,
+        "kvCapacityTokens": 448_064,
+        "maxConcurrency": 54,
+    }
+
+
+def run_plan_cli(*argv: str) -> int:
+    import argparse
+
+    from kvpilot.operator import plan_cli
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    return plan_cli.run(parser.parse_args(argv))
+
+
+def test_plan_cli_prints_the_plan(capsys):
+    config = str(CONFIGS / "Meta-Llama-3-70B.json")
+    assert run_plan_cli(config, "--gpu", "H100-80GB", "--max-model-len", "8192", "--json") == 0
+    expected = plan(spec("Meta-Llama-3-70B"), gpu=H100, max_model_len=8192).to_status()
+    assert json.loads(capsys.readouterr().out) == expected
+    assert run_plan_cli(config, "--gpu", "H100-80GB", "--max-model-len", "8192") == 0
+    table = capsys.readouterr().out
+    assert "tensorParallelSize" in table and "24,208 tokens" in table
+
+
+def test_plan_cli_reports_why_it_cannot_plan(capsys):
+    assert run_plan_cli(str(CONFIGS / "Mixtral-8x7B-v0.1.json"), "--gpu", "H100-80GB") == 1
+    assert "UnsupportedArchitecture" in capsys.readouterr().err
+    assert run_plan_cli(str(CONFIGS / "Meta-Llama-3-8B.json"), "--gpu", "custom") == 2
+    assert "spec.gpu.memoryGiB" in capsys.readouterr().err
