@@ -38,9 +38,7 @@ def reshape_and_cache(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid].to(v_cache.dtype))
 
 
-def gather_kv(
-    cache: torch.Tensor, block_table: torch.Tensor, seq_len: int
-) -> torch.Tensor:
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     """Read one sequence's first ``seq_len`` cached positions.
 
     Args:

@@ -1,0 +1,38 @@
+"""Our PyTorch model implementations, found by the Hugging Face ``architectures`` name."""
+
+from __future__ import annotations
+
+import importlib
+
+from transformers import PretrainedConfig
+
+# HF architectures name -> "module:Class"; modules are imported on first use.
+MODEL_REGISTRY: dict[str, str] = {
+    "LlamaForCausalLM": "kvpilot.engine.models.llama:LlamaForCausalLM",
+    # The spelling of early Llama checkpoints' configs.
+    "LLaMAForCausalLM": "kvpilot.engine.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "kvpilot.engine.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "kvpilot.engine.models.qwen2:Qwen2ForCausalLM",
+    "Qwen3ForCausalLM": "kvpilot.engine.models.qwen3:Qwen3ForCausalLM",
+}
+
+
+def get_model_class(config: PretrainedConfig) -> type:
+    """The class implementing ``config.architectures[0]``.
+
+    Raises:
+        ValueError: the architecture is missing or not supported (both named in the message,
+            with the supported list).
+    """
+    architectures = getattr(config, "architectures", None) or []
+    if not architectures:
+        raise ValueError(
+            f"model config has no 'architectures' entry; supported: {', '.join(MODEL_REGISTRY)}"
+        )
+    name = architectures[0]
+    if name not in MODEL_REGISTRY:
+        raise ValueError(
+            f"unsupported model architecture {name!r}; supported: {', '.join(MODEL_REGISTRY)}"
+        )
+    module_name, class_name = MODEL_REGISTRY[name].split(":")
+    return getattr(importlib.import_module(module_name), class_name)

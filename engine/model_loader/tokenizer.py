@@ -1,0 +1,48 @@
+"""The tokenizer (with its chat template) and end-of-sequence ids of a model folder."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(model_dir: pathlib.Path | str) -> PreTrainedTokenizerBase:
+    """Load the folder's tokenizer through transformers (chat template included when present).
+
+    Raises:
+        FileNotFoundError: the folder has no tokenizer files.
+    """
+    model_dir = pathlib.Path(model_dir)
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError) as exc:
+        raise FileNotFoundError(f"no usable tokenizer in model folder {model_dir}: {exc}") from exc
+
+
+def get_eos_token_ids(model_dir: pathlib.Path | str) -> set[int]:
+    """The token ids that end generation.
+
+    Taken from the first source that names any: generation_config.json (chat models often list
+    several there, e.g. Llama 3's ``<|eot_id|>``), then config.json, then the tokenizer.
+
+    Returns:
+        A set of token ids; empty when no source names one.
+    """
+    model_dir = pathlib.Path(model_dir)
+    for name in ("generation_config.json", "config.json"):
+        path = model_dir / name
+        if path.is_file():
+            ids = _as_id_set(json.loads(path.read_text()).get("eos_token_id"))
+            if ids:
+                return ids
+    return _as_id_set(load_tokenizer(model_dir).eos_token_id)
+
+
+def _as_id_set(value: int | list[int] | None) -> set[int]:
+    if value is None:
+        return set()
+    if isinstance(value, int):
+        return {value}
+    return {int(v) for v in value}

@@ -1,0 +1,89 @@
+"""Build one of our model classes and fill it from a folder's safetensors, one tensor at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import pathlib
+from collections.abc import Iterator
+
+import torch
+from kvpilot.engine.models import get_model_class
+from safetensors import safe_open
+from tqdm.auto import tqdm
+from transformers import AutoConfig
+
+logger = logging.getLogger(__name__)
+
+
+def iterate_safetensors(model_dir: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(Hugging Face weight name, tensor on CPU)`` for every tensor of every shard.
+
+    When ``model.safetensors.index.json`` exists only the shards it lists are read (some
+    repositories also ship other safetensors, e.g. Mistral's ``consolidated.safetensors``).
+    Tensors are read one at a time (memory stays at one tensor beyond the model), with a
+    progress bar over the tensors.
+    """
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+        files = [model_dir / name for name in sorted(shards)]
+    else:
+        files = sorted(model_dir.glob("*.safetensors"))
+    handles = [safe_open(f, framework="pt", device="cpu") for f in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc=f"Loading weights of {model_dir.name}", unit="tensor") as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update()
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def load_model(
+    model_dir: pathlib.Path | str,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    attention_backend: str = "torch",
+) -> torch.nn.Module:
+    """Instantiate our implementation of the folder's architecture and load its weights.
+
+    Parameters are allocated directly in ``dtype`` on ``device`` (no random initialisation, no
+    float32 copy first), then each checkpoint tensor is copied into place by the model's own
+    ``load_weights`` (which knows how q/k/v and gate/up stack into one matrix).
+
+    Args:
+        model_dir: a folder from :func:`~kvpilot.engine.model_loader.resolve_model`.
+        dtype: parameter and activation dtype (float32, float16 or bfloat16).
+        device: where the parameters live.
+        attention_backend: name for
+            :func:`~kvpilot.engine.attention.get_attention_backend` (``"torch"``).
+
+    Returns:
+        The model in eval mode (see ``kvpilot.engine.models`` for its interface).
+
+    Raises:
+        ValueError: an unsupported architecture (named in the message), or weights that are
+            missing from the checkpoint or do not fit the config.
+    """
+    model_dir = pathlib.Path(model_dir)
+    config = AutoConfig.from_pretrained(model_dir)
+    model_cls = get_model_class(config)
+    device = torch.device(device)
+    with _default_dtype(dtype), device:
+        model = model_cls(config, attention_backend=attention_backend)
+    loaded = model.load_weights(iterate_safetensors(model_dir))
+    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing)}")
+    return model.eval()

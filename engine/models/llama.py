@@ -1,0 +1,326 @@
+"""The Llama family in PyTorch on the paged KV cache: Llama 1-3, Mistral, and the base of Qwen2/3.
+
+Touvron et al. 2023 ("LLaMA"): pre-norm decoder with RMSNorm, rotary embeddings, SwiGLU MLP and
+grouped-query attention (Ainslie et al. 2023). Parameter names follow Hugging Face's so
+checkpoints load by name, except that q/k/v and gate/up are stacked (vLLM's ``qkv_proj`` and
+``gate_up_proj``); :attr:`LlamaForCausalLM.stacked_params_mapping` is the one place that knows.
+The float operations mirror transformers' ``modeling_llama`` in order, so logits agree with it
+to rounding and greedy decoding picks the same tokens.
+
+Variants differ only in :meth:`LlamaForCausalLM.attention_options` (biases, q/k norm, sliding
+window), which subclasses override.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
+from kvpilot.engine.attention.backends import AttentionBackend
+from kvpilot.engine.layers.activation import SiluAndMul
+from kvpilot.engine.layers.embedding import VocabEmbedding
+from kvpilot.engine.layers.layernorm import RMSNorm
+from kvpilot.engine.layers.linear import Linear, MergedLinear, QKVLinear, copy_weight
+from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+from torch import nn
+from transformers import PretrainedConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+# (cos, sin), each [num_tokens, 1, rotary_dim]: computed once per forward, used by every layer.
+RopeCosSin = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What distinguishes one family member's attention layer.
+
+    Attributes:
+        qkv_bias: q/k/v projections have biases (Qwen2; Llama when ``attention_bias``).
+        o_bias: the output projection has a bias (Llama when ``attention_bias``).
+        qk_norm: per-head RMSNorm of q and k before rotation (Qwen3).
+        sliding_window: attend to at most this many latest positions (tokens), or None.
+    """
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+
+
+def config_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
+    """The sliding window (tokens) of layer ``layer_idx``, or None for full attention.
+
+    Uses ``config.layer_types`` when present (Qwen2/3: ``"sliding_attention"`` layers), else
+    ``config.sliding_window`` for every layer (Mistral).
+    """
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if window is None or (layer_types and layer_types[layer_idx] != "sliding_attention"):
+        return None
+    return int(window)
+
+
+def head_dim_of(config: PretrainedConfig) -> int:
+    """``config.head_dim`` when set (Qwen3, Mistral Nemo), else hidden_size / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention of one layer: stacked qkv projection, RoPE, paged attention, output.
+
+    Args:
+        config: the model config.
+        options: biases, q/k norm and sliding window of this layer.
+        backend: the attention backend shared by all layers.
+    """
+
+    def __init__(
+        self, config: PretrainedConfig, options: AttentionOptions, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = options.sliding_window
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, options.qkv_bias
+        )
+        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, options.o_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.backend = backend
+
+    def forward(
+        self,
+        rope: RopeCosSin,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``hidden`` ``[num_tokens, hidden_size]`` -> ``[num_tokens, hidden_size]``."""
+        q, k, v = self.qkv_proj.split(self.qkv_proj(hidden))
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
+        out = self.backend.forward(
+            q, k, v, kv_cache, attn_metadata, scale=self.scale, sliding_window=self.sliding_window
+        )
+        return self.o_proj(out.flatten(1))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate/up stacked."""
+
+    def __init__(self, config: PretrainedConfig) -> None:
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        if config.hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu'")
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
+        self.act_fn = SiluAndMul()
+        self.down_proj = Linear(size, config.hidden_size, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``[num_tokens, hidden_size]`` -> same shape."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))`` (HF's residual order)."""
+
+    def __init__(
+        self, config: PretrainedConfig, options: AttentionOptions, backend: AttentionBackend
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, options, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        rope: RopeCosSin,
+        hidden: torch.Tensor,
+        kv_cache: KVCache,
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``hidden`` ``[num_tokens, hidden_size]`` -> same shape."""
+        residual = hidden
+        hidden = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
+        hidden = residual + hidden
+        residual = hidden
+        hidden = self.mlp(self.post_attention_layernorm(hidden))
+        return residual + hidden
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        options: list[AttentionOptions],
+        backend: AttentionBackend,
+    ) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, layer_options, backend) for layer_options in options
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """``input_ids`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden_size]``."""
+        hidden = self.embed_tokens(input_ids)
+        rope = self.rotary_emb(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            hidden = layer(rope, hidden, kv_cache, attn_metadata)
+        return self.norm(hidden)
+
+
+class LlamaForCausalLM(nn.Module):
+    """A Llama-family causal LM over the paged KV cache (HF ``architectures`` name reused).
+
+    Args:
+        config: the Hugging Face config of the checkpoint.
+        attention_backend: attention backend name (``"torch"``).
+
+    Attributes:
+        config: the Hugging Face config.
+        num_layers, num_kv_heads, head_dim, vocab_size: sizes the KV cache and sampler need.
+        dtype: the parameters' dtype (the default dtype at construction).
+    """
+
+    # (stacked parameter, checkpoint name part, shard id)
+    stacked_params_mapping: tuple[tuple[str, str, str | int], ...] = (
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    )
+
+    def __init__(self, config: PretrainedConfig, attention_backend: str = "torch") -> None:
+        super().__init__()
+        self.config = config
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = head_dim_of(config)
+        self.vocab_size = config.vocab_size
+        self.dtype = torch.get_default_dtype()
+        backend = get_attention_backend(attention_backend)
+        options = [self.attention_options(config, i) for i in range(self.num_layers)]
+        self.model = LlamaModel(config, options, backend)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            # Built on "meta" (no memory) because its weight is replaced by the shared table.
+            with torch.device("meta"):
+                self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head.weight = self.model.embed_tokens.weight
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+
+    @classmethod
+    def attention_options(cls, config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
+        """Llama: biases follow ``attention_bias``; Mistral's ``sliding_window`` applies."""
+        bias = bool(getattr(config, "attention_bias", False))
+        return AttentionOptions(
+            qkv_bias=bias, o_bias=bias, sliding_window=config_sliding_window(config, layer_idx)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Run the new tokens of a mixed prefill/decode batch.
+
+        Args:
+            input_ids: ``[num_tokens]`` int64.
+            positions: ``[num_tokens]`` int64 absolute positions.
+            kv_caches: one ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size,
+                num_kv_heads, head_dim]`` in the model dtype; the new tokens' K/V are written
+                at ``attn_metadata.slot_mapping``.
+            attn_metadata: the batch layout.
+
+        Returns:
+            Hidden states ``[num_tokens, hidden_size]``, model dtype.
+        """
+        return self.model(input_ids, positions, kv_caches, attn_metadata)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` float32."""
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names) into the parameters.
+
+        Args:
+            weights: ``(name, tensor)`` pairs, e.g. from ``iterate_safetensors``.
+
+        Returns:
+            The names of the parameters that were filled completely (stacked ones once all
+            their shards came).
+
+        Raises:
+            ValueError: a tensor with no matching parameter, or with the wrong shape.
+        """
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        shards_seen: dict[str, set[str | int]] = {}
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                # Some tied checkpoints store the shared table twice.
+                continue
+            target, shard_id = self._param_name(name)
+            if target not in params:
+                raise ValueError(f"checkpoint weight {name!r} matches no parameter of this model")
+            param = params[target]
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if shard_id is not None:
+                    loader(param, tensor, shard_id)
+                elif loader is not None:
+                    loader(param, tensor)
+                else:
+                    with torch.no_grad():
+                        copy_weight(param.data, tensor)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint weight {name!r} {exc}") from exc
+            loaded.add(target)
+            if shard_id is not None:
+                shards_seen.setdefault(target, set()).add(shard_id)
+        # A stacked parameter counts as loaded only once every one of its shards arrived.
+        incomplete = {t for t, seen in shards_seen.items() if seen != self._shards_of(t)}
+        return loaded - incomplete
+
+    def _shards_of(self, param_name: str) -> set[str | int]:
+        return {
+            shard_id
+            for stacked, _, shard_id in self.stacked_params_mapping
+            if stacked in param_name
+        }
+
+    def _param_name(self, name: str) -> tuple[str, str | int | None]:
+        for stacked, part, shard_id in self.stacked_params_mapping:
+            if part in name:
+                return name.replace(part, stacked), shard_id
+        return name, None

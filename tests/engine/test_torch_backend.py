@@ -1,0 +1,101 @@
+"""The torch attention backend against the kernels' PyTorch reference and a dense recompute."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
+from kvpilot.kernels.reference import reshape_and_cache, unified_attention
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 32
+# (cached tokens, new tokens) per sequence: decode, fresh prefill, prefill chunk, first decode.
+BATCH = [(9, 1), (0, 6), (5, 4), (1, 1), (14, 1)]
+
+
+def make_batch(dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    free = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
+    shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    # Blocks no sequence owns hold NaN: reading them must not leak into any output.
+    owned = set()
+    tables, slots, starts, seq_lens = [], [], [0], []
+    for cached, new in BATCH:
+        total = cached + new
+        table = [free.pop() for _ in range(-(-total // BLOCK_SIZE))]
+        owned.update(table)
+        slots += [
+            table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, total)
+        ]
+        tables.append(table)
+        starts.append(starts[-1] + new)
+        seq_lens.append(total)
+    for block in set(range(NUM_BLOCKS)) - owned:
+        k_cache[block] = float("nan")
+        v_cache[block] = float("nan")
+    width = max(len(t) for t in tables)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        max_query_len=max(n for _, n in BATCH),
+        max_seq_len=max(seq_lens),
+    )
+    num_tokens = starts[-1]
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+    return q, k, v, k_cache, v_cache, metadata
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_the_kernel_reference(dtype):
+    q, k, v, k_cache, v_cache, md = make_batch(dtype)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reshape_and_cache(k, v, ref_k, ref_v, md.slot_mapping)
+    expected = unified_attention(
+        q,
+        ref_k,
+        ref_v,
+        query_start_loc=md.query_start_loc,
+        seq_lens=md.seq_lens,
+        block_tables=md.block_tables,
+        scale=HEAD_DIM**-0.5,
+    )
+    out = get_attention_backend("torch").forward(
+        q, k, v, (k_cache, v_cache), md, scale=HEAD_DIM**-0.5
+    )
+    assert out.dtype == dtype and out.shape == q.shape
+    assert torch.equal(k_cache.nan_to_num(), ref_k.nan_to_num())
+    assert torch.equal(v_cache.nan_to_num(), ref_v.nan_to_num())
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
+
+
+def test_sliding_window_matches_dense_attention():
+    window = 3
+    q, k, v, k_cache, v_cache, md = make_batch(torch.float32, seed=1)
+    out = get_attention_backend("torch").forward(
+        q, k, v, (k_cache, v_cache), md, scale=0.25, sliding_window=window
+    )
+    starts, seq_lens = md.query_start_loc.tolist(), md.seq_lens.tolist()
+    for i, seq_len in enumerate(seq_lens):
+        blocks = md.block_tables[i].long()
+        keys = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, kv_heads, head_dim]
+        values = v_cache[blocks].flatten(0, 1)[:seq_len]
+        q_len = starts[i + 1] - starts[i]
+        for j in range(q_len):
+            pos = seq_len - q_len + j
+            lo = max(0, pos - window + 1)
+            for h in range(NUM_HEADS):
+                kv = h // (NUM_HEADS // NUM_KV_HEADS)
+                scores = keys[lo : pos + 1, kv] @ q[starts[i] + j, h] * 0.25
+                expected = scores.softmax(0) @ values[lo : pos + 1, kv]
+                torch.testing.assert_close(out[starts[i] + j, h], expected, atol=1e-5, rtol=0)
+
+
+def test_unknown_backend_is_named():
+    with pytest.raises(ValueError, match="unknown attention backend 'flash'.*torch"):
+        get_attention_backend("flash")
