@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve generate test test-fast test-kernels lint format bench clean
+.PHONY: install serve generate test test-fast test-kernels lint format bench-serve bench-kernels clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -39,6 +39,14 @@ test-fast: install
 
 test-kernels: install
 	$(BIN)/pytest -m kernel tests/kernels
+
+## Serving load test against a running `make serve` (vLLM `bench serve` definitions).
+bench-serve: install
+	$(BIN)/python benchmarks/serve.py --base-url http://$(HOST):$(PORT) --num-prompts 16 --random-input-len 128 --random-output-len 32
+
+## Kernel benchmark: needs a CUDA machine.
+bench-kernels: install
+	$(BIN)/python benchmarks/kernels_gpu.py --out kernels_gpu.json
 
 lint: install
 	$(BIN)/ruff check .

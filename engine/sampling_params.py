@@ -55,6 +55,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
+        if self.seed is not None and not -(2**63) <= self.seed <= 2**63 - self.n:
+            bad("seed", f"must be a 64-bit signed integer (seed + n - 1 too), got {self.seed}")
         if self.temperature < 0:
             bad("temperature", f"must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

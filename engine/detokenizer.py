@@ -1,0 +1,196 @@
+"""Incremental, byte-safe detokenization with stop-string matching.
+
+Algorithm (the prefix/read-offset scheme of vLLM's ``detokenize_incrementally`` and Hugging
+Face's TGI): every step decodes a short window of recent tokens twice, once up to the last
+emitted token (``prefix_offset:read_offset``) and once up to the newest token
+(``prefix_offset:``); the new text is the difference. Decoding a window instead of single tokens
+keeps tokenizer-specific context right (a SentencePiece ``▁`` becomes a space only after another
+token; byte-level BPE splits one character over several tokens). When the window ends in an
+incomplete UTF-8 sequence (the decoder yields U+FFFD there) the offsets stay put until a later
+token completes it, so no replacement character is ever emitted in the middle of a character.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpilot.engine.sampling_params import SamplingParams
+
+_REPLACEMENT_CHAR = "\ufffd"
+# Prompt tokens decoded with the first output token, so that it gets its context (a leading
+# space, a merged byte sequence). vLLM uses the same number.
+_INITIAL_PREFIX_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    """Turns one sequence's output token ids into text as they arrive, and finds stop strings.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerBase``); only ``decode`` and
+            ``added_tokens_decoder`` are used.
+        prompt_token_ids: the prompt, ``[num_prompt_tokens]`` token ids; its last tokens give
+            the first output token its context.
+        params: ``stop``, ``include_stop_str_in_output``, ``min_tokens``,
+            ``skip_special_tokens`` and ``spaces_between_special_tokens`` are read.
+
+    ``update`` appends tokens and reports a matched stop string; ``get_text`` returns the text
+    that is safe to show. Text returned by ``get_text`` only ever grows, so streamed deltas
+    concatenate exactly to the final text.
+    """
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: list[int], params: SamplingParams):
+        self._tokenizer = tokenizer
+        self._params = params
+        self._token_ids: list[int] = list(prompt_token_ids)
+        self._num_prompt_tokens = len(prompt_token_ids)
+        self._read_offset = len(prompt_token_ids)
+        self._prefix_offset = max(len(prompt_token_ids) - _INITIAL_PREFIX_TOKENS, 0)
+        self._added_token_ids = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        self._added_token_text: dict[int, str] = {}
+        # Text of windows that ended on a character boundary (final; never changes).
+        self._text = ""
+        # Text decoded after ``_read_offset``, still waiting for the rest of a character.
+        self._pending = ""
+        self._max_stop_len = max((len(s) for s in params.stop), default=0)
+        self._checked_len = 0  # visible characters already searched for stop strings
+        self._stop_text: str | None = None  # the final text once a stop string matched
+        self.stop_reason: str | None = None
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The output token ids seen so far, ``[num_output_tokens]``."""
+        return self._token_ids[self._num_prompt_tokens :]
+
+    def update(self, new_token_ids: list[int]) -> str | None:
+        """Append newly generated tokens; return the stop string they complete, if any.
+
+        Args:
+            new_token_ids: token ids generated this step (usually one).
+
+        Returns:
+            The element of ``params.stop`` that now appears in the output text (the one that
+            starts earliest), or None. Stop strings completed while fewer than
+            ``params.min_tokens`` tokens exist are ignored (vLLM). After a match the text is final: generation must stop
+            with ``finish_reason="stop"`` and ``stop_reason`` set to the returned string.
+
+        Raises:
+            RuntimeError: when called again after a stop string matched.
+        """
+        if self.stop_reason is not None:
+            raise RuntimeError(
+                f"update() called after stop string {self.stop_reason!r} already ended the output"
+            )
+        if not new_token_ids:
+            return None
+        self._token_ids.extend(new_token_ids)
+        prefix_text = self._decode(self._token_ids[self._prefix_offset : self._read_offset])
+        window_text = self._decode(self._token_ids[self._prefix_offset :])
+        new_text = window_text[len(prefix_text) :]
+        if new_text.endswith(_REPLACEMENT_CHAR):
+            self._pending = new_text
+        else:
+            self._text += new_text
+            self._pending = ""
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self._token_ids)
+        if not self._params.stop:
+            return None
+        if len(self._token_ids) - self._num_prompt_tokens < self._params.min_tokens:
+            # As in vLLM, stop strings completed before min_tokens outputs do not count.
+            self._checked_len = len(self._visible_text())
+            return None
+        return self._check_stop()
+
+    def get_text(self, finished: bool) -> str:
+        """Return the cumulative output text that is safe to emit now.
+
+        Args:
+            finished: True once the sequence is done (stop, length, EOS, abort): everything is
+                released, including an incomplete trailing UTF-8 sequence (as U+FFFD) and any
+                text held back for a possible stop string.
+
+        Returns:
+            While not finished: the text up to the last complete character, minus the longest
+            suffix that could still grow into a stop string (unless
+            ``include_stop_str_in_output``). After a stop string matched: the text before it
+            (or through it with ``include_stop_str_in_output``). Each result extends the
+            previous one.
+        """
+        if self._stop_text is not None:
+            return self._stop_text
+        if finished:
+            return self._text + self._pending
+        visible = self._visible_text()
+        if self._params.include_stop_str_in_output or not self._params.stop:
+            return visible
+        return visible[: len(visible) - self._stop_prefix_suffix_len(visible)]
+
+    def _visible_text(self) -> str:
+        # Characters before the trailing U+FFFD of a pending window are complete and final.
+        return self._text + self._pending.rstrip(_REPLACEMENT_CHAR)
+
+    def _check_stop(self) -> str | None:
+        visible = self._visible_text()
+        start = max(self._checked_len - self._max_stop_len + 1, 0)
+        self._checked_len = len(visible)
+        best: tuple[int, int, str] | None = None  # (position, -length, stop string)
+        for stop in self._params.stop:
+            pos = visible.find(stop, start)
+            if pos != -1 and (best is None or (pos, -len(stop)) < best[:2]):
+                best = (pos, -len(stop), stop)
+        if best is None:
+            return None
+        pos, _, stop = best
+        end = pos + len(stop) if self._params.include_stop_str_in_output else pos
+        self._stop_text = visible[:end]
+        self.stop_reason = stop
+        return stop
+
+    def _stop_prefix_suffix_len(self, text: str) -> int:
+        """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+        for length in range(min(self._max_stop_len - 1, len(text)), 0, -1):
+            suffix = text[-length:]
+            if any(stop.startswith(suffix) for stop in self._params.stop):
+                return length
+        return 0
+
+    def _decode(self, token_ids: list[int]) -> str:
+        skip = self._params.skip_special_tokens
+        if not self._params.spaces_between_special_tokens or not self._added_token_ids.intersection(
+            token_ids
+        ):
+            return self._tokenizer.decode(
+                token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
+            )
+        # Added tokens (chat markers and the like) become pieces of their own, joined by single
+        # spaces, as in transformers' original Python decoder; skipped ones do not split text.
+        pieces: list[str] = []
+        run: list[int] = []
+        for token_id in token_ids:
+            if token_id not in self._added_token_ids:
+                run.append(token_id)
+                continue
+            piece = self._added_token_piece(token_id)
+            if not piece:
+                continue
+            if run:
+                pieces.append(self._decode_run(run))
+                run = []
+            pieces.append(piece)
+        if run:
+            pieces.append(self._decode_run(run))
+        return " ".join(pieces)
+
+    def _decode_run(self, token_ids: list[int]) -> str:
+        return self._tokenizer.decode(
+            token_ids,
+            skip_special_tokens=self._params.skip_special_tokens,
+            clean_up_tokenization_spaces=False,
+        )
+
+    def _added_token_piece(self, token_id: int) -> str:
+        piece = self._added_token_text.get(token_id)
+        if piece is None:
+            piece = self._decode_run([token_id])
+            self._added_token_text[token_id] = piece
+        return piece

@@ -1,0 +1,162 @@
+"""Per-request logits adjustments applied before sampling, and sample log-probabilities.
+
+Order follows vLLM V1's sampler: ``min_tokens`` masking and ``logit_bias`` first, then the
+penalties (repetition, frequency, presence). Temperature, top-k/top-p/min-p and the draw itself
+belong to the sampler, which runs after ``apply_logits_processors``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvpilot.engine.sampling_params import SamplingParams
+
+
+def apply_logits_processors(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+    eos_token_ids: set[int],
+) -> torch.Tensor:
+    """Apply min_tokens, logit_bias and the three penalties to a batch of next-token logits.
+
+    Args:
+        logits: ``[num_reqs, vocab_size]`` float32 raw model logits; modified in place.
+        params: one ``SamplingParams`` per row.
+        prompt_token_ids: per row, the prompt's token ids (repetition penalty only).
+        output_token_ids: per row, the tokens generated so far.
+        eos_token_ids: the model's end-of-sequence ids, masked with ``stop_token_ids`` while a
+            row has fewer than ``min_tokens`` outputs (unless the row sets ``ignore_eos``).
+
+    Semantics:
+        - ``min_tokens``: EOS and ``stop_token_ids`` get ``-inf`` until ``min_tokens`` tokens
+          exist (vLLM).
+        - ``logit_bias``: ``logits[token] += bias`` (OpenAI).
+        - ``repetition_penalty`` p (CTRL, Keskar et al. 2019, as in vLLM): for every token seen
+          in the prompt or the output, a positive logit is divided by p, a negative one
+          multiplied by p.
+        - ``frequency_penalty`` f and ``presence_penalty`` r (OpenAI): ``logit -= f * count +
+          r * (count > 0)``, counting the output tokens only.
+
+    Returns:
+        ``logits`` (the same tensor).
+
+    Raises:
+        ValueError: when the row counts differ, or a ``logit_bias`` or ``stop_token_ids``
+            token id lies outside ``[0, vocab_size)``.
+    """
+    num_reqs, vocab_size = logits.shape
+    if not len(params) == len(prompt_token_ids) == len(output_token_ids) == num_reqs:
+        raise ValueError(
+            f"apply_logits_processors: {num_reqs} logits rows but {len(params)} params, "
+            f"{len(prompt_token_ids)} prompts and {len(output_token_ids)} outputs"
+        )
+    for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
+        if len(output) < p.min_tokens:
+            # As in vLLM, EOS only counts as a stop token when it is not ignored.
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
+            banned = _checked_ids(sorted(stops), vocab_size, "min_tokens")
+            logits[row, banned] = float("-inf")
+        if p.logit_bias:
+            ids = _checked_ids([int(t) for t in p.logit_bias], vocab_size, "logit_bias")
+            bias = torch.tensor(
+                list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device
+            )
+            index = torch.tensor(ids, dtype=torch.long, device=logits.device)
+            logits[row].index_add_(0, index, bias)
+    _apply_penalties(logits, params, prompt_token_ids, output_token_ids)
+    return logits
+
+
+def _apply_penalties(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    prompt_token_ids: list[list[int]],
+    output_token_ids: list[list[int]],
+) -> None:
+    rows = [
+        i
+        for i, p in enumerate(params)
+        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
+    ]
+    if not rows:
+        return
+    vocab_size = logits.shape[1]
+    sub = logits[rows]
+    output_counts = _token_counts([output_token_ids[i] for i in rows], vocab_size, logits.device)
+    output_seen = output_counts > 0
+    device, dtype = logits.device, logits.dtype
+    repetition = torch.tensor([params[i].repetition_penalty for i in rows], dtype=dtype)
+    repetition = repetition.to(device).unsqueeze(1)
+    seen = output_seen | (
+        _token_counts([prompt_token_ids[i] for i in rows], vocab_size, device) > 0
+    )
+    penalised = torch.where(sub > 0, sub / repetition, sub * repetition)
+    sub = torch.where(seen, penalised, sub)
+    frequency = torch.tensor([params[i].frequency_penalty for i in rows], dtype=dtype)
+    presence = torch.tensor([params[i].presence_penalty for i in rows], dtype=dtype)
+    sub -= frequency.to(device).unsqueeze(1) * output_counts.to(dtype)
+    sub -= presence.to(device).unsqueeze(1) * output_seen.to(dtype)
+    logits[rows] = sub
+
+
+def _token_counts(
+    token_ids: list[list[int]], vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """``[len(token_ids), vocab_size]`` int64 occurrence counts of each token id per row."""
+    counts = torch.zeros(len(token_ids), vocab_size, dtype=torch.long, device=device)
+    flat = [t for ids in token_ids for t in ids]
+    if flat:
+        lengths = torch.tensor([len(ids) for ids in token_ids])
+        rows = torch.repeat_interleave(torch.arange(len(token_ids)), lengths).to(device)
+        columns = torch.tensor(flat, dtype=torch.long, device=device)
+        counts.index_put_((rows, columns), torch.ones_like(columns), accumulate=True)
+    return counts
+
+
+def _checked_ids(ids, vocab_size: int, what: str) -> list[int]:
+    ids = list(ids)
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def compute_logprobs(
+    raw_logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
+) -> list[tuple[float, dict[int, tuple[float, int]]] | None]:
+    """Log-probabilities of the sampled tokens and of each request's top candidates.
+
+    As vLLM V1 does by default, these are ``log_softmax`` of the raw model logits, before any
+    penalty, temperature or truncation.
+
+    Args:
+        raw_logits: ``[num_reqs, vocab_size]`` float32 model logits.
+        sampled: ``[num_reqs]`` int64 sampled token ids.
+        num_logprobs: per request the number of top tokens wanted (``SamplingParams.logprobs``),
+            or None for none at all.
+
+    Returns:
+        Per request None, or ``(sampled_logprob, {token_id: (logprob, rank)})`` with the top
+        ``k`` tokens (ranks 1..k) plus the sampled token; a rank is 1 + the number of tokens
+        with a strictly higher log-probability.
+    """
+    wanted = [i for i, k in enumerate(num_logprobs) if k is not None]
+    results: list[tuple[float, dict[int, tuple[float, int]]] | None] = [None] * len(num_logprobs)
+    if not wanted:
+        return results
+    logprobs = torch.log_softmax(raw_logits[wanted].float(), dim=-1)
+    chosen = sampled[wanted].to(logprobs.device).long()
+    chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    chosen_ranks = (logprobs > chosen_logprobs.unsqueeze(1)).sum(dim=1) + 1
+    max_k = max(num_logprobs[i] for i in wanted)
+    top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    for row, i in enumerate(wanted):
+        k = num_logprobs[i]
+        top: dict[int, tuple[float, int]] = {}
+        for rank in range(k):
+            top[int(top_ids[row, rank])] = (float(top_values[row, rank]), rank + 1)
+        top[int(chosen[row])] = (float(chosen_logprobs[row]), int(chosen_ranks[row]))
+        results[i] = (float(chosen_logprobs[row]), top)
+    return results

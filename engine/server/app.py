@@ -1,0 +1,221 @@
+"""The FastAPI application: OpenAI routes, ``/health``, ``/metrics``, ``/version``.
+
+The model loads in the background after the server starts listening, so ``/health`` answers
+503 while it loads (a Kubernetes readiness probe holds traffic back) and 200 once requests can
+be served; an orchestrator sees a live process that is not ready yet, not a closed port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import hmac
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from kvpilot import __version__
+from kvpilot.engine.async_llm import AsyncLLM
+from kvpilot.engine.metrics import PrometheusStatLogger
+from kvpilot.engine.server.errors import OpenAIError, install_error_handlers
+from kvpilot.engine.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from kvpilot.engine.server.serving_chat import OpenAIServingChat
+from kvpilot.engine.server.serving_completion import OpenAIServingCompletion
+from kvpilot.engine.server.serving_engine import RETRY_AFTER_SECONDS, now
+
+logger = logging.getLogger("kvpilot.server")
+
+
+@dataclass
+class ServerConfig:
+    """Settings of the HTTP layer.
+
+    Attributes:
+        served_model_names: names clients may put in ``model``; the first is reported.
+        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        max_waiting_requests: queue bound; beyond it requests get 503 + ``Retry-After``.
+    """
+
+    served_model_names: list[str]
+    api_key: str | None = None
+    max_waiting_requests: int | None = None
+
+
+@dataclass
+class _State:
+    engine: AsyncLLM | None = None
+    completion: OpenAIServingCompletion | None = None
+    chat: OpenAIServingChat | None = None
+    max_model_len: int | None = None
+    load_error: BaseException | None = None
+    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+
+
+def create_app(
+    load_engine: Callable[[], Any],
+    config: ServerConfig,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """Build the app; the engine is built by ``load_engine()`` in a worker thread at startup.
+
+    Args:
+        load_engine: returns a ready ``LLMEngine`` (may take long: loads weights).
+        config: HTTP settings.
+        on_load_error: called if ``load_engine`` raises (the CLI stops the server); ``/health``
+            then keeps answering 503 with the error.
+    """
+    state = _State()
+
+    async def load() -> None:
+        try:
+            engine = await asyncio.to_thread(load_engine)
+            _install_engine(state, engine, config)
+        except Exception as exc:
+            logger.exception("loading the model failed")
+            state.load_error = exc
+            if on_load_error is not None:
+                on_load_error(exc)
+            return
+        logger.info("model %s ready", config.served_model_names[0])
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        loader = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            loader.cancel()
+            if state.engine is not None:
+                await state.engine.shutdown()
+
+    app = FastAPI(title="kvpilot", version=__version__, lifespan=lifespan)
+    install_error_handlers(app)
+
+    async def authenticate(request: Request) -> None:
+        if not config.api_key:
+            return
+        header = request.headers.get("authorization", "")
+        token = header[len("Bearer ") :].strip() if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(token.encode(), config.api_key.encode()):
+            raise OpenAIError(
+                HTTPStatus.UNAUTHORIZED,
+                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+            )
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+
+    def ready_state() -> _State:
+        if state.engine is None:
+            message = (
+                f"the model failed to load: {state.load_error}"
+                if state.load_error is not None
+                else "the model is still loading"
+            )
+            raise OpenAIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                message,
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            )
+        return state
+
+    @app.get("/health")
+    async def health() -> Response:
+        ready_state()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @v1.get("/models")
+    async def models() -> ModelList:
+        ready = ready_state()
+        return ModelList(
+            data=[
+                ModelCard(id=name, root=name, max_model_len=ready.max_model_len)
+                for name in config.served_model_names
+            ]
+        )
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        serving = ready_state().completion
+        return await _respond(raw, serving.create_completion(body, now()))
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        serving = ready_state().chat
+        return await _respond(raw, serving.create_chat_completion(body, now()))
+
+    app.include_router(v1)
+    return app
+
+
+def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
+    """Wrap a freshly loaded ``LLMEngine`` in ``AsyncLLM`` with metrics and start serving."""
+    max_model_len = engine.scheduler_config.max_model_len
+    cache = engine.cache_config
+    stat_logger = PrometheusStatLogger(
+        config.served_model_names[0],
+        state.registry,
+        max_model_len,
+        cache_config={
+            "block_size": cache.block_size,
+            "num_gpu_blocks": cache.num_blocks,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "cache_dtype": str(engine.dtype).removeprefix("torch."),
+            "gpu_memory_utilization": engine.args.gpu_memory_utilization,
+        },
+    )
+    async_llm = AsyncLLM(engine, config.max_waiting_requests, stat_loggers=[stat_logger])
+    stat_logger.record_stats(async_llm.stats)
+    async_llm.start()
+    tokenizer = copy.deepcopy(engine.tokenizer)
+    args = (
+        async_llm,
+        tokenizer,
+        config.served_model_names,
+        max_model_len,
+        engine.model_spec.vocab_size,
+    )
+    state.completion = OpenAIServingCompletion(*args)
+    state.chat = OpenAIServingChat(*args)
+    state.max_model_len = max_model_len
+    state.engine = async_llm
+
+
+async def _respond(raw: Request, work: Awaitable[Any]) -> Response:
+    """Run a handler until it answers or the client disconnects (then it is cancelled, which
+    aborts its engine requests and frees their blocks)."""
+    handler = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    done, _ = await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if handler not in done:
+        handler.cancel()
+        return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
+    watcher.cancel()
+    result = handler.result()
+    if isinstance(result, AsyncIterator):
+        return StreamingResponse(result, media_type="text/event-stream")
+    return JSONResponse(result.model_dump())
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,106 @@
+"""``kvpilot serve [MODEL]``: the OpenAI-compatible server (engine flags spelled as vLLM's).
+
+Imports nothing heavy at module level: ``kvpilot --help`` must not load torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
+
+API_KEY_ENV_VARS = ("KVPILOT_API_KEY", "VLLM_API_KEY")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the server flags and every engine flag (``EngineArgs.add_cli_args``)."""
+    parser.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help=f"model folder, .gguf file or Hub id (default: {DEFAULT_MODEL_NAME}, built in); "
+        "same as --model",
+    )
+    server = parser.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer <key>' on /v1 routes "
+        f"(default: ${API_KEY_ENV_VARS[0]} or ${API_KEY_ENV_VARS[1]})",
+    )
+    server.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=None,
+        help="answer 503 with Retry-After once this many requests wait (default: no limit)",
+    )
+    server.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=UVICORN_LOG_LEVELS,
+        help="uvicorn's log level",
+    )
+    EngineArgs.add_cli_args(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the server; returns the process exit code (1 when the model failed to load)."""
+    import logging
+
+    import uvicorn
+
+    from kvpilot.engine.server.app import ServerConfig, create_app
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise SystemExit(
+                f"kvpilot serve: got model {args.model_tag!r} and --model {args.model!r}; give one"
+            )
+        args.model = args.model_tag
+    if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
+        raise SystemExit("kvpilot serve: --max-waiting-requests must be at least 1")
+    args.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    try:
+        engine_args = EngineArgs.from_cli_args(args)
+    except ValueError as exc:
+        raise SystemExit(f"kvpilot serve: {exc}") from None
+    api_key = args.api_key or next(
+        (os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None
+    )
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+    def load_engine():
+        from kvpilot.engine.llm_engine import LLMEngine
+
+        return LLMEngine.from_engine_args(engine_args)
+
+    failed: list[BaseException] = []
+
+    def on_load_error(exc: BaseException) -> None:
+        failed.append(exc)
+        server.should_exit = True
+
+    app = create_app(
+        load_engine,
+        ServerConfig(
+            served_model_names=[args.served_model_name],
+            api_key=api_key,
+            max_waiting_requests=args.max_waiting_requests,
+        ),
+        on_load_error=on_load_error,
+    )
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=True
+        )
+    )
+    server.run()
+    return 1 if failed else 0

@@ -1,0 +1,329 @@
+"""OpenAI API request and response bodies (pydantic), with vLLM's extra sampling parameters.
+
+Field names are OpenAI's (https://platform.openai.com/docs/api-reference); where OpenAI has no
+name for an engine feature, vLLM's extension name is used (``top_k``, ``min_p``,
+``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``, ``ignore_eos``,
+``min_tokens``, ``skip_special_tokens``, ``spaces_between_special_tokens``). Unknown fields are
+accepted and ignored, as OpenAI and vLLM do.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from kvpilot.engine.sampling_params import SamplingParams
+
+# vLLM's default --max-logprobs: the most top logprobs one request may ask for.
+MAX_LOGPROBS = 20
+# Seeds are 64-bit signed integers (torch.Generator's range, as vLLM bounds them).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+
+
+class OpenAIModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool = False
+
+
+class _SamplingFields(OpenAIModel):
+    """Sampling parameters shared by completions and chat completions."""
+
+    model: str | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
+    top_k: int | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed when stream is true")
+        # Sequence i of n samples with seed + i.
+        if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
+            raise ValueError(f"seed: seed + n - 1 must be at most {SEED_MAX}")
+        return self
+
+    def to_sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, vocab_size: int
+    ) -> SamplingParams:
+        """Build the engine's ``SamplingParams``; unset OpenAI fields take vLLM's defaults.
+
+        Raises:
+            ValueError: a value out of range (message starts with the parameter name), or a
+                ``logit_bias`` key that is not a token id of the model.
+        """
+        logit_bias = None
+        if self.logit_bias:
+            logit_bias = {}
+            for key, value in self.logit_bias.items():
+                try:
+                    token_id = int(key)
+                except ValueError:
+                    raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
+                if not 0 <= token_id < vocab_size:
+                    raise ValueError(
+                        f"logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                    )
+                logit_bias[token_id] = value
+        for token_id in self.stop_token_ids or []:
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(
+                    f"stop_token_ids: token id {token_id} is outside the vocabulary [0, {vocab_size})"
+                )
+        defaults = SamplingParams()
+        return SamplingParams(
+            n=self.n,
+            temperature=_default(self.temperature, defaults.temperature),
+            top_p=_default(self.top_p, defaults.top_p),
+            top_k=_default(self.top_k, defaults.top_k),
+            min_p=_default(self.min_p, defaults.min_p),
+            seed=self.seed,
+            presence_penalty=_default(self.presence_penalty, defaults.presence_penalty),
+            frequency_penalty=_default(self.frequency_penalty, defaults.frequency_penalty),
+            repetition_penalty=_default(self.repetition_penalty, defaults.repetition_penalty),
+            logit_bias=logit_bias,
+            max_tokens=max_tokens,
+            min_tokens=self.min_tokens,
+            stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+        )
+
+
+def _default(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``. ``prompt``: text, token ids, or a batch of either."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_prompt_shape(cls, data: Any) -> Any:
+        # One clear message instead of pydantic's four union-member errors.
+        prompt = data.get("prompt") if isinstance(data, dict) else None
+        if prompt is None or isinstance(prompt, str):
+            return data
+        if isinstance(prompt, list):
+            kinds = {type(p) for p in prompt}
+            if (
+                kinds <= {str}
+                or kinds <= {int}
+                or (kinds <= {list} and all(type(t) is int for p in prompt for t in p))
+            ):
+                return data
+        raise ValueError(
+            "prompt: must be a string, a list of strings, a list of token ids or a list of "
+            "token id lists"
+        )
+
+    @model_validator(mode="after")
+    def _check_completion(self) -> CompletionRequest:
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of: only best_of == n is supported")
+        if self.suffix:
+            raise ValueError("suffix: not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt: must not be empty")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The batch of prompts: each a string or a list of token ids."""
+        if isinstance(self.prompt, str):
+            return [self.prompt]
+        if all(isinstance(p, int) for p in self.prompt):
+            return [list(self.prompt)]
+        return list(self.prompt)
+
+
+class TextContentPart(OpenAIModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(OpenAIModel):
+    role: str
+    content: str | list[TextContentPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``; the prompt is the model's chat template over ``messages``."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs: requires logprobs to be true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message: cannot be combined with add_generation_prompt"
+            )
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        """``max_completion_tokens`` (OpenAI's current name) wins over ``max_tokens``."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+class UsageInfo(OpenAIModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(OpenAIModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(OpenAIModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(OpenAIModel):
+    id: str
+    object: str = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class TopLogprob(OpenAIModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatChoiceLogprobs(OpenAIModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(OpenAIModel):
+    role: str = "assistant"
+    content: str | None = None
+
+
+class ChatCompletionChoice(OpenAIModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(OpenAIModel):
+    id: str
+    object: str = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionChoice]
+    usage: UsageInfo | None = None
+
+
+class DeltaMessage(OpenAIModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionStreamChoice(OpenAIModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatChoiceLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(OpenAIModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class ModelCard(OpenAIModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "kvpilot"
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(OpenAIModel):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class ErrorInfo(OpenAIModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int | str | None = None
+
+
+class ErrorResponse(OpenAIModel):
+    error: ErrorInfo

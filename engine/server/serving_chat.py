@@ -1,0 +1,208 @@
+"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from kvpilot.engine.async_llm import EngineError
+from kvpilot.engine.outputs import CompletionOutput
+from kvpilot.engine.server.errors import bad_request
+from kvpilot.engine.server.protocol import (
+    ChatChoiceLogprobs,
+    ChatCompletionChoice,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    DeltaMessage,
+    TopLogprob,
+)
+from kvpilot.engine.server.serving_engine import (
+    OpenAIServing,
+    RequestStream,
+    clamp_logprob,
+    new_request_id,
+    sse,
+    sse_error,
+)
+
+ASSISTANT = "assistant"
+
+
+class OpenAIServingChat(OpenAIServing):
+    """Handles chat completions: ``tokenizer.apply_chat_template(messages,
+    add_generation_prompt=True)`` renders the prompt, which is tokenized without adding special
+    tokens again (the template holds them), as vLLM does."""
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, arrival_time: float
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        """Run a chat completion request.
+
+        Returns:
+            The response, or for ``stream=true`` an iterator of Server-Sent Events.
+
+        Raises:
+            OpenAIError: 400 for invalid parameters or messages (including a template that
+                refuses them), 404 for an unknown model, 503 when the waiting queue is full.
+        """
+        self.check_model(request.model)
+        prompt_token_ids = self._render(request)
+        max_tokens = self.max_tokens_for(
+            len(prompt_token_ids), request.requested_max_tokens(), "messages"
+        )
+        params = self.sampling_params(request, max_tokens, request.num_logprobs())
+        request_id = new_request_id("chatcmpl")
+        stream = await self.add(
+            request_id, prompt_token_ids, params, arrival_time, request.cache_salt
+        )
+        echo = self._echo_text(request)
+        if request.stream:
+            return self._stream(request, request_id, len(prompt_token_ids), stream, echo)
+        try:
+            final = await self.final_output(stream)
+        finally:
+            stream.close()
+        choices = [
+            ChatCompletionChoice(
+                index=seq.index,
+                message=ChatResponseMessage(role=ASSISTANT, content=echo + seq.text),
+                logprobs=self._logprobs(seq, 0, request.top_logprobs),
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in final.outputs
+        ]
+        return ChatCompletionResponse(
+            id=request_id,
+            model=self.model_name,
+            choices=choices,
+            usage=self.usage(
+                len(prompt_token_ids), sum(len(seq.token_ids) for seq in final.outputs)
+            ),
+        )
+
+    def _render(self, request: ChatCompletionRequest) -> list[int]:
+        conversation = []
+        for message in request.messages:
+            entry = {"role": message.role, "content": message.text()}
+            if message.name is not None:
+                entry["name"] = message.name
+            conversation.append(entry)
+        if getattr(self.tokenizer, "chat_template", None) is None:
+            raise bad_request("messages: the model has no chat template", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation,
+                tokenize=False,
+                add_generation_prompt=request.add_generation_prompt,
+                continue_final_message=request.continue_final_message,
+                **(request.chat_template_kwargs or {}),
+            )
+        except Exception as exc:  # jinja2 errors from the template itself: the input's fault
+            raise bad_request(
+                f"messages: the chat template refused them: {exc}", "messages"
+            ) from None
+        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        if not token_ids:
+            raise bad_request("messages: the rendered prompt is empty", "messages")
+        return token_ids
+
+    @staticmethod
+    def _echo_text(request: ChatCompletionRequest) -> str:
+        """vLLM's chat ``echo``: the last message's content when it has the reply's role."""
+        if not request.echo:
+            return ""
+        last = request.messages[-1]
+        role = ASSISTANT if request.add_generation_prompt else last.role
+        return last.text() if last.role == role else ""
+
+    def _logprobs(
+        self, seq: CompletionOutput, start: int, top_logprobs: int | None
+    ) -> ChatChoiceLogprobs | None:
+        if seq.logprobs is None:
+            return None
+        content = []
+        for token_id, candidates in zip(seq.token_ids[start:], seq.logprobs[start:], strict=False):
+            sampled = candidates.get(token_id)
+            text = self.token_text(token_id, sampled)
+            ranked = sorted(candidates.items(), key=lambda item: item[1].rank or 0)
+            top = [
+                TopLogprob(
+                    token=self.token_text(t, lp),
+                    logprob=clamp_logprob(lp.logprob),
+                    bytes=list(self.token_text(t, lp).encode()),
+                )
+                for t, lp in ranked[: top_logprobs or 0]
+            ]
+            content.append(
+                ChatTokenLogprob(
+                    token=text,
+                    logprob=clamp_logprob(sampled.logprob if sampled else float("-inf")),
+                    bytes=list(text.encode()),
+                    top_logprobs=top,
+                )
+            )
+        return ChatChoiceLogprobs(content=content)
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        num_prompt_tokens: int,
+        stream: RequestStream,
+        echo: str,
+    ) -> AsyncIterator[str]:
+        def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+            return sse(
+                ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=choices)
+            )
+
+        n = request.n
+        for index in range(n):
+            # The first chunk of each choice carries the role, as OpenAI's does.
+            delta = DeltaMessage(role=ASSISTANT, content=echo)
+            yield chunk([ChatCompletionStreamChoice(index=index, delta=delta)])
+        sent_text = [0] * n
+        sent_tokens = [0] * n
+        num_tokens = [0] * n
+        finished = [False] * n
+        try:
+            async for output in stream:
+                for seq in output.outputs:
+                    index = seq.index
+                    num_tokens[index] = len(seq.token_ids)
+                    if finished[index]:
+                        continue
+                    text = seq.text[sent_text[index] :]
+                    logprobs = self._logprobs(seq, sent_tokens[index], request.top_logprobs)
+                    has_logprobs = logprobs is not None and bool(logprobs.content)
+                    if not text and not has_logprobs and seq.finish_reason is None:
+                        continue
+                    sent_text[index] = len(seq.text)
+                    sent_tokens[index] = len(seq.token_ids)
+                    finished[index] = seq.finish_reason is not None
+                    choice = ChatCompletionStreamChoice(
+                        index=index,
+                        delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                        logprobs=logprobs,
+                        finish_reason=seq.finish_reason,
+                        stop_reason=seq.stop_reason,
+                    )
+                    yield chunk([choice])
+            if request.stream_options and request.stream_options.include_usage:
+                yield sse(
+                    ChatCompletionStreamResponse(
+                        id=request_id,
+                        model=self.model_name,
+                        choices=[],
+                        usage=self.usage(num_prompt_tokens, sum(num_tokens)),
+                    )
+                )
+        except EngineError as exc:
+            yield sse_error(str(exc))
+        finally:
+            stream.close()
+        yield sse("[DONE]")

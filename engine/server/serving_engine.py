@@ -1,0 +1,225 @@
+"""What the completions and chat endpoints share: model check, prompt limits, engine calls, SSE.
+
+Named after vLLM's ``OpenAIServing`` base class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+from typing import Any
+
+from pydantic import BaseModel
+
+from kvpilot.engine.async_llm import AsyncLLM, EngineError, QueueFullError, RequestStream
+from kvpilot.engine.outputs import Logprob, RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.errors import OpenAIError, bad_request
+from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
+
+# JSON has no -inf; vLLM reports impossible tokens with this floor.
+MIN_LOGPROB = -9999.0
+# Seconds a client is told to wait after a 503 for a full queue.
+RETRY_AFTER_SECONDS = 1
+
+
+class OpenAIServing:
+    """Base of the endpoint handlers.
+
+    Args:
+        engine: the running ``AsyncLLM``.
+        tokenizer: the model's tokenizer for this (event loop) thread. Not the engine's own
+            object: the engine detokenizes on its worker thread, and a Rust tokenizer used from
+            two threads at once can fail with "Already borrowed".
+        served_model_names: names ``model`` may take; the first is reported in responses.
+        max_model_len: longest prompt + output in tokens.
+        vocab_size: the model's vocabulary size (bounds for token ids).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        tokenizer: Any,
+        served_model_names: list[str],
+        max_model_len: int,
+        vocab_size: int,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.served_model_names = served_model_names
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> None:
+        """Raises a 404 ``OpenAIError`` for a model this server does not serve."""
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(
+                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model"
+            )
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """Raises a 400 naming ``param`` when a token id lies outside the vocabulary."""
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise bad_request(
+                f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
+                param,
+            )
+
+    def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
+        """The output limit: ``requested`` or all room left, checked against ``max_model_len``.
+
+        Raises:
+            OpenAIError: 400 when the prompt alone (``param``) or prompt plus ``max_tokens``
+                exceeds ``max_model_len``, with vLLM's wording.
+        """
+        room = self.max_model_len - num_prompt_tokens
+        if room <= 0 or (requested is not None and requested > room):
+            wanted = num_prompt_tokens + (requested or 0)
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, "
+                f"you requested {wanted} tokens ({num_prompt_tokens} in the {param}, "
+                f"{requested or 0} in the completion). Please reduce the length of the "
+                f"{param} or completion.",
+                param if room <= 0 else "max_tokens",
+            )
+        return requested if requested is not None else room
+
+    def sampling_params(
+        self, request: Any, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        """``request.to_sampling_params`` with its ``ValueError`` turned into a 400."""
+        try:
+            return request.to_sampling_params(max_tokens, logprobs, self.vocab_size)
+        except ValueError as exc:
+            raise bad_request(exc) from None
+
+    async def add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+        cache_salt: str | None,
+    ) -> RequestStream:
+        """Submit to the engine, mapping refusals to HTTP errors (400, 503 + Retry-After)."""
+        try:
+            return await self.engine.add_request(
+                request_id,
+                {"prompt_token_ids": prompt_token_ids},
+                params,
+                arrival_time=arrival_time,
+                cache_salt=cache_salt,
+            )
+        except QueueFullError as exc:
+            raise OpenAIError(
+                HTTPStatus.SERVICE_UNAVAILABLE,
+                str(exc),
+                headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+            ) from None
+        except ValueError as exc:
+            raise bad_request(exc) from None
+        except EngineError as exc:
+            raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc)) from None
+
+    @staticmethod
+    async def final_output(stream: RequestStream) -> RequestOutput:
+        """Wait for a request to finish and return its last output."""
+        final = None
+        try:
+            async for output in stream:
+                final = output
+        except EngineError as exc:
+            raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc)) from None
+        if final is None or not final.finished:
+            raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the request ended unfinished")
+        return final
+
+    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
+        """The text of one token on its own (as logprobs report it)."""
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self._token_text[token_id] = text
+        return text
+
+    @staticmethod
+    def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+        return UsageInfo(
+            prompt_tokens=num_prompt_tokens,
+            completion_tokens=num_completion_tokens,
+            total_tokens=num_prompt_tokens + num_completion_tokens,
+        )
+
+
+def new_request_id(prefix: str) -> str:
+    """An id like OpenAI's: ``cmpl-<32 hex>`` / ``chatcmpl-<32 hex>``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> float:
+    """Arrival timestamps are ``time.time()`` seconds, as the engine's ``RequestMetrics``."""
+    return time.time()
+
+
+def clamp_logprob(value: float) -> float:
+    """A log-probability JSON can carry (``-inf`` becomes ``MIN_LOGPROB``)."""
+    return max(value, MIN_LOGPROB)
+
+
+def sse(payload: BaseModel | str) -> str:
+    """One Server-Sent Event carrying a JSON body (or the final ``[DONE]``)."""
+    data = payload if isinstance(payload, str) else payload.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+def sse_error(message: str) -> str:
+    """An error that happens after the stream started (status 200 already sent): one event
+    with OpenAI's error body, as vLLM sends it."""
+    status = HTTPStatus.INTERNAL_SERVER_ERROR
+    return sse(
+        ErrorResponse(
+            error=ErrorInfo(message=message, type="InternalServerError", code=int(status))
+        )
+    )
+
+
+async def merge_streams(
+    streams: list[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as outputs arrive: ``(stream index, output)``.
+
+    Every stream is closed (its request aborted if unfinished) when the consumer stops early.
+    """
+
+    async def next_item(i: int) -> tuple[int, RequestOutput | None]:
+        try:
+            return i, await anext(streams[i])
+        except StopAsyncIteration:
+            return i, None
+
+    pending = {asyncio.ensure_future(next_item(i)) for i in range(len(streams))}
+    try:
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i, output = task.result()
+                if output is None:
+                    continue
+                yield i, output
+                pending.add(asyncio.ensure_future(next_item(i)))
+    finally:
+        for task in pending:
+            task.cancel()
+        for stream in streams:
+            stream.close()

@@ -1,0 +1,58 @@
+"""``kvpilot serve`` as a command: flags, failures at startup, no heavy imports for --help."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from kvpilot.engine.server import cli
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def test_engine_flags_use_vllm_spellings_and_model_is_positional():
+    args = parse(
+        "some/model", "--port", "9000", "--max-model-len", "1024", "--max-num-seqs", "4",
+        "--block-size", "32", "--gpu-memory-utilization", "0.8", "--dtype", "float16",
+        "--served-model-name", "alias", "--max-waiting-requests", "7", "--api-key", "k",
+        "--no-enable-prefix-caching",
+    )  # fmt: skip
+    assert args.model_tag == "some/model"
+    assert (args.port, args.max_model_len, args.max_num_seqs, args.block_size) == (
+        9000,
+        1024,
+        4,
+        32,
+    )
+    assert (args.gpu_memory_utilization, args.dtype) == (0.8, "float16")
+    assert (args.served_model_name, args.max_waiting_requests, args.api_key) == ("alias", 7, "k")
+    assert args.enable_prefix_caching is False
+
+
+def test_module_imports_no_torch():
+    code = "import sys, kvpilot.engine.server.cli; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_conflicting_model_arguments_are_refused():
+    with pytest.raises(SystemExit, match="give one"):
+        cli.run(parse("a", "--model", "b"))
+
+
+def test_missing_model_exits_with_status_1_naming_it():
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpilot", "serve", "/no/such/model", "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert "/no/such/model" in result.stderr

@@ -1,0 +1,224 @@
+"""Error bodies, API keys, the waiting-queue limit and client disconnects, on a live server.
+
+The server runs one sequence at a time (``--max-num-seqs 1``) with room for one waiting
+request (``--max-waiting-requests 1``), so queueing is easy to provoke.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME as MODEL
+
+MAX_MODEL_LEN = 256
+LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server(
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--max-waiting-requests", "1"
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def http(server, api_key):
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
+    ) as client:
+        yield client
+
+
+def completion(**body) -> dict:
+    return {"model": MODEL, "prompt": "Hello", "max_tokens": 3, **body}
+
+
+def chat(**body) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 3,
+        **body,
+    }
+
+
+def assert_still_serving(http: httpx.Client) -> None:
+    response = http.post("/v1/completions", json=completion(temperature=0))
+    assert response.status_code == 200
+    assert response.json()["usage"]["completion_tokens"] == 3
+
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (COMPLETIONS, completion(temperature=-1), "temperature"),
+        (COMPLETIONS, completion(top_p=0), "top_p"),
+        (COMPLETIONS, completion(n=0), "n"),
+        (COMPLETIONS, completion(logprobs=21), "logprobs"),
+        (COMPLETIONS, completion(presence_penalty=3), "presence_penalty"),
+        (COMPLETIONS, completion(logit_bias={"banana": 1}), "logit_bias"),
+        (COMPLETIONS, completion(logit_bias={"99999999": 1}), "logit_bias"),
+        (COMPLETIONS, completion(stop_token_ids=[10**9]), "stop_token_ids"),
+        (COMPLETIONS, completion(min_tokens=5, max_tokens=2), "min_tokens"),
+        (COMPLETIONS, completion(stop=["ok", ""]), "stop"),
+        (COMPLETIONS, completion(prompt=""), "prompt"),
+        (COMPLETIONS, completion(prompt=[[]]), "prompt"),
+        (COMPLETIONS, completion(prompt=[10**9]), "prompt"),
+        (COMPLETIONS, completion(prompt="hello " * 300), "prompt"),
+        (COMPLETIONS, completion(max_tokens=MAX_MODEL_LEN), "max_tokens"),
+        (COMPLETIONS, completion(max_tokens=0), "max_tokens"),
+        (COMPLETIONS, completion(stream_options={"include_usage": True}), "stream_options"),
+        (COMPLETIONS, completion(prompt=None), "prompt"),
+        (COMPLETIONS, completion(prompt=["text", 1]), "prompt"),
+        (COMPLETIONS, completion(seed=2**64), "seed"),
+        (COMPLETIONS, completion(seed=2**63 - 1, n=2), "seed"),
+        (CHAT, chat(messages=[]), "messages"),
+        (CHAT, chat(top_logprobs=2), "top_logprobs"),
+        (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
+        (CHAT, chat(messages=[{"role": "user", "content": "hi " * 300}]), "messages"),
+        (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens"),
+    ],
+)
+def test_invalid_parameters_get_400_with_openai_error_body(http, path, body, param):
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError"
+    assert error["param"] == param
+    assert error["code"] == 400
+    assert error["message"]
+
+
+def test_malformed_json_is_a_400(http):
+    response = http.post(
+        COMPLETIONS, content=b"{not json", headers={"Content-Type": "application/json"}
+    )
+    assert response.status_code == 400
+    assert response.json()["error"]["type"] == "BadRequestError"
+    assert_still_serving(http)
+
+
+def test_openai_client_sees_bad_request_and_not_found(server, api_key, http):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, temperature=-0.5)
+    assert bad.value.body["param"] == "temperature"
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(
+            model="no-such-model", messages=[{"role": "user", "content": "Hi"}]
+        )
+    assert missing.value.status_code == 404
+    assert "no-such-model" in missing.value.body["message"]
+    assert missing.value.body["param"] == "model"
+    assert_still_serving(http)
+
+
+def test_api_key_is_required_on_v1_only(server, api_key, http):
+    assert httpx.get(f"{server.url}/v1/models").status_code == 401
+    wrong = httpx.post(
+        f"{server.url}{COMPLETIONS}",
+        json=completion(),
+        headers={"Authorization": "Bearer wrong"},
+    )
+    assert wrong.status_code == 401
+    assert wrong.json()["error"]["type"] == "AuthenticationError"
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        client.models.list()
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+    assert http.get("/v1/models").status_code == 200
+
+
+def open_stream(http: httpx.Client, stack: contextlib.ExitStack, **body) -> Iterator[dict]:
+    """Start a streamed completion; yields its chunks. The connection stays open until
+    ``stack`` closes (a generator of ``iter_lines`` left behind would close it early)."""
+    response = stack.enter_context(
+        http.stream("POST", COMPLETIONS, json=completion(stream=True, **body))
+    )
+    assert response.status_code == 200
+    return (
+        json.loads(line.removeprefix("data: "))
+        for line in response.iter_lines()
+        if line.startswith("data: ") and line != "data: [DONE]"
+    )
+
+
+def take(chunks: Iterator[dict], count: int) -> list[dict]:
+    return [next(chunks) for _ in range(count)]
+
+
+def idle(server) -> bool:
+    metrics = server.metrics()
+
+    def value(name: str) -> float:
+        return metrics[(name, (("model_name", MODEL),))]
+
+    return (
+        value("vllm:num_requests_running") == 0
+        and value("vllm:num_requests_waiting") == 0
+        and value("kvpilot:kv_cache_free_blocks") == value("kvpilot:kv_cache_total_blocks")
+    )
+
+
+def aborted(server) -> float:
+    return server.metric("vllm:request_success_total", finished_reason="abort")
+
+
+def test_disconnect_mid_stream_frees_blocks_and_bad_input_does_not_disturb(server, http):
+    aborts = aborted(server)
+    with contextlib.ExitStack() as stack:
+        chunks = open_stream(http, stack, **LONG)
+        first = take(chunks, 2)
+        assert server.metric("vllm:num_requests_running") == 1
+        assert server.metric("vllm:kv_cache_usage_perc") > 0
+        total = server.metric("kvpilot:kv_cache_total_blocks")
+        assert server.metric("kvpilot:kv_cache_free_blocks") < total
+        # Bad input while a request streams: a 400, and the stream goes on.
+        assert http.post(COMPLETIONS, json=completion(top_p=7)).status_code == 400
+        more = take(chunks, 2)
+        assert {c["id"] for c in first + more} == {first[0]["id"]}
+    server.wait_for(lambda: idle(server))
+    assert aborted(server) == aborts + 1
+    assert_still_serving(http)
+
+
+def test_full_waiting_queue_gets_503_with_retry_after(server, http):
+    aborts = aborted(server)
+    with contextlib.ExitStack() as stack:
+        running = open_stream(http, stack, **LONG)
+        take(running, 1)
+        open_stream(http, stack, **LONG)  # waits: one sequence runs at a time
+        server.wait_for(lambda: server.metric("vllm:num_requests_waiting") == 1)
+        refused = http.post(COMPLETIONS, json=completion())
+        assert refused.status_code == 503
+        assert int(refused.headers["Retry-After"]) >= 1
+        assert refused.json()["error"]["type"] == "ServiceUnavailableError"
+        assert len(take(running, 3)) == 3  # the running request is not disturbed
+    server.wait_for(lambda: idle(server))
+    assert aborted(server) == aborts + 2
+    assert_still_serving(http)
+
+
+def test_non_streaming_client_that_gives_up_aborts_its_request(server, api_key, http):
+    aborts = aborted(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(
+            f"{server.url}{COMPLETIONS}",
+            json=completion(**LONG),
+            headers={"Authorization": f"Bearer {api_key}"},
+            timeout=httpx.Timeout(10, read=1.0),
+        )
+    server.wait_for(lambda: aborted(server) == aborts + 1)
+    server.wait_for(lambda: idle(server))
+    assert_still_serving(http)

@@ -1,0 +1,330 @@
+"""The official ``openai`` client against a live ``kvpilot serve`` on the default model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+import torch
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME as MODEL
+
+MAX_MODEL_LEN = 512
+PROMPT = "The capital of France is"
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+@pytest.fixture(scope="module")
+def server(start_server):
+    return start_server("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8")
+
+
+@pytest.fixture(scope="module")
+def client(server, api_key) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(server) -> Iterator[LLM]:
+    """The offline API on the same model: the server must give the same greedy tokens.
+
+    One torch thread while it shares the cores with the server process: two processes with
+    two spinning OpenMP threads each on two cores run several times slower.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LLM(max_model_len=MAX_MODEL_LEN)
+    torch.set_num_threads(threads)
+
+
+def offline_text(offline: LLM, prompt: str, **params) -> str:
+    [output] = offline.generate([prompt], SamplingParams(**params), use_tqdm=False)
+    return output.outputs[0].text
+
+
+def chat_prompt(offline: LLM, messages) -> str:
+    tokenizer = offline.get_tokenizer()
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def stream_completion(client, **kwargs) -> tuple[dict[int, str], dict[int, str], list]:
+    """Concatenated text and finish reason per choice index, plus every chunk."""
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    chunks = list(client.completions.create(stream=True, **kwargs))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, chunks
+
+
+def stream_chat(client, **kwargs) -> tuple[dict[int, str], dict[int, str], list]:
+    texts: dict[int, str] = {}
+    reasons: dict[int, str] = {}
+    chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    return texts, reasons, chunks
+
+
+def test_models_and_version(client, server):
+    [card] = client.models.list().data
+    assert card.id == MODEL
+    assert card.model_extra["max_model_len"] == MAX_MODEL_LEN
+    assert httpx.get(f"{server.url}/version").json()["version"]
+
+
+def test_greedy_completion_equals_offline_llm(client, offline):
+    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    [choice] = response.choices
+    assert choice.text == offline_text(offline, PROMPT, temperature=0, max_tokens=16)
+    assert choice.finish_reason == "length"
+    assert response.usage.completion_tokens == 16
+    assert response.usage.prompt_tokens == len(offline.get_tokenizer().encode(PROMPT))
+    assert response.usage.total_tokens == response.usage.prompt_tokens + 16
+
+
+def test_greedy_chat_equals_offline_llm_on_the_chat_template(client, offline):
+    response = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_completion_tokens=12, temperature=0
+    )
+    [choice] = response.choices
+    prompt = chat_prompt(offline, CHAT)
+    assert choice.message.role == "assistant"
+    assert choice.message.content == offline_text(offline, prompt, temperature=0, max_tokens=12)
+    assert response.usage.prompt_tokens == len(offline.get_tokenizer().encode(prompt))
+
+
+def test_streamed_completion_equals_non_streamed(client):
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
+    full = client.completions.create(**kwargs)
+    texts, reasons, chunks = stream_completion(
+        client, stream_options={"include_usage": True}, **kwargs
+    )
+    assert texts == {0: full.choices[0].text}
+    assert reasons == {0: full.choices[0].finish_reason}
+    assert len(chunks) > 3  # really incremental
+    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+
+
+def test_streamed_chat_equals_non_streamed(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
+    full = client.chat.completions.create(**kwargs)
+    texts, reasons, chunks = stream_chat(client, stream_options={"include_usage": True}, **kwargs)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert texts == {0: full.choices[0].message.content}
+    assert reasons == {0: full.choices[0].finish_reason}
+    assert chunks[-1].usage == full.usage
+
+
+def test_n_choices_streamed_and_not(client):
+    kwargs = dict(
+        model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7, n=3,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    full = client.completions.create(**kwargs)
+    assert sorted(c.index for c in full.choices) == [0, 1, 2]
+    assert all(c.finish_reason == "length" for c in full.choices)
+    assert full.usage.completion_tokens == 3 * 6
+    assert len({c.text for c in full.choices}) > 1  # seeds seed, seed+1, seed+2 differ
+    texts, reasons, _ = stream_completion(client, **kwargs)
+    assert texts == {c.index: c.text for c in full.choices}
+    assert reasons == {0: "length", 1: "length", 2: "length"}
+
+
+def test_seed_reproduces_sampled_output(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=16, temperature=0.9)
+    first = client.chat.completions.create(seed=1234, **kwargs).choices[0].message.content
+    again = client.chat.completions.create(seed=1234, **kwargs).choices[0].message.content
+    other = client.chat.completions.create(seed=4321, **kwargs).choices[0].message.content
+    assert first == again
+    assert first != other
+
+
+def test_stop_string_split_across_tokens_is_not_emitted(client, offline):
+    full = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=0
+    ).choices[0]
+    tokens = full.logprobs.tokens
+    # A stop string made of the end of token 2 and the start of token 3.
+    stop = tokens[2][-2:] + tokens[3][:2]
+    assert stop not in tokens[2] and stop not in tokens[3]
+    expected = full.text[: full.text.index(stop)]
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop])
+    stopped = client.completions.create(**kwargs).choices[0]
+    assert (stopped.text, stopped.finish_reason) == (expected, "stop")
+    assert stopped.model_extra["stop_reason"] == stop
+    texts, reasons, chunks = stream_completion(client, **kwargs)
+    assert texts == {0: expected} and reasons == {0: "stop"}
+    assert all(stop not in c.text for chunk in chunks for c in chunk.choices)
+    included = client.completions.create(
+        extra_body={"include_stop_str_in_output": True}, **kwargs
+    ).choices[0]
+    assert included.text == expected + stop
+
+
+def test_completion_logprobs_match_offline_llm(client, offline):
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=3
+    )
+    logprobs = response.choices[0].logprobs
+    [reference] = offline.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False
+    )
+    expected = reference.outputs[0]
+    assert "".join(logprobs.tokens) == response.choices[0].text
+    assert len(logprobs.token_logprobs) == 8
+    for i, (token_id, candidates) in enumerate(
+        zip(expected.token_ids, expected.logprobs, strict=True)
+    ):
+        assert logprobs.token_logprobs[i] == pytest.approx(candidates[token_id].logprob, abs=1e-4)
+        # Greedy: the chosen token is the most likely one.
+        assert logprobs.token_logprobs[i] == pytest.approx(max(logprobs.top_logprobs[i].values()))
+        assert len(logprobs.top_logprobs[i]) >= 3
+    assert logprobs.text_offset[0] == 0
+    assert logprobs.text_offset[1] == len(logprobs.tokens[0])
+
+
+def test_chat_logprobs(client):
+    response = client.chat.completions.create(
+        model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2
+    )
+    choice = response.choices[0]
+    content = choice.logprobs.content
+    assert len(content) == response.usage.completion_tokens
+    assert "".join(t.token for t in content) == choice.message.content
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+        assert token.logprob == pytest.approx(token.top_logprobs[0].logprob)
+        assert bytes(token.bytes).decode() == token.token
+
+
+@pytest.mark.parametrize(
+    ("prompt", "pattern"),
+    [
+        ("English: hello\nChinese: 你好\nEnglish: world\nChinese: 世界\nEnglish: thank you\nChinese:", "CJK"),
+        ("Rocket: 🚀\nParty: 🎉\nHeart: ❤️\nFire: 🔥\nSmile:", "emoji"),
+    ],
+)  # fmt: skip
+def test_non_ascii_text_streams_byte_safe(client, prompt, pattern):
+    kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=["\n"])
+    full = client.completions.create(logprobs=0, **kwargs).choices[0]
+    # Some character of the answer is split over several tokens (each alone is not valid UTF-8).
+    assert any("\ufffd" in token for token in full.logprobs.tokens)
+    assert "\ufffd" not in full.text and any(ord(c) > 0x2E80 for c in full.text), pattern
+    texts, _, chunks = stream_completion(client, **kwargs)
+    assert texts == {0: full.text}
+    assert all("\ufffd" not in c.text for chunk in chunks for c in chunk.choices)
+
+
+def test_sampling_parameters_reach_the_engine(client, offline):
+    params = dict(
+        max_tokens=12, temperature=0, presence_penalty=0.5, frequency_penalty=0.5,
+        repetition_penalty=1.3, min_tokens=4,
+    )  # fmt: skip
+    response = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=12,
+        temperature=0,
+        presence_penalty=0.5,
+        frequency_penalty=0.5,
+        extra_body={"repetition_penalty": 1.3, "min_tokens": 4, "top_k": 20, "min_p": 0.05},
+    )
+    assert response.choices[0].text == offline_text(offline, PROMPT, **params)
+    assert response.choices[0].text != offline_text(offline, PROMPT, max_tokens=12, temperature=0)
+
+
+def test_logit_bias_forces_a_token(client, offline):
+    token_id = offline.get_tokenizer().encode(" banana")[0]
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, logit_bias={str(token_id): 100}
+    )
+    assert response.choices[0].text == offline.get_tokenizer().decode([token_id] * 4)
+
+
+def test_stop_token_ids_and_echo(client, offline):
+    tokenizer = offline.get_tokenizer()
+    full = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, echo=True
+    ).choices[0]
+    assert full.text.startswith(PROMPT)
+    generated_ids = tokenizer.encode(full.text[len(PROMPT) :])
+    response = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"stop_token_ids": [generated_ids[2]]},
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop"
+    assert choice.model_extra["stop_reason"] == generated_ids[2]
+    assert response.usage.completion_tokens == 3
+    assert choice.text == tokenizer.decode(generated_ids[:2])
+
+
+def test_batch_of_token_id_prompts(client, offline):
+    tokenizer = offline.get_tokenizer()
+    batch = [tokenizer.encode(PROMPT), tokenizer.encode("Once upon a time")]
+    response = client.completions.create(model=MODEL, prompt=batch, max_tokens=5, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert response.choices[0].text == offline_text(offline, PROMPT, temperature=0, max_tokens=5)
+    assert response.usage.prompt_tokens == len(batch[0]) + len(batch[1])
+
+
+def test_metrics_move_as_requests_run(client, server):
+    before = server.metrics()
+
+    def value(metrics, name, **labels):
+        labels.setdefault("model_name", MODEL)
+        return metrics[(name, tuple(sorted(labels.items())))]
+
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = server.metrics()
+
+    def delta(name, **labels):
+        return value(after, name, **labels) - value(before, name, **labels)
+
+    assert delta("vllm:request_success_total", finished_reason="length") == 1
+    assert delta("vllm:prompt_tokens_total") == response.usage.prompt_tokens
+    assert delta("vllm:generation_tokens_total") == 7
+    assert delta("vllm:time_to_first_token_seconds_count") == 1
+    assert delta("vllm:e2e_request_latency_seconds_count") == 1
+    assert delta("vllm:inter_token_latency_seconds_count") == 6
+    assert delta("vllm:request_generation_tokens_sum") == 7
+    assert delta("vllm:e2e_request_latency_seconds_sum") > 0
+    assert value(after, "vllm:num_requests_running") == 0
+    assert value(after, "vllm:kv_cache_usage_perc") == 0
+    total = value(after, "kvpilot:kv_cache_total_blocks")
+    assert value(after, "kvpilot:kv_cache_free_blocks") == total
+    assert value(after, "kvpilot:kv_cache_capacity_tokens") == total * 16
+    assert value(after, "kvpilot:max_concurrency") == pytest.approx(total * 16 / MAX_MODEL_LEN)
+    [info] = [labels for name, labels in after if name == "vllm:cache_config_info"]
+    assert dict(info)["block_size"] == "16"
+    assert dict(info)["num_gpu_blocks"] == str(int(total))
+
+
+def test_prefix_cache_counters_move_on_a_repeated_prompt(client, server):
+    prompt = "Kubernetes schedules pods onto nodes; each pod runs one or more containers. " * 3
+    before = server.metric("vllm:prefix_cache_hits_total")
+    queries = server.metric("vllm:prefix_cache_queries_total")
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0)
+    hits = server.metric("vllm:prefix_cache_hits_total") - before
+    # The second request reuses every full 16-token block but the one holding the last token
+    # (its logits are needed); the first found nothing (the text is unique to this test).
+    prompt_tokens = first.usage.prompt_tokens
+    assert hits == (prompt_tokens - 1) // 16 * 16 > 0
+    assert server.metric("vllm:prefix_cache_queries_total") - queries == 2 * prompt_tokens
