@@ -1,0 +1,616 @@
+"""kopf handlers for ``LLMDeployment``: thin wrappers around one level-triggered reconcile.
+
+Every trigger runs the same :func:`reconcile`, which reads the object as it is now and makes
+the world match it: create, update and resume of an LLMDeployment, a periodic resync timer
+(repairs drift of the children), and any event of a child Deployment (its rollout and
+readiness feed the parent's status). Running it twice changes nothing the second time.
+
+One reconcile:
+
+1. :func:`size` (pure, given the model loader): validate the spec (``spec.parse_spec``), read
+   the model's config.json (``model_source``, cached), plan it (``planner.plan_for_spec``);
+   :func:`shaped` then plans the replica shape the autoscaler chose, if any.
+2. Apply the children (``manifests.children``, owned by the LLMDeployment) with
+   :func:`kvpilot.operator.apply.apply_child`: created, patched, or left alone.
+3. :func:`desired_status` (pure): conditions ``Sized``, ``Progressing``, ``Ready``,
+   ``Degraded`` with ``observedGeneration``, plus ``plan``, ``replicas``, ``readyReplicas``,
+   ``selector``, ``endpoint``, ``model``; written to the status subresource only if it differs.
+4. Kubernetes Events for decisions and errors: :func:`transition_events` (a condition that
+   changed) and one per child created or updated; none when nothing changed.
+
+An invalid spec or a model that does not fit is reported in the conditions (and an Event) and
+creates nothing; the handler still succeeds, so there is no retry loop. API conflicts and
+outages are retried inside the reconcile, then handed to kopf as ``TemporaryError``.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import dataclasses
+import datetime
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import kopf
+import urllib3
+
+from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.operator import conditions, manifests
+from kvpilot.operator.apply import (
+    KubeApiError,
+    KubeClient,
+    OwnershipConflict,
+    TransientApiError,
+    apply_child,
+    patch_status,
+)
+from kvpilot.operator.autoscaler import apply_shape
+from kvpilot.operator.model_source import load_model_spec
+from kvpilot.operator.operator_metrics import OperatorMetrics
+from kvpilot.operator.planner import Plan, PlanError, plan_for_spec
+from kvpilot.operator.spec import (
+    LLMDeploymentSpec,
+    ModelSource,
+    SpecError,
+    parse_spec,
+    validate_name,
+)
+
+GROUP, VERSION, PLURAL = "kvpilot.dev", "v1alpha1", "llmdeployments"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "LLMDeployment"
+INVALID_SPEC = "InvalidSpec"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# A reconcile re-reads its object and tries again this often when its status write conflicts.
+STATUS_CONFLICT_ATTEMPTS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class HandlerConfig:
+    """Operator-wide settings of the handlers.
+
+    Attributes:
+        engine_image: image for LLMDeployments without ``spec.image``.
+        resync_interval: seconds between timer-driven reconciles of each object.
+        retry_delay: seconds kopf waits before retrying a reconcile that hit API trouble.
+        model_config_ttl: seconds a model's config.json is reused before it is read again.
+    """
+
+    engine_image: str
+    resync_interval: float = 300.0
+    retry_delay: float = 10.0
+    model_config_ttl: float = 600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizing:
+    """A spec read and planned: ``spec`` and ``plan``, or a failure ``reason`` and ``message``.
+
+    ``spec`` is set whenever the spec itself is valid (even if planning failed).
+    """
+
+    spec: LLMDeploymentSpec | None = None
+    plan: Plan | None = None
+    reason: str | None = None
+    message: str = ""
+
+    @property
+    def ok(self) -> bool:
+        """Whether there is a plan to deploy."""
+        return self.plan is not None
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """A Kubernetes Event to post about the LLMDeployment (``type`` Normal or Warning)."""
+
+    type: str
+    reason: str
+    message: str
+
+
+# ---- pure decisions ---------------------------------------------------------------------------
+
+
+def size(
+    body: dict[str, Any], load_model: Callable[[ModelSource], ModelSpec], engine_image: str
+) -> Sizing:
+    """Validate ``body``'s name and spec and plan it; never raises for bad input.
+
+    ``load_model`` reads the model's config (``model_source.load_model_spec``); it may raise
+    ``PlanError`` (e.g. ``ConfigUnavailable``), which becomes the failure reason.
+    """
+    raw_spec = body.get("spec") or {}
+    try:
+        validate_name(body["metadata"]["name"])
+        spec = parse_spec(raw_spec)
+    except SpecError as exc:
+        return Sizing(reason=INVALID_SPEC, message=str(exc))
+    if "image" not in raw_spec:
+        spec = dataclasses.replace(spec, image=engine_image)
+    try:
+        plan = plan_for_spec(spec, load_model(spec.model))
+    except PlanError as exc:
+        return Sizing(spec=spec, reason=exc.reason, message=exc.message)
+    return Sizing(spec=spec, plan=plan)
+
+
+def shaped(
+    sizing: Sizing, body: dict[str, Any], load_model: Callable[[ModelSource], ModelSpec]
+) -> Sizing:
+    """``sizing`` with the autoscaler's chosen shape (``autoscaler.SHAPE_ANNOTATION``) planned.
+
+    The autoscaler's "bigger, not more" decision records a larger replica shape in that
+    annotation; the reconciler rolls it out. Specs that fix ``tensorParallelSize``, and CPU
+    mode, keep their own shape. A malformed annotation is reported as ``InvalidShape``.
+    """
+    if sizing.spec is None:
+        return sizing
+    try:
+        spec = apply_shape(sizing.spec, body["metadata"].get("annotations") or {})
+    except SpecError as exc:
+        return Sizing(spec=sizing.spec, reason="InvalidShape", message=str(exc))
+    if spec is sizing.spec:
+        return sizing
+    try:
+        return Sizing(spec=spec, plan=plan_for_spec(spec, load_model(spec.model)))
+    except PlanError as exc:
+        return Sizing(spec=spec, reason=exc.reason, message=exc.message)
+
+
+def plan_summary(plan: Plan) -> str:
+    """One line for people: the shape of a replica and what its KV cache holds."""
+    device = "CPU" if plan.gpus_per_replica == 0 else f"{plan.gpus_per_replica} x {plan.gpu_type}"
+    utilization = (
+        ""
+        if plan.gpu_memory_utilization is None
+        else f", gpu_memory_utilization {plan.gpu_memory_utilization:g}"
+    )
+    return (
+        f"{device} per replica (tensor_parallel_size {plan.tensor_parallel_size}{utilization}, {plan.dtype}); "
+        f"KV cache {plan.kv_capacity_tokens} tokens = {plan.max_concurrency} sequences of {plan.max_model_len}"
+    )
+
+
+def _model_name(spec: LLMDeploymentSpec) -> str:
+    model = spec.model
+    return model.served_model_name or model.location or model.source or DEFAULT_MODEL_NAME
+
+
+def _rollout(deployment: dict[str, Any] | None) -> tuple[int, int, int, bool]:
+    """(desired, existing, ready replicas, rollout finished) of a live Deployment."""
+    if deployment is None:
+        return 0, 0, 0, False
+    status = deployment.get("status") or {}
+    desired = (deployment.get("spec") or {}).get("replicas", 1)
+    existing, ready = status.get("replicas", 0), status.get("readyReplicas", 0)
+    observed = status.get("observedGeneration", 0) >= deployment["metadata"].get("generation", 1)
+    finished = (
+        observed
+        and status.get("updatedReplicas", 0) >= desired
+        and ready >= desired
+        and existing <= desired
+    )
+    return desired, existing, ready, finished
+
+
+def _deployment_failure(deployment: dict[str, Any] | None) -> tuple[str, str] | None:
+    """(reason, message) when the Deployment controller reports a failure."""
+    for cond in ((deployment or {}).get("status") or {}).get("conditions") or []:
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            return cond.get("reason") or "ReplicaFailure", cond.get("message", "")
+        if cond.get("type") == "Progressing" and cond.get("reason") == "ProgressDeadlineExceeded":
+            return "ProgressDeadlineExceeded", cond.get("message", "")
+    return None
+
+
+def desired_status(
+    body: dict[str, Any],
+    sizing: Sizing,
+    deployment: dict[str, Any] | None,
+    *,
+    now: datetime.datetime,
+    apply_failure: tuple[str, str] | None = None,
+) -> dict[str, Any]:
+    """The status the LLMDeployment should have, from its sizing and its live Deployment.
+
+    Args:
+        body: the LLMDeployment as read (its status supplies the previous conditions).
+        sizing: the result of :func:`size`.
+        deployment: the live child Deployment, or None.
+        now: the time of any condition transition.
+        apply_failure: (reason, message) when the children could not be applied.
+
+    Returns:
+        A ``status`` with every field the operator owns (the autoscaler's are left out).
+    """
+    meta = body["metadata"]
+    name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
+    previous = (body.get("status") or {}).get("conditions") or []
+    desired, existing, ready, finished = _rollout(deployment)
+
+    def put(
+        conds: list[dict[str, Any]], type_: str, state: bool, reason: str, message: str
+    ) -> list[dict[str, Any]]:
+        return conditions.set_condition(
+            conds,
+            type_,
+            state,
+            reason=reason,
+            message=message,
+            observed_generation=generation,
+            now=now,
+        )
+
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "replicas": existing,
+        "readyReplicas": ready,
+        "selector": manifests.selector(name),
+        "endpoint": manifests.endpoint(name, namespace),
+    }
+    if sizing.spec is not None:
+        status["model"] = _model_name(sizing.spec)
+    conds = previous
+    if sizing.ok:
+        assert sizing.plan is not None
+        status["plan"] = sizing.plan.to_status()
+        conds = put(conds, conditions.SIZED, True, "Planned", plan_summary(sizing.plan))
+    else:
+        conds = put(conds, conditions.SIZED, False, sizing.reason or INVALID_SPEC, sizing.message)
+
+    if not sizing.ok:
+        conds = put(
+            conds,
+            conditions.PROGRESSING,
+            False,
+            "NotSized",
+            "nothing is rolled out until the spec can be planned",
+        )
+    elif deployment is None or not finished:
+        conds = put(
+            conds, conditions.PROGRESSING, True, "RollingOut", f"{ready}/{desired} replicas ready"
+        )
+    else:
+        conds = put(
+            conds,
+            conditions.PROGRESSING,
+            False,
+            "RolloutComplete",
+            f"{ready}/{desired} replicas updated and ready",
+        )
+
+    if deployment is None:
+        conds = put(
+            conds, conditions.READY, False, "NoDeployment", "the engine Deployment does not exist"
+        )
+    elif desired == 0:
+        conds = put(conds, conditions.READY, False, "ScaledToZero", "spec.replicas is 0")
+    elif ready >= desired:
+        conds = put(
+            conds, conditions.READY, True, "ReplicasReady", f"{ready}/{desired} replicas ready"
+        )
+    else:
+        conds = put(
+            conds, conditions.READY, False, "ReplicasNotReady", f"{ready}/{desired} replicas ready"
+        )
+
+    failure = (
+        (sizing.reason or INVALID_SPEC, sizing.message)
+        if not sizing.ok
+        else apply_failure or _deployment_failure(deployment)
+    )
+    if failure is None:
+        conds = put(conds, conditions.DEGRADED, False, "AsExpected", "no failures")
+    else:
+        conds = put(conds, conditions.DEGRADED, True, failure[0], failure[1])
+    status["conditions"] = conds
+    return status
+
+
+def transition_events(previous: list[dict[str, Any]], current: list[dict[str, Any]]) -> list[Event]:
+    """Events for condition changes worth telling people; a steady state posts none.
+
+    - ``Sized``: every new outcome (a new plan is a decision; a failure is a warning);
+    - ``Degraded``: becoming true or failing differently (warning, unless ``Sized`` just
+      reported the same reason), recovering (normal);
+    - ``Ready``: becoming true (normal), or false after having been true (warning).
+    """
+    events = []
+    for cond in current:
+        before = conditions.get_condition(previous, cond["type"]) or {}
+        is_true, was_true = cond["status"] == "True", before.get("status") == "True"
+        message = f"{cond['type']}={cond['status']}: {cond['message']}"
+        if cond["type"] == conditions.SIZED:
+            if (before.get("status"), before.get("reason"), before.get("message")) != (
+                cond["status"],
+                cond["reason"],
+                cond["message"],
+            ):
+                events.append(Event("Normal" if is_true else "Warning", cond["reason"], message))
+        elif cond["type"] == conditions.DEGRADED:
+            reported = any(e.reason == cond["reason"] for e in events)
+            if (
+                is_true
+                and not reported
+                and (not was_true or before.get("reason") != cond["reason"])
+            ):
+                events.append(Event("Warning", cond["reason"], message))
+            elif was_true and not is_true:
+                events.append(Event("Normal", "Recovered", message))
+        elif cond["type"] == conditions.READY and is_true != was_true and (is_true or before):
+            events.append(Event("Normal" if is_true else "Warning", cond["reason"], message))
+    return events
+
+
+# ---- side effects -----------------------------------------------------------------------------
+
+
+class ModelCache:
+    """``load_model_spec`` results kept for ``ttl`` seconds (hub fetches are network calls).
+
+    Keyed by the model source without inline configs (those are read directly, not cached).
+    """
+
+    # One read at a time across all caches (the reconciler's and the autoscaler's): reading the
+    # built-in model imports transformers, whose lazy imports break when two threads race.
+    _reads = threading.Lock()
+
+    def __init__(self, client: KubeClient, ttl: float) -> None:
+        self._client = client
+        self._ttl = ttl
+        self._entries: dict[tuple[Any, ...], tuple[float, ModelSpec]] = {}
+
+    def load(self, source: ModelSource, namespace: str) -> ModelSpec:
+        """The model's sizes; reads the Hugging Face token Secret when the spec names one.
+
+        Raises:
+            PlanError: as ``model_source.load_model_spec``.
+        """
+        if source.config is not None:
+            return load_model_spec(source)
+        key = (
+            source.scheme,
+            source.location,
+            source.revision,
+            source.hf_token_secret_name,
+            namespace,
+        )
+        with ModelCache._reads:
+            hit = self._entries.get(key)
+            if hit is not None and time.monotonic() - hit[0] < self._ttl:
+                return hit[1]
+            model = load_model_spec(source, token=self._token(source, namespace))
+            self._entries[key] = (time.monotonic(), model)
+            return model
+
+    def _token(self, source: ModelSource, namespace: str) -> str | None:
+        if source.scheme != "hf" or source.hf_token_secret_name is None:
+            return None
+        try:
+            secret = self._client.request(
+                "GET", f"/api/v1/namespaces/{namespace}/secrets/{source.hf_token_secret_name}"
+            )
+        except KubeApiError as exc:
+            raise PlanError(
+                "ConfigUnavailable",
+                f"cannot read Secret {source.hf_token_secret_name} for the hub token: {exc.message}",
+            ) from exc
+        value = (secret.get("data") or {}).get(source.hf_token_secret_key)
+        if value is None:
+            raise PlanError(
+                "ConfigUnavailable",
+                f"Secret {source.hf_token_secret_name} has no key {source.hf_token_secret_key!r}",
+            )
+        return base64.b64decode(value).decode().strip()
+
+
+_locks: dict[tuple[str, str], threading.Lock] = {}
+_locks_guard = threading.Lock()
+
+
+def _object_lock(namespace: str, name: str) -> threading.Lock:
+    # Triggers run in kopf's thread pool; one reconcile per object at a time avoids racing
+    # creates and stale status writes.
+    with _locks_guard:
+        return _locks.setdefault((namespace, name), threading.Lock())
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What every handler shares: the API client, the model cache, metrics, settings, poster."""
+
+    client: KubeClient
+    models: ModelCache
+    metrics: OperatorMetrics
+    config: HandlerConfig
+    post_event: Callable[[dict[str, Any], Event], None]
+
+
+def _owned(child: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
+    kopf.append_owner_reference(child, owner=owner, controller=True, block_owner_deletion=True)
+    return child
+
+
+def _apply_children(
+    rt: Runtime, body: dict[str, Any], sizing: Sizing
+) -> tuple[dict[str, Any] | None, list[Event], tuple[str, str] | None]:
+    """Apply every child; returns (live Deployment, child events, failure)."""
+    meta = body["metadata"]
+    if not sizing.ok:
+        return rt.client.get("apps/v1", "Deployment", meta["namespace"], meta["name"]), [], None
+    assert sizing.spec is not None and sizing.plan is not None
+    deployment, events = None, []
+    for child in manifests.children(meta["name"], meta["namespace"], sizing.spec, sizing.plan):
+        try:
+            result = apply_child(rt.client, _owned(child, body))
+        except OwnershipConflict as exc:
+            return deployment, events, ("ChildConflict", str(exc))
+        except KubeApiError as exc:
+            return (
+                deployment,
+                events,
+                ("ApplyFailed", f"{child['kind']} {child['metadata']['name']}: {exc}"),
+            )
+        if result.action != "unchanged":
+            verb = "Created" if result.action == "created" else "Updated"
+            events.append(
+                Event(
+                    "Normal",
+                    verb,
+                    f"{verb} {child['kind']} {meta['namespace']}/{child['metadata']['name']}",
+                )
+            )
+        if child["kind"] == "Deployment":
+            deployment = result.obj
+    return deployment, events, None
+
+
+def _reconcile_once(rt: Runtime, body: dict[str, Any]) -> bool:
+    meta = body["metadata"]
+
+    def load(source: ModelSource) -> ModelSpec:
+        return rt.models.load(source, meta["namespace"])
+
+    sizing = shaped(size(body, load, rt.config.engine_image), body, load)
+    deployment, events, failure = _apply_children(rt, body, sizing)
+    for event in events:  # posted now: a conflicting status write below repeats no child write
+        rt.post_event(body, event)
+    status = desired_status(
+        body, sizing, deployment, now=datetime.datetime.now(datetime.UTC), apply_failure=failure
+    )
+    written = patch_status(rt.client, body, status)
+    previous = (body.get("status") or {}).get("conditions") or []
+    for event in transition_events(previous, status["conditions"]):
+        rt.post_event(body, event)
+    return written or bool(events)
+
+
+def reconcile(rt: Runtime, body: dict[str, Any], trigger: str) -> None:
+    """Make the children and status of the LLMDeployment ``body`` match its spec.
+
+    Re-reads the object and starts over when its status write conflicts (the object changed
+    meanwhile).
+
+    Raises:
+        kopf.TemporaryError: API conflicts or outages outlasted the retries.
+    """
+    meta = body["metadata"]
+    with rt.metrics.track(trigger) as outcome, _object_lock(meta["namespace"], meta["name"]):
+        current: dict[str, Any] | None = body
+        try:
+            for _ in range(STATUS_CONFLICT_ATTEMPTS):
+                if current is None or current["metadata"].get("deletionTimestamp"):
+                    return
+                try:
+                    outcome.changed = _reconcile_once(rt, current)
+                    return
+                except KubeApiError as exc:
+                    if exc.status != 409:
+                        raise
+                    current = rt.client.get(API_VERSION, KIND, meta["namespace"], meta["name"])
+            raise TransientApiError(
+                f"status of {meta['namespace']}/{meta['name']} kept conflicting"
+            )
+        except (TransientApiError, KubeApiError, urllib3.exceptions.HTTPError) as exc:
+            outcome.error_reason = "ApiError"
+            rt.post_event(body, Event("Warning", "ReconcileFailed", str(exc)))
+            raise kopf.TemporaryError(
+                f"reconcile of {meta['namespace']}/{meta['name']} failed: {exc}",
+                delay=rt.config.retry_delay,
+            ) from exc
+
+
+# ---- kopf wiring ------------------------------------------------------------------------------
+
+
+def _post_kopf_event(body: dict[str, Any], event: Event) -> None:
+    kopf.event(body, type=event.type, reason=event.reason, message=event.message)
+
+
+def operator_settings(*, namespaced: bool) -> kopf.OperatorSettings:
+    """kopf settings for the operator.
+
+    Args:
+        namespaced: watching listed namespaces only; then kopf does not scan cluster-wide for
+            CRDs (a namespaced install has no ClusterRole for that).
+    """
+    settings = kopf.OperatorSettings()
+    # kopf would post an Event for every handler run; the handlers post the meaningful ones.
+    settings.posting.level = logging.WARNING
+    settings.scanning.disabled = namespaced
+    # A deleted object keeps kopf's finalizer until its timers (resync, autoscale) have stopped;
+    # kopf re-checks a timer that is mid-run only after this many seconds (default 60).
+    settings.background.cancellation_polling = 2.0
+    return settings
+
+
+def build_registry(config: HandlerConfig, metrics: OperatorMetrics) -> kopf.OperatorRegistry:
+    """A kopf registry with the operator's handlers (nothing registers at import time).
+
+    Call it after loading the Kubernetes configuration (kubeconfig or in-cluster): the API
+    client the handlers share is built here from it.
+    """
+    registry = kopf.OperatorRegistry()
+    client = KubeClient()
+    rt = Runtime(
+        client=client,
+        models=ModelCache(client, config.model_config_ttl),
+        metrics=metrics,
+        config=config,
+        post_event=_post_kopf_event,
+    )
+
+    def on_llmdeployment(trigger: str) -> Callable[..., None]:
+        def handle(body: kopf.Body, **_: Any) -> None:
+            reconcile(rt, _plain(body), trigger)
+
+        return handle
+
+    for trigger, decorator in (
+        ("create", kopf.on.create),
+        ("update", kopf.on.update),
+        ("resume", kopf.on.resume),
+    ):
+        decorator(
+            GROUP, VERSION, PLURAL, id="reconcile", backoff=config.retry_delay, registry=registry
+        )(on_llmdeployment(trigger))
+    kopf.timer(
+        GROUP,
+        VERSION,
+        PLURAL,
+        id="resync",
+        interval=config.resync_interval,
+        initial_delay=config.resync_interval,
+        backoff=config.retry_delay,
+        registry=registry,
+    )(on_llmdeployment("timer"))
+
+    @kopf.on.event(
+        "apps",
+        "v1",
+        "deployments",
+        labels={manifests.LLMDEPLOYMENT_LABEL: kopf.PRESENT},
+        registry=registry,
+    )
+    def child_changed(body: kopf.Body, **_: Any) -> None:
+        for ref in body.metadata.get("ownerReferences") or []:
+            if ref.get("apiVersion") == API_VERSION and ref.get("kind") == KIND:
+                owner = rt.client.get(API_VERSION, KIND, body.metadata["namespace"], ref["name"])
+                if owner is not None and owner["metadata"]["uid"] == ref.get("uid"):
+                    reconcile(rt, owner, "child")
+
+    @kopf.on.login(registry=registry)
+    def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+        return kopf.login_via_client(**kwargs)
+
+    return registry
+
+
+def _plain(body: kopf.Body) -> dict[str, Any]:
+    """kopf's read-only body view as a plain (deep-copied) dict."""
+    return copy.deepcopy(dict(body))

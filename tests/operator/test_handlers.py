@@ -1,0 +1,228 @@
+"""operator/handlers.py's pure decisions: sizing a body, the status it should have, its events."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+
+from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.operator.autoscaler import SHAPE_ANNOTATION
+from kvpilot.operator.handlers import Event, desired_status, shaped, size, transition_events
+from kvpilot.operator.planner import PlanError
+
+CONFIGS = pathlib.Path(__file__).parent / "configs"
+NOW = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.UTC)
+LATER = NOW + datetime.timedelta(minutes=5)
+
+
+def load(name: str):
+    config = json.loads((CONFIGS / f"{name}.json").read_text())
+    return lambda _source: ModelSpec.from_hf_config(config)
+
+
+def body(
+    spec: dict, generation: int = 1, status: dict | None = None, annotations: dict | None = None
+) -> dict:
+    meta = {"name": "llama", "namespace": "ml", "generation": generation, "resourceVersion": "7"}
+    if annotations:
+        meta["annotations"] = annotations
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": meta,
+        "spec": spec,
+        "status": status or {},
+    }
+
+
+def deployment(
+    replicas: int,
+    ready: int,
+    updated: int,
+    generation: int = 1,
+    observed: int = 1,
+    conditions: list | None = None,
+) -> dict:
+    return {
+        "metadata": {"generation": generation},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": observed,
+            "replicas": replicas,
+            "readyReplicas": ready,
+            "updatedReplicas": updated,
+            "conditions": conditions or [],
+        },
+    }
+
+
+def states(status: dict) -> dict[str, tuple[str, str]]:
+    return {c["type"]: (c["status"], c["reason"]) for c in status["conditions"]}
+
+
+GPU = {
+    "model": {"source": "hf://meta-llama/Meta-Llama-3-8B"},
+    "gpu": {"type": "H100-80GB"},
+    "engine": {"maxModelLen": 8192},
+}
+
+
+def test_size_plans_a_valid_spec_with_the_operator_image():
+    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "registry.example/engine:1")
+    assert sizing.ok and sizing.plan.tensor_parallel_size == 1 and sizing.plan.max_model_len == 8192
+    assert sizing.spec.image == "registry.example/engine:1"
+    assert (
+        size(body({**GPU, "image": "mine:2"}), load("Meta-Llama-3-8B"), "x").spec.image == "mine:2"
+    )
+
+
+def test_size_reports_invalid_specs_and_plan_failures():
+    invalid = size(
+        body({**GPU, "gpu": {"type": "L4"}, "tensorParallelSize": 0}), load("Meta-Llama-3-8B"), "x"
+    )
+    assert (invalid.ok, invalid.reason, invalid.spec) == (False, "InvalidSpec", None)
+    assert "spec.tensorParallelSize" in invalid.message
+    too_big = size(
+        body({"model": {"source": "hf://x/y"}, "gpu": {"type": "L4", "perNode": 1}}),
+        load("Meta-Llama-3-70B"),
+        "x",
+    )
+    assert (too_big.ok, too_big.reason) == (False, "ModelTooLarge")
+
+    def unavailable(_source):
+        raise PlanError("ConfigUnavailable", "offline")
+
+    assert size(body(GPU), unavailable, "x").reason == "ConfigUnavailable"
+
+
+def test_shaped_rolls_out_the_autoscalers_shape():
+    spec = {
+        "model": {"source": "hf://x/y"},
+        "gpu": {"type": "L4"},
+        "autoscaling": {"maxReplicas": 4},
+    }
+    obj = body(
+        spec, annotations={SHAPE_ANNOTATION: json.dumps({"tensorParallelSize": 2, "gpuType": "L4"})}
+    )
+    loader = load("Meta-Llama-3-8B")
+    result = shaped(size(obj, loader, "x"), obj, loader)
+    assert (result.plan.tensor_parallel_size, result.plan.gpus_per_replica) == (2, 2)
+    bad = body(spec, annotations={SHAPE_ANNOTATION: "{}"})
+    assert shaped(size(bad, loader, "x"), bad, loader).reason == "InvalidShape"
+
+
+def test_status_of_a_fresh_object_without_deployment():
+    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "x")
+    status = desired_status(body(GPU), sizing, None, now=NOW)
+    assert states(status) == {
+        "Sized": ("True", "Planned"),
+        "Progressing": ("True", "RollingOut"),
+        "Ready": ("False", "NoDeployment"),
+        "Degraded": ("False", "AsExpected"),
+    }
+    assert {c["observedGeneration"] for c in status["conditions"]} == {1}
+    assert {c["lastTransitionTime"] for c in status["conditions"]} == {"2026-01-01T12:00:00Z"}
+    assert status["plan"] == sizing.plan.to_status()
+    assert (status["selector"], status["endpoint"]) == (
+        "kvpilot.dev/llmdeployment=llama",
+        "http://llama.ml.svc.cluster.local:8000/v1",
+    )
+    assert (status["replicas"], status["readyReplicas"], status["observedGeneration"]) == (0, 0, 1)
+
+
+def test_status_follows_the_rollout_and_keeps_transition_times():
+    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "x")
+    rolling = desired_status(body(GPU), sizing, deployment(2, 1, 2), now=NOW)
+    assert states(rolling)["Ready"] == ("False", "ReplicasNotReady")
+    assert states(rolling)["Progressing"] == ("True", "RollingOut")
+    done = desired_status(body(GPU, status=rolling), sizing, deployment(2, 2, 2), now=LATER)
+    assert states(done)["Ready"] == ("True", "ReplicasReady") and states(done)["Progressing"] == (
+        "False",
+        "RolloutComplete",
+    )
+    times = {c["type"]: c["lastTransitionTime"] for c in done["conditions"]}
+    assert times == {
+        "Sized": "2026-01-01T12:00:00Z",
+        "Progressing": "2026-01-01T12:05:00Z",
+        "Ready": "2026-01-01T12:05:00Z",
+        "Degraded": "2026-01-01T12:00:00Z",
+    }
+    stale = desired_status(
+        body(GPU), sizing, deployment(2, 2, 2, generation=3, observed=2), now=NOW
+    )
+    assert states(stale)["Progressing"] == (
+        "True",
+        "RollingOut",
+    )  # the controller has not seen the new spec
+
+
+def test_status_reports_failures():
+    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "x")
+    stuck = deployment(
+        1,
+        0,
+        1,
+        conditions=[
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "timed out",
+            }
+        ],
+    )
+    assert states(desired_status(body(GPU), sizing, stuck, now=NOW))["Degraded"] == (
+        "True",
+        "ProgressDeadlineExceeded",
+    )
+    conflict = desired_status(
+        body(GPU), sizing, None, now=NOW, apply_failure=("ChildConflict", "taken")
+    )
+    assert states(conflict)["Degraded"] == ("True", "ChildConflict")
+    invalid = size(body({"gpu": {"type": "T4"}}), load("Meta-Llama-3-8B"), "x")
+    status = desired_status(body({"gpu": {"type": "T4"}}), invalid, deployment(1, 1, 1), now=NOW)
+    assert states(status) == {
+        "Sized": ("False", "InvalidSpec"),
+        "Progressing": ("False", "NotSized"),
+        "Ready": ("True", "ReplicasReady"),  # the pods of the last valid spec still serve
+        "Degraded": ("True", "InvalidSpec"),
+    }
+    assert "plan" not in status and "model" not in status
+
+
+def test_zero_replicas_is_not_ready():
+    spec = {**GPU, "replicas": 0}
+    status = desired_status(
+        body(spec), size(body(spec), load("Meta-Llama-3-8B"), "x"), deployment(0, 0, 0), now=NOW
+    )
+    assert states(status)["Ready"] == ("False", "ScaledToZero")
+
+
+def test_events_only_for_changes():
+    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "x")
+    first = desired_status(body(GPU), sizing, None, now=NOW)
+    assert transition_events([], first["conditions"]) == [
+        Event("Normal", "Planned", "Sized=True: " + first["conditions"][0]["message"])
+    ]
+    assert transition_events(first["conditions"], first["conditions"]) == []
+    ready = desired_status(body(GPU, status=first), sizing, deployment(1, 1, 1), now=LATER)
+    assert [
+        (e.type, e.reason) for e in transition_events(first["conditions"], ready["conditions"])
+    ] == [("Normal", "ReplicasReady")]
+    invalid = size(body({"gpu": {"type": "T4"}}), load("Meta-Llama-3-8B"), "x")
+    broken = desired_status(body({}, status=ready), invalid, deployment(1, 0, 1), now=LATER)
+    assert [
+        (e.type, e.reason) for e in transition_events(ready["conditions"], broken["conditions"])
+    ] == [
+        ("Warning", "InvalidSpec"),
+        ("Warning", "ReplicasNotReady"),
+    ]
+    fixed = desired_status(body(GPU, status=broken), sizing, deployment(1, 1, 1), now=LATER)
+    assert [
+        (e.type, e.reason) for e in transition_events(broken["conditions"], fixed["conditions"])
+    ] == [
+        ("Normal", "Planned"),
+        ("Normal", "ReplicasReady"),
+        ("Normal", "Recovered"),
+    ]
