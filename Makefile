@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve generate test test-fast test-kernels lint format bench-serve bench-kernels clean
+.PHONY: install serve generate test test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -47,6 +47,10 @@ bench-serve: install
 ## Kernel benchmark: needs a CUDA machine.
 bench-kernels: install
 	$(BIN)/python benchmarks/kernels_gpu.py --out kernels_gpu.json
+
+## Trace-driven autoscaling simulation: kvpilot's policy against HPA, KEDA, KubeAI and AIBrix.
+bench-autoscaling: install
+	$(BIN)/python benchmarks/autoscaling_sim/run.py
 
 lint: install
 	$(BIN)/ruff check .

@@ -1,0 +1,532 @@
+"""The autoscaling decision: a window of engine metrics -> desired replicas and a reason.
+
+Pure: no clock, no I/O. The caller (``autoscaling_handlers``) scrapes, keeps the window and the
+:class:`AutoscalerMemory` between calls, and writes the result back.
+
+How it decides, in order (docs/autoscaling.md explains each rule):
+
+1. **Load in replica units** from a window's :class:`~kvpilot.operator.signals.Signals`: the
+   KV demand is the KV load (sum of the pods' usage) plus, for the requests waiting beyond
+   ``targetWaitingRequests`` per ready replica, the KV share a running request holds; the slot
+   demand is running plus those waiting requests over ``max_num_seqs`` (short requests fill the
+   slots before the cache); the token demand is the fleet's token rate over the most one
+   replica did while the fleet was saturated (learned online), plus the rise of the token rate
+   over a pod's start-up time when it grows. ``ceil(max(KV, slots, tokens) /
+   targetKVCacheUsage)`` replicas.
+2. **Stable and panic windows** (Knative KPA): the stable window's answer is used normally; when
+   the short panic window asks for at least ``PANIC_THRESHOLD`` times the ready replicas, panic
+   mode starts for one stable window, in which it scales up at once and never down.
+3. **Stabilization** (Kubernetes HPA ``behavior``): scale up to the smallest recommendation
+   of the last ``scaleUpStabilizationSeconds``, down to the largest of the last
+   ``scaleDownStabilizationSeconds``, so a noisy signal does not flap. Until a replica's
+   capacity has been learned, scale-down probes one replica per stable window.
+4. **Rate limits** (KPA's, on the replicas asked for): at most ``ceil(maxScaleUpRate *
+   replicas)`` and at least ``floor(replicas / maxScaleDownRate)`` per decision.
+5. **Pending pods**: no scale-up while pods asked for earlier are Pending, i.e. the scheduler
+   found no node for them (no free GPU): more of them would only wait too. Pods that were
+   placed and are starting do not block; the load estimate does not depend on them.
+6. **Scale to zero** after ``idleSeconds`` without traffic when ``minReplicas`` is 0; **wake from
+   zero** when a wake request (annotation ``kvpilot.dev/wake``) is newer than the last scaling.
+7. **Bounds**: ``[minReplicas, maxReplicas]``, then the namespace's GPU budget, which wins.
+8. **Bigger, not more**: when the pressure comes from long contexts (a running request holds at
+   least ``LONG_CONTEXT_SHARE`` of a replica's KV cache, the cache is above target, and requests
+   wait or get preempted), a larger shape from the planner is chosen instead of more replicas,
+   unless the user fixed ``tensorParallelSize``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+
+from kvpilot.operator.signals import MetricSample, Signals, summarize
+from kvpilot.operator.spec import AutoscalingSpec, LLMDeploymentSpec, SpecError
+
+SHAPE_ANNOTATION = "kvpilot.dev/shape"
+"""Annotation on the LLMDeployment holding the shape the autoscaler chose (JSON)."""
+
+PANIC_THRESHOLD = 2.0
+"""Panic when the panic window asks for this many times the ready replicas (KPA's 200%)."""
+
+SATURATED_KV = 0.9
+"""KV-cache usage at which a replica counts as saturated (its throughput is its capacity)."""
+
+LONG_CONTEXT_SHARE = 0.25
+"""A running request holding this fraction of a replica's KV cache (4 fill it) is long."""
+
+
+@dataclass(frozen=True)
+class AutoscalingPolicy:
+    """The ``spec.autoscaling`` knobs the decision reads (units: replicas, seconds, ratios).
+
+    Raises:
+        ValueError: from ``__post_init__``, naming the first field out of range.
+    """
+
+    min_replicas: int = 1
+    max_replicas: int = 1
+    target_kv_cache_usage: float = 0.7
+    target_waiting_requests: float = 2.0
+    idle_seconds: float = 300.0
+    scale_up_stabilization_seconds: float = 0.0
+    scale_down_stabilization_seconds: float = 300.0
+    panic_window_seconds: float = 6.0
+    stable_window_seconds: float = 60.0
+    max_scale_up_rate: float = 2.0
+    max_scale_down_rate: float = 2.0
+    gpu_budget: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = [
+            ("min_replicas", self.min_replicas >= 0),
+            ("max_replicas", self.max_replicas >= max(self.min_replicas, 1)),
+            ("target_kv_cache_usage", 0.0 < self.target_kv_cache_usage <= 1.0),
+            ("target_waiting_requests", self.target_waiting_requests >= 0),
+            ("idle_seconds", self.idle_seconds >= 0),
+            ("scale_up_stabilization_seconds", self.scale_up_stabilization_seconds >= 0),
+            ("scale_down_stabilization_seconds", self.scale_down_stabilization_seconds >= 0),
+            ("panic_window_seconds", 0 < self.panic_window_seconds <= self.stable_window_seconds),
+            ("stable_window_seconds", self.stable_window_seconds > 0),
+            ("max_scale_up_rate", self.max_scale_up_rate > 1.0),
+            ("max_scale_down_rate", self.max_scale_down_rate > 1.0),
+            ("gpu_budget", self.gpu_budget is None or self.gpu_budget >= 0),
+        ]
+        for name, ok in checks:
+            if not ok:
+                raise ValueError(f"autoscaling.{name} is out of range: {getattr(self, name)!r}")
+
+    @classmethod
+    def from_spec(cls, spec: AutoscalingSpec) -> AutoscalingPolicy:
+        """The policy of a parsed ``spec.autoscaling``; its unset (None) knobs take the
+        defaults above."""
+        given = {
+            f.name: getattr(spec, f.name)
+            for f in fields(cls)
+            if getattr(spec, f.name, None) is not None
+        }
+        return cls(**given)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One replica's shape as the planner sized it.
+
+    Attributes:
+        tensor_parallel_size: GPUs per replica.
+        gpu_type: the GPU product name, as in ``spec.resources``.
+        kv_cache_capacity_tokens: tokens of KV cache one replica holds in this shape.
+    """
+
+    tensor_parallel_size: int
+    gpu_type: str
+    kv_cache_capacity_tokens: int
+
+    def to_annotation(self) -> str:
+        """The value of ``SHAPE_ANNOTATION`` that makes the reconciler roll this shape out."""
+        return json.dumps(
+            {"tensorParallelSize": self.tensor_parallel_size, "gpuType": self.gpu_type}
+        )
+
+
+def apply_shape(spec: LLMDeploymentSpec, annotations: Mapping[str, str]) -> LLMDeploymentSpec:
+    """``spec`` with the autoscaler's chosen shape (``SHAPE_ANNOTATION``) applied.
+
+    The shape only fills what the user left to the planner: a spec with ``tensorParallelSize``
+    set, or in CPU mode, is returned unchanged. The reconciler plans the result, so the
+    planner stays the one source of the sizing arithmetic.
+
+    Raises:
+        SpecError: the annotation is not a JSON object with a positive ``tensorParallelSize``
+            and a ``gpuType`` from ``spec.autoscaling.allowedGpuTypes`` (or the spec's own).
+    """
+    raw = annotations.get(SHAPE_ANNOTATION)
+    if raw is None or spec.tensor_parallel_size is not None or spec.gpu is None:
+        return spec
+    where = f"metadata.annotations[{SHAPE_ANNOTATION}]"
+    try:
+        shape = json.loads(raw)
+        tp, gpu_type = int(shape["tensorParallelSize"]), str(shape["gpuType"])
+    except (ValueError, KeyError, TypeError) as error:
+        raise SpecError(where, f"not a shape ({error}): {raw!r}") from error
+    allowed = {spec.gpu.type, *(spec.autoscaling.allowed_gpu_types if spec.autoscaling else ())}
+    if tp < 1 or gpu_type not in allowed:
+        raise SpecError(where, f"{raw!r}: GPU type must be one of {sorted(allowed)}, TP >= 1")
+    if gpu_type == "custom" and spec.gpu.type != "custom":
+        raise SpecError(where, "a custom GPU's memory is unknown: it cannot be a new shape")
+    gpu = (
+        spec.gpu if gpu_type == spec.gpu.type else replace(spec.gpu, type=gpu_type, memory_gib=None)
+    )
+    return replace(spec, tensor_parallel_size=tp, gpu=gpu)
+
+
+@dataclass(frozen=True)
+class FleetState:
+    """What the cluster looks like now, read by the caller before each decision.
+
+    Attributes:
+        replicas: ``spec.replicas`` now.
+        ready_replicas: pods ready to serve.
+        pending_replicas: pods the scheduler has not placed yet (``PodScheduled`` False).
+        gpus_per_replica: GPUs one replica uses (its tensor parallel size).
+        gpus_used_elsewhere: GPUs other ``LLMDeployment``s of the namespace hold, counted
+            against ``gpuBudget``.
+        tensor_parallel_fixed: the user set ``tensorParallelSize``; never re-planned.
+        larger_shape: the planner's next bigger shape (more KV capacity per replica), or None.
+        max_num_seqs: the engine's sequence slots per replica (the plan's), or None.
+        startup_seconds: how long a new replica takes from being asked for to ready; the
+            token rate's rise over that time is provisioned ahead (0: react only).
+        wake_requested_at: time (seconds) of the newest wake request, or None.
+    """
+
+    replicas: int
+    ready_replicas: int
+    pending_replicas: int = 0
+    gpus_per_replica: int = 1
+    gpus_used_elsewhere: int = 0
+    tensor_parallel_fixed: bool = False
+    larger_shape: Shape | None = None
+    max_num_seqs: int | None = None
+    startup_seconds: float = 0.0
+    wake_requested_at: float | None = None
+
+
+@dataclass(frozen=True)
+class AutoscalerMemory:
+    """What the decision remembers between calls; start from ``AutoscalerMemory()``.
+
+    Attributes:
+        recommendations: ``(time, replicas)`` raw recommendations, for stabilization.
+        panic_until: panic mode lasts until this time (seconds), or None.
+        last_active: last time traffic was seen, or None before the first decision.
+        last_scale_time: last time the desired replicas changed, or None.
+        last_replan_time: last time a larger shape was chosen, or None.
+        replica_tokens_per_second: the most one replica processed (prompt + generated
+            tokens/s) while the fleet was saturated: its learned capacity, or None until then.
+        first_decision: time of the first decision; until a scale-down stabilization window
+            has passed since, replicas are not lowered (after an operator restart the history
+            that would justify it is gone).
+    """
+
+    recommendations: tuple[tuple[float, int], ...] = ()
+    panic_until: float | None = None
+    last_active: float | None = None
+    last_scale_time: float | None = None
+    last_replan_time: float | None = None
+    replica_tokens_per_second: float | None = None
+    first_decision: float | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The outcome of :func:`decide`.
+
+    Attributes:
+        desired_replicas: what ``spec.replicas`` should be.
+        reason: CamelCase reason for status and the Event (``ScaleUp``, ``ScaleDown``,
+            ``Panic``, ``Stable``, ``PendingPods``, ``ScaleToZero``, ``WakeFromZero``, ``Idle``,
+            ``NoMetrics``, ``BelowMinimum``, ``AboveMaximum``, ``GPUBudget``, ``LongContext``).
+        message: one human sentence with the numbers behind the reason.
+        signals: the stable window's signals, or None without metrics.
+        replan: the larger shape to roll out instead of adding replicas, or None.
+        memory: what to pass to the next call.
+    """
+
+    desired_replicas: int
+    reason: str
+    message: str
+    signals: Signals | None
+    replan: Shape | None = None
+    memory: AutoscalerMemory = field(default_factory=AutoscalerMemory)
+
+
+def replicas_for_load(
+    signals: Signals,
+    policy: AutoscalingPolicy,
+    ready_replicas: int,
+    max_num_seqs: int | None = None,
+    replica_tokens_per_second: float | None = None,
+    rising_tokens_per_second: float = 0.0,
+) -> int:
+    """Replicas the load in ``signals`` needs (rule 1 of the module docstring).
+
+    Args:
+        signals: one window's signals.
+        policy: targets.
+        ready_replicas: replicas that produced the signals.
+        max_num_seqs: the engine's sequence slots per replica, when known: running requests
+            over the slots is a second load in replica units, the one that binds when short
+            requests fill the slots before the KV cache.
+        replica_tokens_per_second: a replica's learned capacity, when known: the fleet's
+            token rate over it is a third load in replica units, the one that stays honest
+            when fewer replicas would each batch more (KV and slot use grow faster than the
+            load as a replica nears saturation, so they alone would scale down too far).
+        rising_tokens_per_second: how much the token rate will have grown by the time a new
+            replica is ready; added to the token load.
+
+    Returns:
+        Replicas, >= 0; 0 only when the window saw no load at all.
+    """
+    target = policy.target_kv_cache_usage
+    tolerated = policy.target_waiting_requests * max(ready_replicas, 1)
+    excess = max(0.0, signals.num_requests_waiting - tolerated)
+    share = signals.kv_share_per_request
+    if excess > 0 and share is None:
+        # Requests wait yet nothing runs: their size is unknown, so ask for one more replica.
+        return max(math.ceil(signals.kv_load / target), ready_replicas + 1)
+    demand = signals.kv_load + excess * (share or 0.0)
+    if max_num_seqs:
+        demand = max(demand, (signals.num_requests_running + excess) / max_num_seqs)
+    if replica_tokens_per_second:
+        tokens = signals.tokens_per_second + rising_tokens_per_second
+        demand = max(demand, tokens / replica_tokens_per_second)
+    by_load = math.ceil(demand / target - 1e-9)
+    if excess == 0 or max_num_seqs:
+        return by_load
+    # Slots unknown: run the waiting requests at today's per-replica concurrency.
+    per_replica = signals.num_requests_running / max(signals.num_pods, 1.0)
+    return max(by_load, math.ceil((signals.num_requests_running + excess) / per_replica - 1e-9))
+
+
+def _rise(samples: Sequence[MetricSample], policy: AutoscalingPolicy, now: float) -> float:
+    """How fast the token rate grows, tokens/s per second, from the stable window's two halves
+    (0 when it falls or either half has too few rounds for a rate)."""
+    half = policy.stable_window_seconds / 2
+    early = summarize(samples, start=now - 2 * half, end=now - half)
+    late = summarize(samples, start=now - half)
+    if early is None or late is None or early.num_rounds < 2 or late.num_rounds < 2:
+        return 0.0
+    return max(0.0, (late.tokens_per_second - early.tokens_per_second) / half)
+
+
+def is_saturated(signals: Signals, policy: AutoscalingPolicy, max_num_seqs: int | None) -> bool:
+    """Whether the window's replicas ran at capacity: requests waiting beyond the target, the
+    KV cache at ``SATURATED_KV`` or more, or every sequence slot taken. Their token rate is
+    then what a replica can do."""
+    pods = max(signals.num_pods, 1.0)
+    return (
+        signals.num_requests_waiting > policy.target_waiting_requests * pods
+        or signals.kv_cache_usage >= SATURATED_KV
+        or (max_num_seqs is not None and signals.num_requests_running >= max_num_seqs * pods)
+    )
+
+
+def is_long_context(signals: Signals, policy: AutoscalingPolicy) -> bool:
+    """Whether the pressure in ``signals`` comes from long contexts (rule 8).
+
+    True when the KV cache is above target, requests wait or get preempted, and a running
+    request holds on average at least ``LONG_CONTEXT_SHARE`` of a replica's KV cache.
+    """
+    share = signals.kv_share_per_request
+    return (
+        share is not None
+        and share >= LONG_CONTEXT_SHARE
+        and signals.kv_cache_usage >= policy.target_kv_cache_usage
+        and (signals.num_requests_waiting > 0 or signals.preemptions_per_second > 0)
+    )
+
+
+def decide(
+    samples: Sequence[MetricSample],
+    policy: AutoscalingPolicy,
+    fleet: FleetState,
+    memory: AutoscalerMemory,
+    now: float,
+) -> Decision:
+    """Decide the desired replicas from a window of metric samples.
+
+    Args:
+        samples: the ready pods' samples of at least the last ``stable_window_seconds``
+            (older ones are ignored), timestamps in seconds on the same clock as ``now``.
+        policy: the ``spec.autoscaling`` knobs.
+        fleet: the cluster as it is now.
+        memory: the previous decision's ``memory`` (``AutoscalerMemory()`` the first time).
+        now: the current time, seconds.
+
+    Returns:
+        The decision; its ``memory`` goes into the next call.
+    """
+    stable = summarize(samples, start=now - policy.stable_window_seconds)
+    panic = summarize(samples, start=now - policy.panic_window_seconds)
+    last_active = memory.last_active if memory.last_active is not None else now
+    if panic is not None and panic.active:
+        last_active = now
+    woken = fleet.wake_requested_at is not None and fleet.wake_requested_at > (
+        memory.last_scale_time if memory.last_scale_time is not None else -math.inf
+    )
+    if woken:
+        last_active = now
+    first = memory.first_decision if memory.first_decision is not None else now
+    memory = replace(memory, last_active=last_active, first_decision=first)
+
+    if fleet.replicas == 0 or stable is None or fleet.ready_replicas == 0:
+        desired, reason, message = _without_metrics(policy, fleet, woken)
+        return _finish(desired, reason, message, stable, None, policy, fleet, memory, now)
+
+    if stable.num_rounds >= 2 and is_saturated(stable, policy, fleet.max_num_seqs):
+        # The highest saturated rate: a window that saturated only part of the time, or with
+        # pods that had just started, understates what a replica can do.
+        observed = stable.tokens_per_second / max(stable.num_pods, 1.0)
+        if observed > (memory.replica_tokens_per_second or 0.0):
+            memory = replace(memory, replica_tokens_per_second=observed)
+    capacity = memory.replica_tokens_per_second
+    rising = _rise(samples, policy, now) * fleet.startup_seconds
+    raw = replicas_for_load(
+        stable, policy, fleet.ready_replicas, fleet.max_num_seqs, capacity, rising
+    )
+    panic_raw = (
+        replicas_for_load(panic, policy, fleet.ready_replicas, fleet.max_num_seqs, capacity, rising)
+        if panic
+        else raw
+    )
+    panicking = memory.panic_until is not None and now < memory.panic_until
+    if panic_raw >= PANIC_THRESHOLD * fleet.ready_replicas:
+        memory = replace(memory, panic_until=now + policy.stable_window_seconds)
+        panicking = True
+
+    horizon = now - max(
+        policy.scale_up_stabilization_seconds, policy.scale_down_stabilization_seconds
+    )
+    history = tuple((t, r) for t, r in memory.recommendations if t >= horizon) + ((now, raw),)
+    memory = replace(memory, recommendations=history)
+
+    current = fleet.replicas
+    if panicking:
+        desired = max(current, raw, panic_raw)
+        reason = "Panic"
+        message = f"panic: the last {policy.panic_window_seconds:g}s ask for {panic_raw} replicas"
+    else:
+        up = min(r for t, r in history if t >= now - policy.scale_up_stabilization_seconds)
+        down = max(r for t, r in history if t >= now - policy.scale_down_stabilization_seconds)
+        if now - first < policy.scale_down_stabilization_seconds:
+            down = max(down, current)
+        if memory.replica_tokens_per_second is None:
+            # Capacity not learned yet: KV and slot use understate what fewer replicas would
+            # carry, so probe down one replica per stable window until a saturation teaches it.
+            recent = memory.last_scale_time is not None and (
+                now - memory.last_scale_time < policy.stable_window_seconds
+            )
+            down = max(down, current if recent else current - 1)
+        desired = min(max(current, up), down)
+        reason = "ScaleUp" if desired > current else "ScaleDown" if desired < current else "Stable"
+        message = (
+            f"KV load {stable.kv_load:.2f} replicas at target {policy.target_kv_cache_usage:g}, "
+            f"{stable.num_requests_waiting:.1f} waiting: {raw} replicas needed"
+        )
+
+    up_limit = math.ceil(policy.max_scale_up_rate * max(current, 1))
+    down_limit = math.floor(current / policy.max_scale_down_rate)
+    if desired > up_limit:
+        desired = up_limit
+        message += f", limited to {up_limit} by maxScaleUpRate"
+    if desired < down_limit:
+        desired = down_limit
+        message += f", limited to {down_limit} by maxScaleDownRate"
+
+    # Only the idle rule below may take the last replica away.
+    desired = max(desired, 1)
+    if fleet.pending_replicas > 0 and desired > current:
+        desired, reason = current, "PendingPods"
+        message += f"; holding at {current}: {fleet.pending_replicas} pods not scheduled yet"
+
+    if (
+        policy.min_replicas == 0
+        and not woken
+        and now - last_active >= policy.idle_seconds
+        and not (panic and panic.active)
+    ):
+        desired, reason = 0, "ScaleToZero"
+        message = f"no traffic for {now - last_active:.0f}s (idleSeconds {policy.idle_seconds:g})"
+
+    replan = None
+    if desired > current and is_long_context(stable, policy):
+        replan, desired, reason, message, memory = _bigger_not_more(
+            stable, policy, fleet, memory, now, desired, reason, message
+        )
+    return _finish(desired, reason, message, stable, replan, policy, fleet, memory, now)
+
+
+def _without_metrics(
+    policy: AutoscalingPolicy, fleet: FleetState, woken: bool
+) -> tuple[int, str, str]:
+    """(replicas, reason, message) at zero replicas or before any pod reported (rule 6)."""
+    if fleet.replicas == 0:
+        if woken:
+            target = max(1, policy.min_replicas)
+            return target, "WakeFromZero", f"wake requested: starting {target} replicas"
+        if policy.min_replicas == 0:
+            return 0, "Idle", "scaled to zero; waiting for a wake request"
+        return policy.min_replicas, "BelowMinimum", "below minReplicas"
+    return fleet.replicas, "NoMetrics", "no ready pod reported metrics yet; holding"
+
+
+def _bigger_not_more(
+    stable: Signals,
+    policy: AutoscalingPolicy,
+    fleet: FleetState,
+    memory: AutoscalerMemory,
+    now: float,
+    desired: int,
+    reason: str,
+    message: str,
+) -> tuple[Shape | None, int, str, str, AutoscalerMemory]:
+    """Rule 8: trade the scale-up for a larger shape when the pressure is long contexts."""
+    share = stable.kv_share_per_request or 0.0
+    context = f"long contexts: a running request holds {share:.0%} of a replica's KV cache"
+    if fleet.tensor_parallel_fixed:
+        return None, desired, reason, f"{message}; {context}, but tensorParallelSize is set", memory
+    shape = fleet.larger_shape
+    if shape is None:
+        return None, desired, reason, f"{message}; {context}, but no larger shape fits", memory
+    cooling = (
+        memory.last_replan_time is not None
+        and now - memory.last_replan_time < policy.stable_window_seconds
+    )
+    budget_left = _gpus_available(policy, fleet)
+    if cooling or (budget_left is not None and budget_left < shape.tensor_parallel_size):
+        return None, desired, reason, f"{message}; {context}, waiting for the last re-plan", memory
+    replicas = fleet.replicas
+    if budget_left is not None:
+        replicas = max(1, min(replicas, budget_left // shape.tensor_parallel_size))
+    message = (
+        f"{context}: re-planning to tensorParallelSize {shape.tensor_parallel_size} on "
+        f"{shape.gpu_type} ({shape.kv_cache_capacity_tokens} KV tokens per replica) "
+        f"instead of {desired} replicas"
+    )
+    return shape, replicas, "LongContext", message, replace(memory, last_replan_time=now)
+
+
+def _gpus_available(policy: AutoscalingPolicy, fleet: FleetState) -> int | None:
+    """GPUs this deployment may hold under the namespace budget, or None without a budget."""
+    if policy.gpu_budget is None:
+        return None
+    return max(0, policy.gpu_budget - fleet.gpus_used_elsewhere)
+
+
+def _finish(
+    desired: int,
+    reason: str,
+    message: str,
+    signals: Signals | None,
+    replan: Shape | None,
+    policy: AutoscalingPolicy,
+    fleet: FleetState,
+    memory: AutoscalerMemory,
+    now: float,
+) -> Decision:
+    """Apply the bounds (rule 7) and stamp the scale time."""
+    if desired < policy.min_replicas:
+        desired, reason = policy.min_replicas, "BelowMinimum"
+        message += f"; raised to minReplicas {policy.min_replicas}"
+    if desired > policy.max_replicas:
+        desired, reason = policy.max_replicas, "AboveMaximum"
+        message += f"; capped at maxReplicas {policy.max_replicas}"
+    available = _gpus_available(policy, fleet)
+    gpus = replan.tensor_parallel_size if replan else fleet.gpus_per_replica
+    if available is not None and desired * gpus > available:
+        desired, reason = available // gpus, "GPUBudget"
+        message += f"; capped at {desired} by gpuBudget ({available} GPUs left)"
+    if desired != fleet.replicas or replan is not None:
+        memory = replace(memory, last_scale_time=now)
+    return Decision(desired, reason, message, signals, replan, memory)

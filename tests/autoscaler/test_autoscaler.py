@@ -1,0 +1,370 @@
+"""The pure decision function, with plain values and a fast-forwarded clock (looptime)."""
+
+import asyncio
+import math
+import random
+from dataclasses import replace
+
+import pytest
+
+from kvpilot.operator.autoscaler import (
+    AutoscalerMemory,
+    AutoscalingPolicy,
+    FleetState,
+    Shape,
+    decide,
+    replicas_for_load,
+)
+from kvpilot.operator.signals import MetricSample, summarize
+from kvpilot.operator.spec import parse_spec
+
+REQUESTS_PER_REPLICA = 10  # each short request holds 10% of a replica's KV cache
+
+
+def pod_samples(t, demand, ready, *, per_replica=REQUESTS_PER_REPLICA, served=0.0):
+    """One scrape round of ``ready`` pods sharing ``demand`` (in full replicas of KV cache)."""
+    usage = min(1.0, demand / ready)
+    running = usage * per_replica
+    waiting = max(0.0, demand - ready) * per_replica / ready
+    return [
+        MetricSample(
+            f"p-{i}",
+            t,
+            usage,
+            running,
+            waiting,
+            request_success_total=served,
+            prompt_tokens_total=served * 100,
+        )
+        for i in range(ready)
+    ]
+
+
+class Fleet:
+    """A toy cluster: pods become ready ``startup`` seconds after they are asked for; only
+    ``room`` of them fit on the nodes, the rest stay Pending (unschedulable)."""
+
+    def __init__(self, replicas, startup=30.0, room=None, **fleet):
+        self.pods = [-math.inf] * replicas  # ready times
+        self.startup = startup
+        self.room = room
+        self.fleet = fleet
+
+    def scheduled(self):
+        return self.pods if self.room is None else self.pods[: self.room]
+
+    def ready(self, now):
+        return sum(t <= now for t in self.scheduled())
+
+    def state(self, now):
+        pending = len(self.pods) - len(self.scheduled())
+        return FleetState(len(self.pods), self.ready(now), pending, **self.fleet)
+
+    def scale(self, desired, now):
+        while len(self.pods) < desired:
+            self.pods.append(now + self.startup)
+        del self.pods[desired:]
+
+
+async def drive(demand, policy, *, minutes, replicas=1, tick=5.0, startup=30.0, room=None, **fleet):
+    """Run the control loop against ``demand(t)`` on the loop's (fast-forwarded) clock."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    cluster = Fleet(replicas, startup, room, **fleet)
+    memory = AutoscalerMemory()
+    window, history, served = [], [], 0.0
+    while loop.time() - start < minutes * 60:
+        now = loop.time() - start
+        ready = cluster.ready(now)
+        load = demand(now)
+        served += load * tick
+        if ready:
+            window += pod_samples(now, load, ready, served=served if load else 0.0)
+        window = [s for s in window if s.timestamp >= now - policy.stable_window_seconds]
+        decision = decide(window, policy, cluster.state(now), memory, now)
+        memory = decision.memory
+        cluster.scale(decision.desired_replicas, now)
+        history.append((now, decision))
+        await asyncio.sleep(tick)
+    return history
+
+
+def replicas_at(history, t):
+    return [d.desired_replicas for when, d in history if when <= t][-1]
+
+
+POLICY = AutoscalingPolicy(
+    min_replicas=1,
+    max_replicas=20,
+    target_kv_cache_usage=0.7,
+    stable_window_seconds=60,
+    panic_window_seconds=10,
+    scale_down_stabilization_seconds=120,
+)
+
+
+def test_load_in_replica_units():
+    signals = summarize(pod_samples(0.0, 2.1, 2))
+    # 2.1 replicas of KV in 2 pods: each full, 1 replica's worth (10 requests) waiting.
+    assert signals.kv_load == pytest.approx(2.0)
+    assert replicas_for_load(signals, POLICY, 2) == max(math.ceil(2.0 / 0.7), 3)
+    calm = summarize(pod_samples(0.0, 0.7, 2))
+    assert replicas_for_load(calm, POLICY, 2) == 1
+
+
+@pytest.mark.looptime
+async def test_burst_panics_up_at_once_and_never_down_while_panicking():
+    history = await drive(lambda t: 6.0 if 120 <= t < 300 else 0.5, POLICY, minutes=6, replicas=1)
+    assert asyncio.get_running_loop().time() >= 360  # six minutes passed on the loop's clock
+    first_panic = next(when for when, d in history if d.reason == "Panic")
+    assert 120 <= first_panic <= 130
+    assert replicas_at(history, first_panic) == 2  # maxScaleUpRate 2 from one ready pod
+    assert replicas_at(history, 240) >= math.ceil(6.0 / 0.7)
+    # Replicas never drop while panicking.
+    panicking = [d.desired_replicas for _, d in history if d.reason == "Panic"]
+    assert panicking == sorted(panicking)
+
+
+@pytest.mark.looptime
+async def test_slow_ramp_follows_the_load_one_step_at_a_time():
+    history = await drive(lambda t: 1.0 + t / 120.0, POLICY, minutes=12, replicas=2)
+    assert not [d for _, d in history if d.reason == "Panic"]
+    counts = [d.desired_replicas for _, d in history]
+    assert counts == sorted(counts)
+    steps = [b - a for a, b in zip(counts, counts[1:], strict=False) if b != a]
+    assert max(steps) <= 2
+    final_demand = 1.0 + 715 / 120.0
+    assert math.ceil(final_demand / 0.7) - 2 <= counts[-1] <= math.ceil(final_demand / 0.7) + 1
+
+
+@pytest.mark.looptime
+async def test_noise_does_not_flap():
+    rng = random.Random(7)
+    noise = {}
+
+    def demand(t):
+        return noise.setdefault(t, 3.0 * (1 + rng.uniform(-0.15, 0.15)))
+
+    history = await drive(demand, POLICY, minutes=20, replicas=5)
+    counts = [d.desired_replicas for when, d in history if when >= 300]
+    changes = sum(a != b for a, b in zip(counts, counts[1:], strict=False))
+    assert changes <= 2
+    assert all(math.ceil(3.0 * 0.85 / 0.7) <= c <= math.ceil(3.0 * 1.15 / 0.7) for c in counts)
+
+
+@pytest.mark.looptime
+async def test_dip_scales_down_only_after_the_stabilization_window():
+    history = await drive(lambda t: 4.0 if t < 300 else 1.0, POLICY, minutes=10, replicas=6)
+    assert replicas_at(history, 295) == 6
+    assert replicas_at(history, 300 + 110) == 6
+    down = next(when for when, d in history if when > 300 and d.desired_replicas < 6)
+    assert 420 <= down <= 430
+    # A replica's capacity was never learned (no saturation), so it probes down one replica
+    # per stable window, never back up.
+    after = [d.desired_replicas for when, d in history if when >= 300]
+    assert after == sorted(after, reverse=True)
+    assert replicas_at(history, down + 55) == 5
+    assert replicas_at(history, down + 60) == 4
+
+
+@pytest.mark.looptime
+async def test_limits_and_gpu_budget_hold():
+    policy = AutoscalingPolicy(
+        min_replicas=2,
+        max_replicas=5,
+        gpu_budget=12,
+        stable_window_seconds=60,
+        panic_window_seconds=10,
+    )
+    history = await drive(
+        lambda t: 50.0 if t < 300 else 0.0, policy, minutes=15, replicas=2, gpus_per_replica=2
+    )
+    counts = [d.desired_replicas for _, d in history]
+    assert max(counts) == 5 and min(counts) == 2
+    assert history[-1][1].reason == "BelowMinimum"
+    # A tighter budget than maxReplicas: 3 replicas of 4 GPUs, less what others hold.
+    tight = AutoscalingPolicy(min_replicas=1, max_replicas=10, gpu_budget=16)
+    history = await drive(
+        lambda t: 50.0, tight, minutes=5, replicas=1, gpus_per_replica=4, gpus_used_elsewhere=4
+    )
+    assert max(d.desired_replicas for _, d in history) == 3
+    assert history[-1][1].reason == "GPUBudget"
+
+
+def test_budget_below_minimum_wins_and_scales_down_an_oversized_fleet():
+    policy = AutoscalingPolicy(min_replicas=3, max_replicas=8, gpu_budget=8)
+    samples = pod_samples(0.0, 1.0, 6)
+    decision = decide(
+        samples, policy, FleetState(6, 6, gpus_per_replica=4), AutoscalerMemory(), now=0.0
+    )
+    assert decision.desired_replicas == 2 and decision.reason == "GPUBudget"
+
+
+@pytest.mark.looptime
+async def test_no_scale_up_while_pods_are_pending():
+    # The nodes have room for 3 pods; the load wants 12. Doubling per decision asks for 2,
+    # then 4; the 4th pod cannot be scheduled, so it never asks for more.
+    history = await drive(lambda t: 8.0, POLICY, minutes=4, replicas=1, room=3)
+    counts = [d.desired_replicas for _, d in history]
+    assert counts[:2] == [2, 4]
+    assert set(counts[2:]) == {4}
+    assert {d.reason for _, d in history[2:]} == {"PendingPods"}
+    assert "1 pods not scheduled yet" in history[-1][1].message
+
+
+@pytest.mark.looptime
+async def test_starting_pods_do_not_block_scale_up():
+    history = await drive(lambda t: 8.0, POLICY, minutes=2, replicas=1, startup=90.0)
+    # Placed pods that are still loading weights do not hold back the next step.
+    assert [d.desired_replicas for _, d in history][:4] == [2, 4, 8, 12]
+
+
+@pytest.mark.looptime
+async def test_scale_to_zero_after_idle_then_wake():
+    policy = AutoscalingPolicy(min_replicas=0, max_replicas=4, idle_seconds=120)
+    history = await drive(lambda t: 1.0 if t < 60 else 0.0, policy, minutes=5, replicas=1)
+    zero = next(when for when, d in history if d.desired_replicas == 0)
+    assert history[[w for w, _ in history].index(zero)][1].reason == "ScaleToZero"
+    assert 175 <= zero <= 190  # last traffic at ~55 s, plus idleSeconds
+
+    memory = history[-1][1].memory
+    asleep = decide([], policy, FleetState(0, 0), memory, now=400.0)
+    assert (asleep.desired_replicas, asleep.reason) == (0, "Idle")
+    stale_wake = FleetState(0, 0, wake_requested_at=10.0)  # older than the scale to zero
+    assert decide([], policy, stale_wake, memory, now=400.0).desired_replicas == 0
+    woken = decide([], policy, FleetState(0, 0, wake_requested_at=399.0), memory, now=400.0)
+    assert (woken.desired_replicas, woken.reason) == (1, "WakeFromZero")
+    # Woken pods are not sent back to sleep before they had a chance to serve.
+    starting = decide(
+        [], policy, FleetState(1, 0, 1, wake_requested_at=399.0), woken.memory, now=450.0
+    )
+    assert starting.desired_replicas == 1
+
+
+@pytest.mark.looptime
+async def test_only_idle_seconds_of_silence_reach_zero():
+    policy = AutoscalingPolicy(
+        min_replicas=0, max_replicas=4, idle_seconds=600, scale_down_stabilization_seconds=30
+    )
+    history = await drive(lambda t: 2.0 if t < 60 else 0.0, policy, minutes=12, replicas=3)
+    assert replicas_at(history, 600) == 1
+    assert history[-1][1].desired_replicas == 0
+
+
+def test_minimum_above_zero_never_sleeps():
+    policy = AutoscalingPolicy(min_replicas=1, max_replicas=3, idle_seconds=0)
+    quiet = pod_samples(0.0, 0.0, 2) + pod_samples(30.0, 0.0, 2)
+    memory = AutoscalerMemory(last_active=-1e6, first_decision=-1e6)
+    decision = decide(quiet, policy, FleetState(2, 2), memory, 30.0)
+    assert decision.desired_replicas == 1
+
+
+def test_a_restarted_operator_waits_a_window_before_scaling_down():
+    policy = AutoscalingPolicy(max_replicas=8, scale_down_stabilization_seconds=300)
+    quiet = pod_samples(0.0, 0.5, 6)
+    fresh = decide(quiet, policy, FleetState(6, 6), AutoscalerMemory(), 0.0)
+    assert fresh.desired_replicas == 6
+    later = decide(pod_samples(300.0, 0.5, 6), policy, FleetState(6, 6), fresh.memory, 300.0)
+    assert later.desired_replicas == 5  # capacity unknown: probe down by one
+    learned = replace(fresh.memory, replica_tokens_per_second=1000.0)
+    later = decide(pod_samples(300.0, 0.5, 6), policy, FleetState(6, 6), learned, 300.0)
+    assert later.desired_replicas == 3  # halved at most by maxScaleDownRate
+
+
+def test_capacity_is_learned_when_saturated_and_scales_the_token_load():
+    policy = AutoscalingPolicy(max_replicas=20, target_kv_cache_usage=0.5)
+    # Two replicas, every slot of 64 taken, 10 waiting: saturated at 3000 tokens/s each.
+    saturated = [
+        MetricSample(f"p-{i}", t, 0.6, 64, 5, prompt_tokens_total=t * 2000,
+                     generation_tokens_total=t * 1000)
+        for t in (0.0, 10.0) for i in range(2)
+    ]  # fmt: skip
+    fleet = FleetState(2, 2, max_num_seqs=64)
+    decision = decide(saturated, policy, fleet, AutoscalerMemory(), 10.0)
+    assert decision.memory.replica_tokens_per_second == pytest.approx(3000.0)
+    # Later 4 replicas carry 9000 tokens/s at half their slots: the token load asks for
+    # 9000 / 3000 / 0.5 = 6 replicas even though slots and KV alone would ask for 4.
+    busy = [
+        MetricSample(f"p-{i}", t, 0.3, 32, 0, prompt_tokens_total=t * 1500,
+                     generation_tokens_total=t * 750)
+        for t in (100.0, 110.0) for i in range(4)
+    ]  # fmt: skip
+    signals = summarize(busy)
+    assert replicas_for_load(signals, policy, 4, 64) == 4
+    assert replicas_for_load(signals, policy, 4, 64, 3000.0) == 6
+
+
+LONG = dict(per_replica=2)  # each request holds half a replica's KV cache
+
+
+def long_context_window(now, ready):
+    rounds = [pod_samples(t, 1.5 * ready, ready, **LONG) for t in (now - 40, now - 20, now)]
+    return [s for r in rounds for s in r]
+
+
+def test_long_contexts_replan_a_larger_shape_instead_of_replicas():
+    policy = AutoscalingPolicy(min_replicas=1, max_replicas=8, gpu_budget=8)
+    bigger = Shape(
+        tensor_parallel_size=2, gpu_type="nvidia-h100-80gb", kv_cache_capacity_tokens=400_000
+    )
+    fleet = FleetState(2, 2, gpus_per_replica=1, larger_shape=bigger)
+    decision = decide(long_context_window(100.0, 2), policy, fleet, AutoscalerMemory(), 100.0)
+    assert decision.reason == "LongContext"
+    assert decision.replan == bigger
+    assert decision.desired_replicas == 2
+    assert "50%" in decision.message
+    # Within the cool-down the next decision waits for the rollout instead of replanning again.
+    again = decide(long_context_window(110.0, 2), policy, fleet, decision.memory, 110.0)
+    assert again.replan is None
+
+
+def test_long_contexts_with_a_fixed_tensor_parallel_size_add_replicas():
+    policy = AutoscalingPolicy(min_replicas=1, max_replicas=8)
+    bigger = Shape(2, "nvidia-h100-80gb", 400_000)
+    fleet = FleetState(2, 2, tensor_parallel_fixed=True, larger_shape=bigger)
+    decision = decide(long_context_window(100.0, 2), policy, fleet, AutoscalerMemory(), 100.0)
+    assert decision.replan is None
+    assert decision.desired_replicas > 2
+    assert "tensorParallelSize is set" in decision.message
+
+
+def test_many_short_requests_add_replicas_not_shape():
+    policy = AutoscalingPolicy(min_replicas=1, max_replicas=8)
+    fleet = FleetState(2, 2, larger_shape=Shape(2, "nvidia-h100-80gb", 400_000))
+    rounds = [pod_samples(t, 3.0, 2) for t in (60.0, 80.0, 100.0)]
+    decision = decide([s for r in rounds for s in r], policy, fleet, AutoscalerMemory(), 100.0)
+    assert decision.replan is None and decision.reason in ("ScaleUp", "Panic")
+    assert decision.desired_replicas == 4
+
+
+def test_no_metrics_holds():
+    decision = decide([], POLICY, FleetState(3, 0, 3), AutoscalerMemory(), 0.0)
+    assert (decision.desired_replicas, decision.reason) == (3, "NoMetrics")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("target_kv_cache_usage", 0.0),
+        ("max_replicas", 0),
+        ("panic_window_seconds", 120.0),
+        ("max_scale_up_rate", 1.0),
+        ("min_replicas", -1),
+    ],
+)
+def test_policy_rejects_out_of_range(field, value):
+    with pytest.raises(ValueError, match=field):
+        AutoscalingPolicy(**{field: value})
+
+
+def test_policy_from_a_parsed_spec_keeps_defaults_for_unset_knobs():
+    spec = parse_spec(
+        {"autoscaling": {"minReplicas": 0, "maxReplicas": 6, "targetKVCacheUsage": 0.8,
+                         "stableWindowSeconds": 120, "gpuBudget": 8}}
+    )  # fmt: skip
+    policy = AutoscalingPolicy.from_spec(spec.autoscaling)
+    assert policy == AutoscalingPolicy(
+        min_replicas=0, max_replicas=6, target_kv_cache_usage=0.8, stable_window_seconds=120,
+        gpu_budget=8,
+    )  # fmt: skip
+    assert policy.scale_down_stabilization_seconds == 300.0

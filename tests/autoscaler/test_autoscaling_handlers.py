@@ -1,0 +1,131 @@
+"""The pure parts of the autoscaling loop: shapes from the planner, wake requests, status."""
+
+import dataclasses
+import datetime
+import json
+import pathlib
+
+import pytest
+
+from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.operator.autoscaler import (
+    SHAPE_ANNOTATION,
+    AutoscalerMemory,
+    Decision,
+    Shape,
+    apply_shape,
+)
+from kvpilot.operator.autoscaling_handlers import (
+    WAKE_ANNOTATION,
+    decision_status,
+    larger_shape,
+    remembered,
+    startup_seconds,
+    unschedulable,
+    wake_time,
+)
+from kvpilot.operator.planner import plan_for_spec
+from kvpilot.operator.signals import MetricSample, summarize
+from kvpilot.operator.spec import SpecError, parse_spec
+
+CONFIGS = pathlib.Path(__file__).parents[1] / "operator" / "configs"
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return ModelSpec.from_hf_config(json.loads((CONFIGS / "Meta-Llama-3-8B.json").read_text()))
+
+
+def spec_on(gpu: dict, **extra):
+    return parse_spec(
+        {"model": {"source": "hf://meta-llama/Meta-Llama-3-8B"}, "gpu": gpu,
+         "engine": {"maxModelLen": 8192}, "autoscaling": {"maxReplicas": 4, **extra}}
+    )  # fmt: skip
+
+
+def test_larger_shape_is_the_next_tensor_parallel_size_the_planner_accepts(llama):
+    spec = spec_on({"type": "L4"})
+    current = plan_for_spec(spec, llama)
+    shape = larger_shape(spec, current, llama, ())
+    bigger = plan_for_spec(
+        dataclasses.replace(spec, tensor_parallel_size=shape.tensor_parallel_size), llama
+    )
+    assert shape.tensor_parallel_size > current.tensor_parallel_size
+    assert shape.gpu_type == "L4"
+    assert shape.kv_cache_capacity_tokens == bigger.kv_capacity_tokens > current.kv_capacity_tokens
+
+
+def test_larger_shape_moves_to_an_allowed_bigger_gpu_when_tp_is_exhausted(llama):
+    spec = spec_on({"type": "L4", "perNode": 1}, allowedGpuTypes=["H100-80GB", "L40S", "L4"])
+    current = plan_for_spec(spec, llama)
+    shape = larger_shape(spec, current, llama, spec.autoscaling.allowed_gpu_types)
+    # L40S is the smallest allowed GPU with more memory than an L4.
+    assert shape.gpu_type == "L40S" and shape.tensor_parallel_size == 1
+    assert shape.kv_cache_capacity_tokens > current.kv_capacity_tokens
+
+
+def test_no_larger_shape_for_a_user_set_tensor_parallel_size(llama):
+    spec = dataclasses.replace(spec_on({"type": "L4"}), tensor_parallel_size=2)
+    assert larger_shape(spec, plan_for_spec(spec, llama), llama, ("H100-80GB",)) is None
+
+
+def test_apply_shape_fills_only_what_the_planner_chooses():
+    spec = spec_on({"type": "L4"}, allowedGpuTypes=["L40S"])
+    shaped = apply_shape(spec, {SHAPE_ANNOTATION: Shape(2, "L40S", 1).to_annotation()})
+    assert (shaped.tensor_parallel_size, shaped.gpu.type) == (2, "L40S")
+    fixed = dataclasses.replace(spec, tensor_parallel_size=1)
+    assert apply_shape(fixed, {SHAPE_ANNOTATION: Shape(2, "L40S", 1).to_annotation()}) is fixed
+    with pytest.raises(SpecError, match="GPU type must be one of"):
+        apply_shape(spec, {SHAPE_ANNOTATION: Shape(2, "B200", 1).to_annotation()})
+    with pytest.raises(SpecError, match="not a shape"):
+        apply_shape(spec, {SHAPE_ANNOTATION: "tp=2"})
+
+
+def test_wake_time_reads_unix_seconds_and_rfc3339():
+    assert wake_time({WAKE_ANNOTATION: "1700000000"}) == 1700000000.0
+    assert wake_time({WAKE_ANNOTATION: "2023-11-14T22:13:20Z"}) == 1700000000.0
+    assert wake_time({WAKE_ANNOTATION: "soon"}) is None
+    assert wake_time({WAKE_ANNOTATION: "2023-11-14T22:13:20"}) is None  # no zone: ambiguous
+    assert wake_time({}) is None
+
+
+def test_unschedulable_reads_pod_scheduled():
+    assert unschedulable({"status": {"conditions": [{"type": "PodScheduled", "status": "False",
+                                                     "reason": "Unschedulable"}]}})  # fmt: skip
+    assert not unschedulable({"status": {"conditions": [{"type": "PodScheduled",
+                                                         "status": "True"}]}})  # fmt: skip
+    assert not unschedulable({"status": {}})
+
+
+def test_status_carries_the_decision_and_the_learned_capacity():
+    signals = summarize([MetricSample("p", 0.0, 0.5, 3, 1), MetricSample("p", 10.0, 0.7, 5, 1)])
+    memory = AutoscalerMemory(replica_tokens_per_second=9000.0)
+    decision = Decision(3, "ScaleUp", "KV load ...", signals, None, memory)
+    now = datetime.datetime(2026, 11, 30, 10, 0, tzinfo=datetime.UTC)
+    status = decision_status(decision, {"desiredReplicas": 2}, now)
+    assert status["desiredReplicas"] == 3
+    assert status["lastScaleTime"] == "2026-11-30T10:00:00Z"
+    assert status["kvCacheUsage"] == pytest.approx(0.6)
+    assert status["lastDecision"]["reason"] == "ScaleUp"
+    assert status["lastDecision"]["signals"]["requestsRunning"] == pytest.approx(4.0)
+    # A restarted operator starts from what the last one learned.
+    assert remembered({"status": status}).replica_tokens_per_second == 9000.0
+    assert remembered({}).replica_tokens_per_second is None
+    # Same replicas: the last scale time stays.
+    same = decision_status(decision, {"desiredReplicas": 3, "lastScaleTime": "earlier"}, now)
+    assert same["lastScaleTime"] == "earlier"
+
+
+def test_startup_seconds_from_creation_to_ready():
+    def pod(created, ready):
+        return {
+            "metadata": {"creationTimestamp": created},
+            "status": {"conditions": [
+                {"type": "Ready", "status": "True", "lastTransitionTime": ready}
+            ]},
+        }  # fmt: skip
+
+    pods = [pod("2026-11-30T10:00:00Z", "2026-11-30T10:01:30Z"),
+            pod("2026-11-30T10:05:00Z", "2026-11-30T10:07:00Z")]  # fmt: skip
+    assert startup_seconds(pods) == 120.0
+    assert startup_seconds([{"metadata": {}, "status": {}}]) == 0.0
