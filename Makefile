@@ -40,6 +40,10 @@ test-fast: install
 test-kernels: install
 	$(BIN)/pytest -m kernel tests/kernels
 
+## Offline throughput: kvpilot vs transformers generate() and generate_batch() (issue 2 figures).
+bench: install
+	$(BIN)/python benchmarks/throughput.py --threads 1
+
 ## Serving load test against a running `make serve` (vLLM `bench serve` definitions).
 bench-serve: install
 	$(BIN)/python benchmarks/serve.py --base-url http://$(HOST):$(PORT) --num-prompts 16 --random-input-len 128 --random-output-len 32

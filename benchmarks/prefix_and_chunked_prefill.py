@@ -1,0 +1,166 @@
+"""Latency effects of prefix caching and chunked prefill (issue 7), on the default model.
+
+1. Time to first token of requests sharing a ``--system-len`` (1,000) token system prompt, one
+   request at a time, with and without prefix caching: the first request fills the cache, the
+   others reuse it (target: >= 5x lower mean TTFT with caching).
+2. Inter-token latency of ``--streams`` running streams while a ``--long-len`` (2,000) token
+   prompt arrives: with chunked prefill (``--max-num-batched-tokens`` per step) the p99 stays
+   near the steady inter-token latency (target: <= 2x); without it one step computes the whole
+   prompt and every stream stalls for that long.
+
+    python benchmarks/prefix_and_chunked_prefill.py --threads 1
+
+Latencies are wall-clock seconds (``time.perf_counter``); the load average is printed because
+other processes on a shared machine inflate them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+# Enough for every request here; smaller than the CPU default, so engines start quickly.
+KV_CACHE_MEMORY = 1024**3
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument(
+        "--system-len", type=int, default=1000, help="shared system prompt (tokens)"
+    )
+    parser.add_argument("--num-requests", type=int, default=6, help="requests sharing it")
+    parser.add_argument("--streams", type=int, default=8, help="decoding streams in part 2")
+    parser.add_argument(
+        "--long-len", type=int, default=2000, help="the prompt that arrives (tokens)"
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=32, help="step budget with chunked prefill"
+    )
+    return parser.parse_args()
+
+
+def tokens(n: int, seed: int, vocab_size: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(100, vocab_size, (n,), generator=generator).tolist()
+
+
+def p99(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, int(0.99 * len(values)))]
+
+
+def time_to_first_token(args, enable_prefix_caching: bool) -> list[float]:
+    """TTFT (s) of each request, sent one after another, all sharing the system prompt."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        max_model_len=4096,
+        kv_cache_memory=KV_CACHE_MEMORY,
+        enable_prefix_caching=enable_prefix_caching,
+    )
+    engine = llm.llm_engine
+    vocab_size = engine.model_spec.vocab_size
+    system = tokens(args.system_len, 0, vocab_size)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    ttfts = []
+    label = f"TTFT, prefix caching {'on' if enable_prefix_caching else 'off'}"
+    for i in tqdm(range(args.num_requests), desc=label, unit="req"):
+        start = time.perf_counter()
+        engine.add_request(
+            str(i), {"prompt_token_ids": system + tokens(32, i + 1, vocab_size)}, params
+        )
+        while engine.has_unfinished_requests():
+            engine.step()
+        ttfts.append(time.perf_counter() - start)
+    return ttfts
+
+
+def inter_token_latencies(args, chunked: bool) -> tuple[list[float], list[float]]:
+    """(steady ITLs before the long prompt arrives, ITLs from its arrival to its first token)."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    max_model_len = max(4096, args.long_len + 16)
+    llm = LLM(
+        args.model,
+        max_model_len=max_model_len,
+        enable_chunked_prefill=chunked,
+        # Without chunking a step must hold a whole prompt.
+        max_num_batched_tokens=args.max_num_batched_tokens if chunked else max_model_len,
+        enable_prefix_caching=False,
+        kv_cache_memory=KV_CACHE_MEMORY,
+    )
+    engine = llm.llm_engine
+    vocab_size = engine.model_spec.vocab_size
+    stream = SamplingParams(temperature=0, max_tokens=max_model_len - 64, ignore_eos=True)
+    for i in range(args.streams):
+        engine.add_request(f"s{i}", {"prompt_token_ids": tokens(16, 100 + i, vocab_size)}, stream)
+    engine.step()  # prefill the streams
+    steady, during = [], []
+    last = time.perf_counter()
+    arrived = False
+    desc = f"ITL, chunked prefill {'on' if chunked else 'off'}"
+    with tqdm(desc=desc, unit="step") as bar:
+        while True:
+            if len(steady) == 20 and not arrived:
+                long_params = SamplingParams(temperature=0, max_tokens=1)
+                engine.add_request(
+                    "long", {"prompt_token_ids": tokens(args.long_len, 7, vocab_size)}, long_params
+                )
+                arrived = True
+            outputs = engine.step()
+            now = time.perf_counter()
+            (during if arrived else steady).append(now - last)
+            last = now
+            bar.update()
+            if any(o.request_id == "long" and o.finished for o in outputs):
+                break
+    engine.abort_request([f"s{i}" for i in range(args.streams)])
+    return steady, during
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"threads: {torch.get_num_threads()}, load average at start: {os.getloadavg()[0]:.2f}")
+
+    cold = time_to_first_token(args, enable_prefix_caching=False)
+    warm = time_to_first_token(args, enable_prefix_caching=True)
+    # The first cached request fills the cache; the rest are the hits.
+    off, on = statistics.mean(cold[1:]), statistics.mean(warm[1:])
+    print()
+    print(f"TTFT, {args.system_len}-token shared system prompt + 32 tokens, one request at a time:")
+    print(f"  without prefix caching: mean {off * 1000:.0f} ms")
+    print(
+        f"  with prefix caching:    mean {on * 1000:.0f} ms (first, cache filling: {warm[0] * 1000:.0f} ms)"
+    )
+    print(f"  {off / on:.1f}x lower with caching")
+
+    print()
+    print(f"ITL of {args.streams} streams while a {args.long_len}-token prompt arrives:")
+    for chunked in (True, False):
+        steady, during = inter_token_latencies(args, chunked)
+        base = statistics.median(steady)
+        label = (
+            f"chunked prefill, {args.max_num_batched_tokens} tokens/step"
+            if chunked
+            else "no chunked prefill"
+        )
+        print(
+            f"  {label:40} steady median {base * 1000:.0f} ms; while prefilling: median "
+            f"{statistics.median(during) * 1000:.0f} ms, p99 {p99(during) * 1000:.0f} ms = "
+            f"{p99(during) / base:.1f}x steady, over {len(during)} steps"
+        )
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""Offline throughput: kvpilot vs transformers, same model, same prompts, same thread count.
+
+Runs, in one process and with one ``torch.set_num_threads`` value:
+
+1. a large float32 matmul, the machine's practical peak (FLOP/s) for the MFU figure;
+2. kvpilot (``LLMEngine`` stepped to completion, all prompts submitted at once), recording the
+   KV cache waste at peak allocation (allocated but unused token slots / allocated slots);
+3. transformers' continuous batching (``generate_batch``) on the same prompts;
+4. transformers' ``generate()`` one prompt at a time (``--skip-sequential`` to leave it out).
+
+Workload (issue 2): ``--num-prompts`` random prompts with lengths spread evenly over
+``--min-len``..``--max-len`` tokens, ``--output-len`` new tokens each, greedy, EOS ignored.
+
+    python benchmarks/throughput.py --threads 2
+
+Prints the command, the machine, the thread count, each system's time and tokens/s, the ratios,
+the model FLOP utilisation and the KV waste. Numbers go to docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+
+class Timer:
+    """Wall-clock and CPU time (all threads of this process) of a block, in seconds.
+
+    On a shared machine the CPU time is the fairer figure: with the same thread count it counts
+    only the work done, not the time other processes held the cores.
+    """
+
+    def __enter__(self) -> Timer:
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall = time.perf_counter() - self.wall
+        self.cpu = time.process_time() - self.cpu
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--model", default=None, help="model folder or hub id (default: SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--min-len", type=int, default=16, help="shortest prompt (tokens)")
+    parser.add_argument("--max-len", type=int, default=192, help="longest prompt (tokens)")
+    parser.add_argument("--output-len", type=int, default=64, help="new tokens per prompt")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=torch.get_num_threads(),
+        help="torch threads for every system",
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="kvpilot's step budget (default: the engine's)",
+    )
+    parser.add_argument(
+        "--skip-sequential",
+        action="store_true",
+        help="leave out transformers generate() one prompt at a time",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    return parser.parse_args()
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}, torch {torch.__version__}"
+
+
+def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
+    """Best FLOP/s (per CPU second) of an ``n x n`` float32 matmul (2 n^3 FLOPs each)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    best = float("inf")
+    for _ in range(reps):
+        with Timer() as timer:
+            a @ b
+        best = min(best, timer.cpu)
+    return 2 * n**3 / best
+
+
+def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(args.seed)
+    n = args.num_prompts
+    lengths = [
+        args.min_len + round(i * (args.max_len - args.min_len) / max(n - 1, 1)) for i in range(n)
+    ]
+    # Skip the first ids: special tokens in most vocabularies.
+    return [
+        torch.randint(100, vocab_size, (length,), generator=generator).tolist()
+        for length in lengths
+    ]
+
+
+def model_flops(spec, prompts: list[list[int]], output_len: int) -> float:
+    """FLOPs of the whole workload: 2 per weight per processed token (every prompt token and
+    every generated token but the last), the LM head once per generated token, and attention
+    (QK^T and PV: 4 * heads * head_dim per layer per context position)."""
+    q_dim = spec.num_attention_heads * spec.head_dim
+    kv_dim = spec.num_key_value_heads * spec.head_dim
+    per_layer = spec.hidden_size * (q_dim + 2 * kv_dim) + q_dim * spec.hidden_size
+    per_layer += 3 * spec.hidden_size * spec.intermediate_size
+    total = 0.0
+    for prompt in prompts:
+        processed = len(prompt) + output_len - 1
+        total += 2 * per_layer * spec.num_layers * processed
+        total += 2 * spec.hidden_size * spec.vocab_size * output_len
+        # Token at position p attends to p + 1 positions.
+        total += 4 * spec.num_layers * q_dim * processed * (processed + 1) / 2
+    return total
+
+
+def run_kvpilot(args, prompts) -> tuple[Timer, list[list[int]], float, object]:
+    """kvpilot, all prompts submitted at once; also the KV waste at peak allocation."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    llm = LLM(
+        args.model,
+        block_size=args.block_size,
+        max_model_len=args.max_len + args.output_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    warmup = SamplingParams(temperature=0, max_tokens=2)
+    llm.generate([{"prompt_token_ids": prompts[0][:8]}], warmup, use_tqdm=False)
+    pool = engine.kv_cache_manager.block_pool
+    outputs: dict[str, list[int]] = {}
+    peak_allocated, waste_at_peak = 0, 0.0
+    with Timer() as timer, tqdm(total=len(prompts), desc="kvpilot", unit="req") as bar:
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs[out.request_id] = out.outputs[0].token_ids
+                    bar.update()
+            allocated = (pool.num_blocks - pool.get_num_free_blocks()) * args.block_size
+            if allocated > peak_allocated:
+                used = sum(r.num_computed_tokens for r in engine.scheduler.running)
+                peak_allocated, waste_at_peak = allocated, (allocated - used) / allocated
+    tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
+    return timer, tokens, waste_at_peak, engine.model_spec
+
+
+def run_hf_batch(args, prompts, model) -> tuple[Timer, list[list[int]]]:
+    """transformers' continuous batching, sized like kvpilot (page size, step budget)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    config = GenerationConfig(
+        max_new_tokens=args.output_len, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    blocks = len(prompts) * -(-(args.max_len + args.output_len) // args.block_size) + 16
+    cb_config = ContinuousBatchingConfig(
+        num_blocks=blocks,
+        page_size=args.block_size,
+        max_batch_tokens=args.max_num_batched_tokens or 2048,
+    )
+    with Timer() as timer:
+        results = model.generate_batch(
+            inputs=prompts,
+            generation_config=config,
+            continuous_batching_config=cb_config,
+            progress_bar=True,
+        )
+    return timer, [list(r.generated_tokens) for r in results.values()]
+
+
+def run_hf_sequential(args, prompts, model) -> tuple[Timer, list[list[int]]]:
+    """transformers' ``generate()``, one prompt at a time."""
+    outputs = []
+    with Timer() as timer:
+        for prompt in tqdm(prompts, desc="transformers generate()", unit="req"):
+            ids = torch.tensor([prompt])
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=args.output_len,
+                do_sample=False,
+                eos_token_id=None,
+            )
+            outputs.append(out[0, len(prompt) :].tolist())
+    return timer, outputs
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    import transformers
+
+    from kvpilot.engine.model_loader import resolve_model
+
+    print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
+    print(f"machine: {machine()}")
+    print(f"threads: {torch.get_num_threads()} (torch.set_num_threads, every system)")
+    print(f"load average at start: {os.getloadavg()[0]:.2f}")
+    peak = matmul_peak_flops()
+    print(f"fp32 matmul 2048^3: {peak / 1e9:.1f} GFLOP per CPU second")
+
+    model_dir = resolve_model(args.model)
+    config = transformers.AutoConfig.from_pretrained(model_dir)
+    prompts = make_prompts(args, config.vocab_size)
+    num_prompt_tokens = sum(len(p) for p in prompts)
+    num_output_tokens = args.output_len * len(prompts)
+    print(
+        f"workload: {len(prompts)} prompts of {args.min_len}-{args.max_len} tokens "
+        f"({num_prompt_tokens} in all), {args.output_len} new tokens each, greedy, EOS ignored"
+    )
+
+    kv_timer, kv_tokens, waste, spec = run_kvpilot(args, prompts)
+    results: dict[str, tuple[Timer, list[list[int]]]] = {"kvpilot": (kv_timer, kv_tokens)}
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    results["transformers generate_batch"] = run_hf_batch(args, prompts, hf_model)
+    if not args.skip_sequential:
+        results["transformers generate() 1 by 1"] = run_hf_sequential(args, prompts, hf_model)
+
+    print()
+    print(
+        f"{'system':32} {'wall s':>8} {'CPU s':>8} {'out tok/CPU s':>14} "
+        f"{'kvpilot is (CPU)':>17} {'kvpilot is (wall)':>18} {'same tokens':>12}"
+    )
+    for name, (timer, outputs) in results.items():
+        same = sum(a == b for a, b in zip(outputs, kv_tokens, strict=False))
+        print(
+            f"{name:32} {timer.wall:8.1f} {timer.cpu:8.1f} {num_output_tokens / timer.cpu:14.1f} "
+            f"{timer.cpu / kv_timer.cpu:16.2f}x {timer.wall / kv_timer.wall:17.2f}x "
+            f"{same:>7}/{len(prompts)}"
+        )
+    achieved = model_flops(spec, prompts, args.output_len) / kv_timer.cpu
+    print()
+    print(
+        f"kvpilot model FLOPs per CPU second: {achieved / 1e9:.1f} GFLOP = "
+        f"{100 * achieved / peak:.1f}% of the measured matmul"
+    )
+    print(f"kvpilot KV waste at peak allocation: {100 * waste:.2f}% (block size {args.block_size})")
+    print(f"load average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,277 @@
+"""Engine arguments (vLLM's names and flag spellings) and the resolved scheduler/cache settings.
+
+This module imports no torch: the CLI builds its parser from it without loading the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass, fields
+
+# CPU defaults, chosen on a 2-core machine with the 135M default model (docs/benchmarks.md):
+# 64 sequences keep decode matmuls wide without letting per-step decode attention dominate, and
+# 2,048 tokens keep prefill matmuls at full speed while bounding the stall a long prompt causes
+# running streams to one such step (about 5 CPU seconds there).
+CPU_MAX_NUM_SEQS = 64
+CPU_MAX_NUM_BATCHED_TOKENS = 2048
+GPU_MAX_NUM_SEQS = 256
+GPU_MAX_NUM_BATCHED_TOKENS = 8192
+# Default CPU KV budget: room for every sequence at full length, but never more than this many
+# bytes (the cache is allocated, zeroed, up front).
+CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
+
+DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+ATTENTION_BACKENDS = ("torch", "triton")
+DEVICES = ("auto", "cpu", "cuda")
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "kib": 1024,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "mib": 1024**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "gib": 1024**3,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a memory size: a byte count (``1073741824``) or a number with a unit (``1GiB``, ``512MB``).
+
+    Raises:
+        ValueError: when the text is not a non-negative size.
+    """
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"not a memory size: {text!r} (examples: 1073741824, 1GiB, 512MB)")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+@dataclass
+class EngineArgs:
+    """Everything a user may set about the engine; field names are vLLM's ``EngineArgs`` names.
+
+    ``None`` means "choose a default": ``max_model_len`` from the model config
+    (``max_position_embeddings``), ``max_num_seqs`` / ``max_num_batched_tokens`` per device,
+    ``kv_cache_memory`` (bytes, CPU only) from ``max_num_seqs * max_model_len`` tokens capped at
+    ``CPU_DEFAULT_KV_CACHE_MEMORY``. On GPU the KV cache takes ``gpu_memory_utilization`` of the
+    device memory minus what a profiling forward pass used.
+
+    Raises:
+        ValueError: from ``validate()`` (called by ``__post_init__``), naming the argument.
+    """
+
+    model: str | None = None
+    revision: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    kv_cache_memory: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    tensor_parallel_size: int = 1
+    attention_backend: str | None = None
+    served_model_name: str | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every argument's type and range.
+
+        Raises:
+            ValueError: naming the first bad argument and its value.
+        """
+
+        def bad(name: str, msg: str) -> None:
+            raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+
+        def positive_int(name: str, optional: bool = True) -> None:
+            value = getattr(self, name)
+            if value is None and optional:
+                return
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                bad(name, "must be a positive integer")
+
+        if self.dtype not in DTYPES:
+            bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.device not in DEVICES:
+            bad("device", f"must be one of {', '.join(DEVICES)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            bad("seed", "must be an integer")
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
+            positive_int(name)
+        positive_int("block_size", optional=False)
+        positive_int("tensor_parallel_size", optional=False)
+        if not isinstance(self.gpu_memory_utilization, int | float) or not (
+            0.0 < self.gpu_memory_utilization <= 1.0
+        ):
+            bad("gpu_memory_utilization", "must be in (0, 1]")
+        if (
+            isinstance(self.long_prefill_token_threshold, bool)
+            or not isinstance(self.long_prefill_token_threshold, int)
+            or self.long_prefill_token_threshold < 0
+        ):
+            bad("long_prefill_token_threshold", "must be an integer >= 0 (0: no cap)")
+        if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
+            bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if (
+            self.max_model_len is not None
+            and self.max_num_batched_tokens is not None
+            and not self.enable_chunked_prefill
+            and self.max_num_batched_tokens < self.max_model_len
+        ):
+            bad(
+                "max_num_batched_tokens",
+                f"must be >= max_model_len ({self.max_model_len}) without chunked prefill, "
+                "or a long prompt could never be scheduled",
+            )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        """Add the engine flags, spelled as vLLM spells them, to ``parser`` and return it."""
+        group = parser.add_argument_group("engine")
+        group.add_argument(
+            "--model",
+            default=None,
+            help="local folder or hub id (default: SmolLM2-135M-Instruct, built in)",
+        )
+        group.add_argument("--revision", default=None, help="hub revision (branch, tag or commit)")
+        group.add_argument(
+            "--tokenizer", default=None, help="tokenizer folder or hub id (default: the model's)"
+        )
+        group.add_argument(
+            "--dtype",
+            default="auto",
+            choices=DTYPES,
+            help="weights and KV cache dtype (auto: float32 on CPU, bfloat16/float16 on GPU)",
+        )
+        group.add_argument(
+            "--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu"
+        )
+        group.add_argument(
+            "--seed",
+            type=int,
+            default=0,
+            help="seed of the sampler for requests without their own seed",
+        )
+        group.add_argument(
+            "--max-model-len",
+            type=int,
+            default=None,
+            help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
+        )
+        group.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+        group.add_argument(
+            "--max-num-seqs",
+            type=int,
+            default=None,
+            help=f"most sequences in one step (default {GPU_MAX_NUM_SEQS} on GPU, {CPU_MAX_NUM_SEQS} on CPU)",
+        )
+        group.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=None,
+            help=f"token budget of one step (default {GPU_MAX_NUM_BATCHED_TOKENS} on GPU, {CPU_MAX_NUM_BATCHED_TOKENS} on CPU)",
+        )
+        group.add_argument(
+            "--kv-cache-memory",
+            type=parse_bytes,
+            default=None,
+            help="KV cache size in bytes on CPU, e.g. 2GiB (default: enough for max-num-seqs full-length sequences, at most 2 GiB)",
+        )
+        group.add_argument(
+            "--gpu-memory-utilization",
+            type=float,
+            default=0.9,
+            help="fraction of GPU memory for weights, activations and KV cache",
+        )
+        group.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="reuse KV blocks of identical prompt prefixes",
+        )
+        group.add_argument(
+            "--enable-chunked-prefill",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="split long prompts over several steps",
+        )
+        group.add_argument(
+            "--long-prefill-token-threshold",
+            type=int,
+            default=0,
+            help="cap on one request's prompt tokens per step (0: no cap)",
+        )
+        group.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=1,
+            help="number of devices to shard the model over",
+        )
+        group.add_argument(
+            "--attention-backend",
+            default=None,
+            choices=ATTENTION_BACKENDS,
+            help="attention implementation (default: torch on CPU, triton on GPU)",
+        )
+        group.add_argument(
+            "--served-model-name",
+            default=None,
+            help="model name reported by the API (default: the model's)",
+        )
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        """Build from a namespace parsed with ``add_cli_args``; other attributes are ignored."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Resolved scheduling limits of one engine (all in tokens or sequences)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    enable_chunked_prefill: bool
+    long_prefill_token_threshold: int
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Resolved KV cache geometry of one engine.
+
+    Attributes:
+        block_size: tokens per block.
+        num_blocks: blocks in the pool.
+        bytes_per_token: K and V of one token over all layers (bytes).
+        enable_prefix_caching: whether full blocks are hashed and reused.
+    """
+
+    block_size: int
+    num_blocks: int
+    bytes_per_token: int
+    enable_prefix_caching: bool
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole cache holds."""
+        return self.num_blocks * self.block_size

@@ -1,0 +1,146 @@
+"""Per-request block tables over the block pool, with prefix caching (vLLM V1's KVCacheManager)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvpilot.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_block_tokens
+from kvpilot.engine.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative integers."""
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates blocks to requests and finds their longest cached prefix.
+
+    A request's block table covers its first ``num_computed_tokens + num_new_tokens`` tokens.
+    With prefix caching, every full block is identified by
+    ``hash(parent hash, block tokens, extra keys)``; the first block's parent is ``root_hash``
+    (the model's identity and revision) and its extra keys hold the request's ``cache_salt``, so
+    the salt reaches every later block through the chain.
+
+    Args:
+        num_blocks: blocks in the cache.
+        block_size: tokens per block.
+        enable_caching: reuse cached full blocks across requests.
+        root_hash: parent hash of every first block.
+    """
+
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_caching: bool, root_hash: BlockHash = b""
+    ) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.root_hash = root_hash
+        self.block_pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVCacheBlock]] = {}
+        # How many of a request's blocks are already indexed in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        return self.block_pool.num_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (0..1)."""
+        return self.block_pool.get_usage()
+
+    def update_block_hashes(self, request: Request) -> list[BlockHash]:
+        """Extend ``request.block_hashes`` to every full block of its tokens and return them."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        tokens = request.all_token_ids
+        while (len(hashes) + 1) * bs <= len(tokens):
+            i = len(hashes)
+            parent = hashes[-1] if hashes else self.root_hash
+            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
+            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
+        """The longest chain of cached blocks that prefixes the request's tokens.
+
+        At least one token is always left to compute (its logits give the next token), so a
+        fully cached prompt reuses all its blocks but the last.
+
+        Returns:
+            ``(blocks, num_computed_tokens)``; ``([], 0)`` when caching is off.
+        """
+        if not self.enable_caching:
+            return [], 0
+        hashes = self.update_block_hashes(request)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for block_hash in hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def can_fit(self, num_tokens: int) -> bool:
+        """Whether a sequence of ``num_tokens`` tokens fits the whole cache."""
+        return cdiv(num_tokens, self.block_size) <= self.num_blocks
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_new_computed_tokens: int = 0,
+    ) -> list[KVCacheBlock] | None:
+        """Grow the request's block table to hold ``num_new_tokens`` more tokens.
+
+        Args:
+            request: the request; ``request.num_computed_tokens`` tokens are already held.
+            num_new_tokens: tokens to compute this step.
+            new_computed_blocks: prefix-cache hits (first scheduling only).
+            num_new_computed_tokens: tokens those hits cover.
+
+        Returns:
+            The fresh blocks, or None (nothing changed) when too few blocks are free.
+        """
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        self.num_cached_blocks.setdefault(request.request_id, 0)
+        num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
+        num_needed = cdiv(num_total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Hits sitting in the free list are not available as fresh blocks once touched.
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_needed > self.block_pool.get_num_free_blocks() - num_evictable_hits:
+            if not blocks:
+                self._forget(request.request_id)
+            return None
+        self.block_pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.block_pool.get_new_blocks(max(num_needed, 0))
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            # Index the blocks this step fills: their K/V are written in this step's forward
+            # pass, before any later request can read them.
+            num_full = num_total // self.block_size
+            hashes = self.update_block_hashes(request)
+            self.block_pool.cache_full_blocks(
+                blocks, hashes, self.num_cached_blocks[request.request_id], num_full
+            )
+            self.num_cached_blocks[request.request_id] = max(
+                num_full, self.num_cached_blocks[request.request_id]
+            )
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release all the request's blocks (tail first, see ``BlockPool.free_blocks_of``)."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        self.block_pool.free_blocks_of(reversed(blocks))
+        self._forget(request.request_id)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's block table (physical block ids)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    def _forget(self, request_id: str) -> None:
+        self.req_to_blocks.pop(request_id, None)
+        self.num_cached_blocks.pop(request_id, None)

@@ -1,0 +1,96 @@
+"""The offline API: ``LLM(...).generate(prompts, sampling_params)``, shaped like vLLM's ``LLM``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.llm_engine import LLMEngine, PromptType
+from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.sampling_params import SamplingParams
+
+
+class LLM:
+    """Generate from many prompts at once with continuous batching.
+
+    Args:
+        model: a local folder, a ``.gguf`` file or a Hub id; None for the built-in default
+            (SmolLM2-135M-Instruct).
+        **kwargs: any other ``EngineArgs`` field (``dtype``, ``block_size``, ``max_model_len``,
+            ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory`` (bytes),
+            ``gpu_memory_utilization``, ``seed``, ``enable_prefix_caching``, ...).
+
+    Raises:
+        ValueError: a bad engine argument (named), an unsupported architecture.
+        FileNotFoundError: a model path or id that does not exist.
+    """
+
+    def __init__(
+        self, model: str | None = None, *, show_progress: bool = False, **kwargs: Any
+    ) -> None:
+        self.llm_engine = LLMEngine.from_engine_args(
+            EngineArgs(model=model, **kwargs), show_progress=show_progress
+        )
+        self._counter = 0
+
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer."""
+        return self.llm_engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, all batched together.
+
+        Args:
+            prompts: one prompt or a list; a prompt is a string or
+                ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``.
+            sampling_params: one for all prompts, or one per prompt (default
+                ``SamplingParams()``).
+            use_tqdm: show a progress bar over finished requests.
+
+        Returns:
+            Finished ``RequestOutput``s in the order of ``prompts``.
+
+        Raises:
+            ValueError: when the numbers of prompts and sampling params differ, or a prompt is
+                refused (empty, too long, ...); no request of this call is left queued then.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(prompts)} prompts but {len(params_list)} sampling params"
+                )
+        engine = self.llm_engine
+        request_ids = []
+        try:
+            for prompt, params in zip(prompts, params_list, strict=True):
+                request_id = str(self._counter)
+                self._counter += 1
+                engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError:
+            engine.abort_request(request_ids)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
+            while len(finished) < len(request_ids):
+                for output in engine.step():
+                    if output.finished:
+                        finished[output.request_id] = output
+                        bar.update()
+        return [finished[request_id] for request_id in request_ids]

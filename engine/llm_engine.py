@@ -1,0 +1,514 @@
+"""The engine: requests in, one scheduled forward pass per ``step()``, outputs out (vLLM's LLMEngine)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import pathlib
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from kvpilot.engine.config import (
+    CPU_DEFAULT_KV_CACHE_MEMORY,
+    CPU_MAX_NUM_BATCHED_TOKENS,
+    CPU_MAX_NUM_SEQS,
+    GPU_MAX_NUM_BATCHED_TOKENS,
+    GPU_MAX_NUM_SEQS,
+    CacheConfig,
+    EngineArgs,
+    SchedulerConfig,
+)
+from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.kv_cache_manager import KVCacheManager
+from kvpilot.engine.model_runner import ModelRunner
+from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpilot.engine.request import Request, RequestStatus
+from kvpilot.engine.sampler import Sampler
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.stats import EngineStats
+
+logger = logging.getLogger("kvpilot.engine")
+
+PromptType = str | dict
+
+
+@dataclass
+class _Sequence:
+    """Engine-side state of one output sequence: its request, text and logprobs."""
+
+    parent_id: str
+    index: int
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float | None = None
+
+    def to_output(self) -> CompletionOutput:
+        request = self.request
+        return CompletionOutput(
+            index=self.index,
+            text=self.detokenizer.get_text(finished=request.is_finished),
+            token_ids=list(request.output_token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=None if self.logprobs is None else list(self.logprobs),
+            finish_reason=request.status.finish_reason,
+            stop_reason=request.stop_reason,
+        )
+
+
+@dataclass
+class _ParentRequest:
+    """A user request: its ``n`` sequences share the prompt (and, cached, its blocks)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[_Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(s.request.is_finished for s in self.sequences)
+
+    def to_output(self) -> RequestOutput:
+        first = self.sequences[0].request
+        times = first.times
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.to_output() for s in self.sequences],
+            finished=self.finished,
+            num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics=RequestMetrics(**vars(times)),
+        )
+
+
+class LLMEngine:
+    """Continuous-batching inference over a paged KV cache.
+
+    Build with ``LLMEngine.from_engine_args(EngineArgs(...))``. Then ``add_request`` any time,
+    call ``step()`` repeatedly while ``has_unfinished_requests()``; each step schedules one
+    mixed prefill/decode batch, runs it, and returns the outputs of the requests that advanced.
+
+    Args:
+        args: validated engine arguments.
+        show_progress: draw a progress bar while loading.
+
+    Raises:
+        FileNotFoundError: the model path or id does not exist.
+        ValueError: an unsupported architecture, or arguments the model cannot honour (e.g.
+            ``max_model_len`` above the model's ``max_position_embeddings``, a KV budget below
+            one block).
+    """
+
+    def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
+        from kvpilot.engine.model_loader import (
+            DEFAULT_MODEL_NAME,
+            get_eos_token_ids,
+            load_model,
+            load_tokenizer,
+            resolve_dtype,
+            resolve_model,
+        )
+
+        args.validate()
+        self.args = args
+        progress = tqdm(total=4, desc="Loading", disable=not show_progress, unit="stage")
+        with progress:
+            progress.set_postfix_str("resolving model")
+            self.model_dir = resolve_model(args.model, args.revision)
+            config_dict = json.loads((self.model_dir / "config.json").read_text())
+            self.model_spec = ModelSpec.from_hf_config(config_dict)
+            if args.tensor_parallel_size != 1:
+                raise ValueError(
+                    f"tensor_parallel_size {args.tensor_parallel_size} is not supported by "
+                    "this engine build; use 1"
+                )
+            progress.update()
+            progress.set_postfix_str("tokenizer")
+            self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
+            self.eos_token_ids = frozenset(get_eos_token_ids(self.model_dir))
+            progress.update()
+            progress.set_postfix_str("weights")
+            self.device = _resolve_device(args.device)
+            from transformers import AutoConfig
+
+            self.model_config = AutoConfig.from_pretrained(self.model_dir)
+            self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
+            self.scheduler_config = self._scheduler_config()
+            backend = args.attention_backend or (
+                "triton" if self.device.type == "cuda" else "torch"
+            )
+            model = load_model(self.model_dir, self.dtype, self.device, attention_backend=backend)
+            progress.update()
+            progress.set_postfix_str("KV cache")
+            self.cache_config = self._cache_config(model)
+            self.sampler = Sampler(args.seed, self.device, set(self.eos_token_ids))
+            self.model_runner = ModelRunner(
+                model, self.cache_config.num_blocks, args.block_size, self.device, self.sampler
+            )
+            progress.update()
+        self.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+        self.kv_cache_manager = KVCacheManager(
+            self.cache_config.num_blocks,
+            args.block_size,
+            args.enable_prefix_caching,
+            root_hash=_model_identity_hash(self.model_dir, args.revision, self.dtype),
+        )
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self._parents: dict[str, _ParentRequest] = {}
+        self._sequences: dict[str, _Sequence] = {}
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        capacity = self.cache_config.capacity_tokens
+        logger.info(
+            "KV cache size: %d tokens (%d blocks of %d)",
+            capacity,
+            self.cache_config.num_blocks,
+            args.block_size,
+        )
+        logger.info(
+            "Maximum concurrency for %d tokens per request: %.2fx",
+            self.scheduler_config.max_model_len,
+            capacity / self.scheduler_config.max_model_len,
+        )
+        if capacity < self.scheduler_config.max_model_len:
+            logger.warning(
+                "the KV cache (%d tokens) is smaller than max_model_len (%d): requests are "
+                "limited to the cache size",
+                capacity,
+                self.scheduler_config.max_model_len,
+            )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs, show_progress: bool = False) -> LLMEngine:
+        """Build an engine (loads the model and allocates the KV cache)."""
+        return cls(args, show_progress=show_progress)
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        args = self.args
+        model_max = int(getattr(self.model_config, "max_position_embeddings", 0) or 0)
+        max_model_len = args.max_model_len or model_max
+        if not max_model_len:
+            raise ValueError(
+                "max_model_len must be given: the model config has no max_position_embeddings"
+            )
+        if model_max and max_model_len > model_max:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                f"({model_max})"
+            )
+        on_gpu = self.device.type == "cuda"
+        max_num_batched_tokens = args.max_num_batched_tokens or (
+            GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS
+        )
+        if not args.enable_chunked_prefill:
+            if args.max_num_batched_tokens is None:
+                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+            elif max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
+                    f"({max_model_len}) without chunked prefill"
+                )
+        return SchedulerConfig(
+            max_model_len=max_model_len,
+            max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS),
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+        )
+
+    def _cache_config(self, model: torch.nn.Module) -> CacheConfig:
+        args = self.args
+        sched = self.scheduler_config
+        bytes_per_token = self.model_spec.kv_bytes_per_token(self.dtype.itemsize)
+        block_bytes = bytes_per_token * args.block_size
+        if self.device.type == "cuda":
+            runner = ModelRunner(
+                model, 1, args.block_size, self.device, Sampler(0, self.device, set())
+            )
+            peak = runner.profile_peak_memory(sched.max_num_batched_tokens, sched.max_model_len)
+            del runner
+            total = torch.cuda.mem_get_info(self.device)[1]
+            budget = int(total * args.gpu_memory_utilization) - peak
+            source = f"gpu_memory_utilization {args.gpu_memory_utilization} of {total} bytes minus a {peak}-byte profiled peak"
+        elif args.kv_cache_memory is not None:
+            budget = args.kv_cache_memory
+            source = f"kv_cache_memory {budget} bytes"
+        else:
+            budget = min(
+                CPU_DEFAULT_KV_CACHE_MEMORY,
+                sched.max_num_seqs * sched.max_model_len * bytes_per_token,
+            )
+            source = f"default CPU budget {budget} bytes"
+        num_blocks = budget // block_bytes
+        if num_blocks < 1:
+            raise ValueError(
+                f"no room for a single KV block ({block_bytes} bytes) with {source}; raise "
+                "kv_cache_memory / gpu_memory_utilization"
+            )
+        return CacheConfig(
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            bytes_per_token=bytes_per_token,
+            enable_prefix_caching=args.enable_prefix_caching,
+        )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: PromptType,
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        """Queue a request; it joins the batch at the next ``step()``.
+
+        Args:
+            request_id: unique among unfinished requests.
+            prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``.
+            params: sampling parameters (default ``SamplingParams()``); ``n > 1`` fans out
+                into ``n`` sequences, sequence ``i`` seeded with ``seed + i``.
+            arrival_time: ``time.time()`` of arrival (default now).
+            cache_salt: requests with different salts never share prefix-cache blocks.
+
+        Raises:
+            ValueError: naming the problem: a duplicate id, an empty prompt, a prompt longer than
+                ``max_model_len`` or than the whole KV cache, token ids outside the vocabulary,
+                unsupported parameters. Nothing else is touched.
+        """
+        params = params if params is not None else SamplingParams()
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported by this engine")
+        if cache_salt is not None and not isinstance(cache_salt, str):
+            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        text, token_ids = self._tokenize(prompt)
+        max_tokens = self._max_tokens(len(token_ids), params)
+        ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
+        taken = [i for i in [request_id, *ids] if i in self._parents or i in self._sequences]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} is already in use")
+        arrival_time = time.time() if arrival_time is None else arrival_time
+        parent = _ParentRequest(request_id, text, token_ids)
+        for index, seq_id in enumerate(ids):
+            request = Request(
+                request_id=seq_id,
+                prompt_token_ids=token_ids,
+                sampling_params=params,
+                eos_token_ids=self.eos_token_ids,
+                max_tokens=max_tokens,
+                arrival_time=arrival_time,
+                cache_salt=cache_salt,
+                seed=None if params.seed is None else params.seed + index,
+            )
+            seq = _Sequence(
+                parent_id=request_id,
+                index=index,
+                request=request,
+                detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
+                logprobs=None if params.logprobs is None else [],
+                cumulative_logprob=None if params.logprobs is None else 0.0,
+            )
+            parent.sequences.append(seq)
+        self._parents[request_id] = parent
+        for seq in parent.sequences:
+            self._sequences[seq.request.request_id] = seq
+            self.scheduler.add_request(seq.request)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or len(prompt) != 1:
+                raise ValueError(
+                    "prompt dict must have exactly one of the keys 'prompt' or "
+                    f"'prompt_token_ids', got {sorted(prompt)}"
+                )
+            if "prompt" in prompt:
+                prompt = prompt["prompt"]
+            else:
+                token_ids = prompt["prompt_token_ids"]
+                if not isinstance(token_ids, list | tuple) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in token_ids
+                ):
+                    raise ValueError("prompt_token_ids must be a list of integers")
+                return None, self._check_prompt(list(token_ids))
+        if not isinstance(prompt, str):
+            raise ValueError(f"prompt must be a string or a dict, got {type(prompt).__name__}")
+        if not prompt:
+            raise ValueError("prompt is empty")
+        return prompt, self._check_prompt(self.tokenizer.encode(prompt))
+
+    def _check_prompt(self, token_ids: list[int]) -> list[int]:
+        if not token_ids:
+            raise ValueError("prompt is empty (0 tokens)")
+        vocab_size = self.model_spec.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
+            )
+        max_model_len = self.scheduler_config.max_model_len
+        if len(token_ids) > max_model_len:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens, longer than max_model_len ({max_model_len})"
+            )
+        capacity = self.cache_config.capacity_tokens
+        if len(token_ids) > capacity:
+            raise ValueError(
+                f"prompt is {len(token_ids)} tokens and can never fit the KV cache "
+                f"({capacity} tokens)"
+            )
+        return token_ids
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        """Clamp the output length so that prompt + output fits ``max_model_len`` (as vLLM) and
+        the KV cache (the last sampled token needs no slot)."""
+        limits = [
+            self.scheduler_config.max_model_len - prompt_len,
+            self.cache_config.capacity_tokens + 1 - prompt_len,
+        ]
+        if params.max_tokens is not None:
+            limits.append(params.max_tokens)
+        return max(1, min(limits))
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        """Finish requests with ``finish_reason`` "abort" and free their blocks now.
+
+        Unknown or finished ids are ignored. No output is emitted for them.
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for request_id in request_ids:
+            parent = self._parents.pop(request_id, None)
+            if parent is None:
+                continue
+            seq_ids = [s.request.request_id for s in parent.sequences]
+            self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            for seq_id in seq_ids:
+                self._sequences.pop(seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._parents)
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run and sample one batch.
+
+        Returns:
+            One ``RequestOutput`` per request that got new tokens or finished in this step.
+        """
+        scheduler_output = self.scheduler.schedule()
+        if scheduler_output.is_empty:
+            self.sampler.remove_requests(scheduler_output.finished_request_ids)
+            return []
+        runner_output = self.model_runner.execute_model(scheduler_output)
+        updated = self.scheduler.update_from_output(
+            scheduler_output, runner_output.sampled_token_ids
+        )
+        touched: dict[str, _ParentRequest] = {}
+        for request in updated:
+            seq = self._sequences[request.request_id]
+            token_id = request.output_token_ids[-1]
+            self.generation_tokens_total += 1
+            if request.num_output_tokens == 1:
+                self.prompt_tokens_total += request.num_prompt_tokens
+            logprobs = runner_output.logprobs.get(request.request_id)
+            if logprobs is not None and seq.logprobs is not None:
+                self._append_logprobs(seq, logprobs)
+            self._detokenize(request, seq, token_id)
+            touched[seq.parent_id] = self._parents[seq.parent_id]
+        outputs = []
+        for parent_id, parent in touched.items():
+            outputs.append(parent.to_output())
+            if parent.finished:
+                del self._parents[parent_id]
+                for seq in parent.sequences:
+                    self._sequences.pop(seq.request.request_id, None)
+        return outputs
+
+    def _detokenize(self, request: Request, seq: _Sequence, token_id: int) -> None:
+        """Feed the new token to the detokenizer; a matched stop string finishes the request.
+
+        As in vLLM, a token that stopped the request (EOS, a stop token id) is kept in
+        ``token_ids`` but not in the text unless ``include_stop_str_in_output``; a stop string
+        wins over a length limit reached by the same token.
+        """
+        params = request.sampling_params
+        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+        if stopped_by_token and not params.include_stop_str_in_output:
+            return
+        stop_string = seq.detokenizer.update([token_id])
+        if stop_string is None:
+            return
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop_string
+        else:
+            self.scheduler.finish_requests(
+                request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop_string
+            )
+
+    def _append_logprobs(
+        self, seq: _Sequence, logprobs: tuple[float, dict[int, tuple[float, int]]]
+    ) -> None:
+        sampled_logprob, top = logprobs
+        seq.logprobs.append(
+            {
+                token_id: Logprob(lp, rank, self.tokenizer.decode([token_id]))
+                for token_id, (lp, rank) in top.items()
+            }
+        )
+        seq.cumulative_logprob += sampled_logprob
+
+    def get_stats(self) -> EngineStats:
+        """A snapshot of gauges and counters (see ``EngineStats``)."""
+        pool = self.kv_cache_manager.block_pool
+        capacity = self.cache_config.capacity_tokens
+        return EngineStats(
+            num_running_reqs=len(self.scheduler.running),
+            num_waiting_reqs=len(self.scheduler.waiting),
+            kv_cache_usage=pool.get_usage(),
+            num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.get_num_free_blocks(),
+            kv_capacity_tokens=capacity,
+            max_concurrency=capacity / self.scheduler_config.max_model_len,
+            num_preemptions_total=self.scheduler.num_preemptions_total,
+            prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
+            prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )
+
+    def get_tokenizer(self):
+        """The model's Hugging Face tokenizer."""
+        return self.tokenizer
+
+
+def _resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def _model_identity_hash(
+    model_dir: pathlib.Path, revision: str | None, dtype: torch.dtype
+) -> bytes:
+    """Root of every block-hash chain: the model's folder, revision and dtype, so that cached
+    blocks never match another model's, should hashes ever be shared between engines."""
+    identity = f"{model_dir.resolve()}\0{revision or ''}\0{dtype}"
+    return hashlib.sha256(identity.encode()).digest()

@@ -1,0 +1,177 @@
+"""Runs one scheduled step: flat input tensors, the model's forward pass, sampling.
+
+The batch layout is vLLM V1's: the new tokens of every scheduled request are concatenated into
+one ``[num_tokens]`` dimension, prefill chunks and decodes alike, and attention finds each
+sequence's context through its block table (PagedAttention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.sampler import Sampler
+from kvpilot.engine.scheduler_output import SchedulerOutput
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What one step produced.
+
+    Attributes:
+        sampled_token_ids: request id -> sampled token, for requests whose ``sample`` was set.
+        logprobs: request id -> ``(sampled_logprob, {token_id: (logprob, rank)})`` for requests
+            that asked for logprobs.
+    """
+
+    sampled_token_ids: dict[str, int]
+    logprobs: dict[str, tuple[float, dict[int, tuple[float, int]]]]
+
+
+class ModelRunner:
+    """Owns the model, its paged KV cache tensors and the sampler.
+
+    Args:
+        model: a model with the engine's interface (``forward(input_ids, positions, kv_caches,
+            attn_metadata)``, ``compute_logits``, ``num_layers``, ``num_kv_heads``,
+            ``head_dim``, ``dtype``).
+        num_blocks: KV cache blocks to allocate.
+        block_size: tokens per block.
+        device: where the model and cache live.
+        sampler: draws the tokens.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+        sampler: Sampler,
+    ) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device)
+
+    @torch.inference_mode()
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Compute the scheduled tokens' K/V and hidden states, then sample where a token is due.
+
+        A partial prefill chunk (``sample`` False) only fills the cache; its logits are never
+        computed.
+        """
+        self.sampler.remove_requests(scheduler_output.finished_request_ids)
+        scheduled = scheduler_output.scheduled
+        input_ids, positions, attn_metadata = self.prepare_inputs(scheduler_output)
+        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        if not rows:
+            return ModelRunnerOutput({}, {})
+        last_token = attn_metadata.query_start_loc[1:].long() - 1
+        logits = self.model.compute_logits(hidden[last_token[rows]]).float()
+        requests = [scheduled[i].request for i in rows]
+        out = self.sampler(logits, requests)
+        ids = [r.request_id for r in requests]
+        return ModelRunnerOutput(
+            sampled_token_ids=dict(zip(ids, out.token_ids, strict=True)),
+            logprobs={rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None},
+        )
+
+    def prepare_inputs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten a step into ``input_ids`` ``[num_tokens]`` int64, ``positions``
+        ``[num_tokens]`` int64 and the attention metadata (slot mapping, block tables, ...)."""
+        scheduled = scheduler_output.scheduled
+        input_ids: list[int] = []
+        query_lens, seq_lens = [], []
+        for s in scheduled:
+            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
+            input_ids.extend(s.request.all_token_ids[start:end])
+            query_lens.append(s.num_new_tokens)
+            seq_lens.append(end)
+        width = max(len(s.block_ids) for s in scheduled)
+        block_tables = torch.tensor(
+            [s.block_ids + [0] * (width - len(s.block_ids)) for s in scheduled], dtype=torch.int32
+        )
+        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
+        torch.cumsum(query_lens_t, dim=0, out=query_start_loc[1:])
+        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens_t)
+        # Position of each new token: its sequence's start plus its offset within the chunk.
+        first_position = (seq_lens_t.long() - query_lens_t)[seq_index]
+        positions = first_position + (
+            torch.arange(len(input_ids)) - query_start_loc[:-1].long()[seq_index]
+        )
+        blocks = block_tables[seq_index, positions // self.block_size].long()
+        slot_mapping = blocks * self.block_size + positions % self.block_size
+        device = self.device
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping.to(device, non_blocking=True),
+            query_start_loc=query_start_loc.to(device, non_blocking=True),
+            seq_lens=seq_lens_t.to(device, non_blocking=True),
+            block_tables=block_tables.to(device, non_blocking=True),
+            max_query_len=max(query_lens),
+            max_seq_len=max(seq_lens),
+        )
+        return (
+            torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
+            positions.to(device, non_blocking=True),
+            metadata,
+        )
+
+    @torch.inference_mode()
+    def profile_peak_memory(self, num_tokens: int, max_model_len: int) -> int:
+        """Run a forward pass of ``num_tokens`` prompt tokens and return the peak GPU memory
+        (bytes) it needed, weights included, with a one-block scratch cache (nothing is written:
+        every slot is -1).
+
+        Raises:
+            ValueError: when the runner is not on a CUDA device.
+        """
+        if self.device.type != "cuda":
+            raise ValueError(f"profiling needs a CUDA device, got {self.device}")
+        lens = [max_model_len] * (num_tokens // max_model_len)
+        if num_tokens % max_model_len:
+            lens.append(num_tokens % max_model_len)
+        query_start_loc = torch.tensor(
+            [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32
+        )
+        scratch = allocate_kv_caches(self.model, 1, self.block_size, self.device)
+        metadata = AttentionMetadata(
+            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
+            query_start_loc=query_start_loc.to(self.device),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=self.device),
+            block_tables=torch.zeros(
+                len(lens), -(-max(lens) // self.block_size), dtype=torch.int32, device=self.device
+            ),
+            max_query_len=max(lens),
+            max_seq_len=max(lens),
+        )
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
+        hidden = self.model(input_ids, positions, scratch, metadata)
+        self.model.compute_logits(hidden[query_start_loc[1:].long().to(self.device) - 1])
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+
+def allocate_kv_caches(
+    model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Zeroed K and V caches, one pair per layer, each
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model's dtype.
+
+    Zeroed rather than empty: attention kernels may read (and mask) slots past a sequence's end,
+    and uninitialised memory could hold NaNs that survive a multiplication by 0.
+    """
+    shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
+    cache = torch.zeros(shape, dtype=model.dtype, device=device)
+    return [(cache[layer, 0], cache[layer, 1]) for layer in range(model.num_layers)]

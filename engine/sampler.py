@@ -1,0 +1,140 @@
+"""Turns next-token logits into tokens: logits processors, temperature, top-k/top-p/min-p, draw."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.engine.logits_processors import apply_logits_processors, compute_logprobs
+from kvpilot.engine.request import Request
+
+
+@dataclass
+class SamplerOutput:
+    """Tokens drawn for one batch.
+
+    Attributes:
+        token_ids: ``[num_reqs]`` sampled token ids, in batch order.
+        logprobs: per request None, or ``(sampled_logprob, {token_id: (logprob, rank)})``
+            computed from the raw logits (see ``compute_logprobs``).
+    """
+
+    token_ids: list[int]
+    logprobs: list[tuple[float, dict[int, tuple[float, int]]] | None]
+
+
+class Sampler:
+    """Samples one token per request, each row independent of the others in the batch.
+
+    Order as in vLLM V1: logprobs of the raw logits, logits processors (min_tokens, logit_bias,
+    penalties), then greedy argmax for ``temperature == 0``; otherwise temperature, top-k, top-p
+    (nucleus, Holtzman et al. 2019), min-p, and a draw by the exponential race
+    (``argmax(probs / q)``, ``q ~ Exp(1)``, which picks token ``i`` with probability
+    ``probs[i]``). A request with a ``seed`` draws its noise from its own ``torch.Generator``, so
+    its tokens do not depend on what else shares the batch; the others share one generator
+    seeded with the engine's ``seed``.
+
+    Args:
+        seed: the engine seed.
+        device: where logits live.
+        eos_token_ids: the model's EOS ids (masked before ``min_tokens``).
+    """
+
+    def __init__(self, seed: int, device: torch.device, eos_token_ids: set[int]) -> None:
+        self.device = device
+        self.eos_token_ids = set(eos_token_ids)
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.request_generators: dict[str, torch.Generator] = {}
+
+    def remove_requests(self, request_ids: Iterable[str]) -> None:
+        """Forget the generators of finished requests."""
+        for request_id in request_ids:
+            self.request_generators.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+        """Sample one token per row.
+
+        Args:
+            logits: ``[num_reqs, vocab_size]`` float32 model logits (modified in place).
+            requests: one request per row.
+
+        Returns:
+            The tokens and, for requests that asked, their logprobs.
+        """
+        params = [r.sampling_params for r in requests]
+        num_logprobs = [p.logprobs for p in params]
+        raw = logits.clone() if any(k is not None for k in num_logprobs) else None
+        logits = apply_logits_processors(
+            logits,
+            params,
+            [r.prompt_token_ids for r in requests],
+            [r.output_token_ids for r in requests],
+            self.eos_token_ids,
+        )
+        sampled = logits.argmax(dim=-1)
+        random_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if random_rows:
+            sampled[random_rows] = self._sample_random(
+                logits[random_rows], [requests[i] for i in random_rows]
+            )
+        logprobs = (
+            compute_logprobs(raw, sampled, num_logprobs)
+            if raw is not None
+            else [None] * len(requests)
+        )
+        return SamplerOutput(token_ids=sampled.tolist(), logprobs=logprobs)
+
+    def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """Draw from ``[n, vocab]`` logits after temperature and truncation; ``[n]`` int64."""
+        params = [r.sampling_params for r in requests]
+        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+        logits = logits / temperature.unsqueeze(1)
+        top_k = [p.top_k for p in params]
+        if any(top_k):
+            vocab = logits.shape[1]
+            k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=logits.device)
+            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        probs = logits.softmax(dim=-1)
+        top_p = [p.top_p for p in params]
+        if any(p < 1.0 for p in top_p):
+            probs = _top_p(probs, torch.tensor(top_p, device=probs.device))
+        min_p = [p.min_p for p in params]
+        if any(min_p):
+            floor = torch.tensor(min_p, device=probs.device).unsqueeze(1)
+            probs = probs.masked_fill(probs < floor * probs.max(dim=-1, keepdim=True).values, 0.0)
+        noise = torch.empty_like(probs)
+        shared_rows = []
+        for row, request in enumerate(requests):
+            generator = self._generator_for(request)
+            if generator is None:
+                shared_rows.append(row)
+            else:
+                noise[row].exponential_(generator=generator)
+        if shared_rows:
+            noise[shared_rows] = torch.empty(
+                len(shared_rows), probs.shape[1], device=probs.device
+            ).exponential_(generator=self.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator_for(self, request: Request) -> torch.Generator | None:
+        if request.seed is None:
+            return None
+        generator = self.request_generators.get(request.request_id)
+        if generator is None:
+            generator = torch.Generator(device=self.device).manual_seed(request.seed)
+            self.request_generators[request.request_id] = generator
+        return generator
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Zero the tail of each row outside its nucleus (the smallest set with mass >= top_p).
+
+    The most likely token always survives, so ``top_p`` near 0 degenerates to greedy.
+    """
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)

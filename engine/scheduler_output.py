@@ -1,0 +1,51 @@
+"""The scheduler's decision for one step: plain data the model runner turns into tensors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpilot.engine.request import Request
+
+
+@dataclass
+class ScheduledRequest:
+    """One request's share of a step.
+
+    Attributes:
+        request: the request (read-only for the model runner).
+        num_computed_tokens: tokens already in the KV cache; the new tokens are
+            ``request.all_token_ids[num_computed_tokens:num_computed_tokens + num_new_tokens]``
+            at those positions.
+        num_new_tokens: tokens to compute this step (> 0).
+        block_ids: the request's block table after this step's allocation.
+        sample: whether a token is due (the new tokens reach the end of the sequence); a partial
+            prefill chunk samples nothing.
+    """
+
+    request: Request
+    num_computed_tokens: int
+    num_new_tokens: int
+    block_ids: list[int]
+    sample: bool
+
+
+@dataclass
+class SchedulerOutput:
+    """Everything the model runner needs for one forward pass.
+
+    Attributes:
+        scheduled: requests in batch order (running ones first, then newly admitted).
+        num_scheduled_tokens: sum of ``num_new_tokens`` (tokens).
+        preempted_request_ids: requests preempted while building this step.
+        finished_request_ids: requests that finished or were aborted since the last step
+            (the model runner drops their per-request state).
+    """
+
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

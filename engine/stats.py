@@ -1,0 +1,39 @@
+"""A snapshot of the engine's state and counters, read by the metrics exporter and the tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Engine gauges and counters at one moment (vLLM's metric meanings).
+
+    Attributes:
+        num_running_reqs: sequences holding KV blocks (``vllm:num_requests_running``).
+        num_waiting_reqs: sequences queued or preempted (``vllm:num_requests_waiting``).
+        kv_cache_usage: fraction of blocks held by sequences, 0..1
+            (``vllm:kv_cache_usage_perc``); cached blocks at reference count 0 count as free.
+        num_total_blocks: blocks in the cache.
+        num_free_blocks: blocks at reference count 0 (fresh or cached).
+        kv_capacity_tokens: tokens the cache holds.
+        max_concurrency: sequences of ``max_model_len`` tokens that fit at once.
+        num_preemptions_total: preemptions since start (``vllm:num_preemptions_total``).
+        prefix_cache_queries_total: tokens looked up in the prefix cache (counter).
+        prefix_cache_hits_total: tokens found there (counter).
+        prompt_tokens_total: prompt tokens of requests that produced a first token (counter).
+        generation_tokens_total: output tokens produced (counter).
+    """
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_total_blocks: int
+    num_free_blocks: int
+    kv_capacity_tokens: int
+    max_concurrency: float
+    num_preemptions_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    prompt_tokens_total: int
+    generation_tokens_total: int

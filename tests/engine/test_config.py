@@ -1,0 +1,116 @@
+"""Engine arguments: vLLM flag spellings, validation naming the argument, ``kvpilot generate``."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from kvpilot.cli import main
+from kvpilot.engine.config import EngineArgs, parse_bytes
+
+
+def parse(argv: list[str]) -> EngineArgs:
+    return EngineArgs.from_cli_args(
+        EngineArgs.add_cli_args(argparse.ArgumentParser()).parse_args(argv)
+    )
+
+
+def test_flags_map_to_engine_args():
+    args = parse(
+        [
+            "--model", "some/model", "--max-model-len", "1024", "--block-size", "32",
+            "--max-num-seqs", "8", "--max-num-batched-tokens", "2048", "--kv-cache-memory", "1GiB",
+            "--gpu-memory-utilization", "0.5", "--dtype", "float16", "--seed", "3",
+            "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+            "--long-prefill-token-threshold", "64", "--attention-backend", "torch",
+        ]
+    )  # fmt: skip
+    assert args == EngineArgs(
+        model="some/model",
+        max_model_len=1024,
+        block_size=32,
+        max_num_seqs=8,
+        max_num_batched_tokens=2048,
+        kv_cache_memory=1024**3,
+        gpu_memory_utilization=0.5,
+        dtype="float16",
+        seed=3,
+        enable_prefix_caching=False,
+        enable_chunked_prefill=False,
+        long_prefill_token_threshold=64,
+        attention_backend="torch",
+    )
+    defaults = parse([])
+    assert defaults == EngineArgs()
+    assert defaults.enable_prefix_caching and defaults.enable_chunked_prefill
+    assert defaults.block_size == 16
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "name"),
+    [
+        ({"block_size": 0}, "block_size"),
+        ({"max_model_len": -1}, "max_model_len"),
+        ({"max_num_seqs": 0}, "max_num_seqs"),
+        ({"max_num_batched_tokens": 1.5}, "max_num_batched_tokens"),
+        ({"kv_cache_memory": 0}, "kv_cache_memory"),
+        ({"gpu_memory_utilization": 0.0}, "gpu_memory_utilization"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"tensor_parallel_size": 0}, "tensor_parallel_size"),
+        ({"long_prefill_token_threshold": -5}, "long_prefill_token_threshold"),
+        ({"attention_backend": "flash"}, "attention_backend"),
+        (
+            {
+                "enable_chunked_prefill": False,
+                "max_model_len": 4096,
+                "max_num_batched_tokens": 2048,
+            },
+            "max_num_batched_tokens",
+        ),
+    ],
+)
+def test_bad_argument_is_named(kwargs, name):
+    with pytest.raises(ValueError, match=f"^{name} "):
+        EngineArgs(**kwargs)
+
+
+def test_parse_bytes():
+    assert parse_bytes("1073741824") == 1024**3
+    assert parse_bytes("512MiB") == 512 * 1024**2
+    assert parse_bytes("2GB") == 2 * 1000**3
+    with pytest.raises(ValueError, match="not a memory size"):
+        parse_bytes("lots")
+
+
+def test_generate_cli_prints_completions(tiny_model_dir, capsys):
+    model = str(tiny_model_dir("llama"))
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "generate", "--model", model, "--prompt", "Hello", "--prompt", "Bye",
+                "--max-tokens", "5", "--max-model-len", "64", "--ignore-eos",
+            ]
+        )  # fmt: skip
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out.count("### Output (5 tokens, length):") == 2
+    assert "### Prompt: Hello" in out and "### Prompt: Bye" in out
+
+
+def test_generate_cli_reports_a_bad_argument(tiny_model_dir, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny_model_dir("llama")),
+                "--prompt",
+                "x",
+                "--max-tokens",
+                "0",
+            ]
+        )
+    assert exit_info.value.code == 2
+    assert "max_tokens must be at least 1" in capsys.readouterr().err
