@@ -2,8 +2,8 @@
 
 Every ``interval`` seconds, for each LLMDeployment with ``spec.autoscaling.mode: kvpilot``:
 
-1. read the spec and plan it as the reconciler does (:func:`kvpilot.operator.handlers.size`
-   and ``shaped``, with the autoscaler's chosen shape);
+1. read the spec and plan it with the reconciler's own function
+   (:func:`kvpilot.operator.handlers.sized`, with the autoscaler's chosen shape);
 2. list the engine pods (label ``kvpilot.dev/llmdeployment=<name>``) and scrape the ready ones
    (:mod:`kvpilot.operator.scraper`; a Prometheus server instead when configured);
 3. decide (:func:`kvpilot.operator.autoscaler.decide`) from the object's window of samples;
@@ -11,7 +11,9 @@ Every ``interval`` seconds, for each LLMDeployment with ``spec.autoscaling.mode:
    for every scaling decision, record a larger shape in ``kvpilot.dev/shape`` when the
    decision says "bigger, not more", and write ``status.desiredReplicas``,
    ``status.lastScaleTime``, ``status.lastDecision``, ``status.kvCacheUsage`` and
-   ``status.recommendations`` (:mod:`kvpilot.operator.tuning`);
+   ``status.recommendations`` (:mod:`kvpilot.operator.tuning`), only when they changed:
+   ``lastDecision.time`` is when that decision was first made, and a steady fleet costs no
+   writes;
 5. with ``tuneEngine: true``, move the tuning rollout along (canary, applied, rolled back) in
    the annotation ``kvpilot.dev/engine-tuning``, with an Event for each phase.
 
@@ -60,8 +62,7 @@ from kvpilot.operator.handlers import (
     VERSION,
     ModelCache,
     Sizing,
-    shaped,
-    size,
+    sized,
 )
 from kvpilot.operator.images import ENGINE_IMAGE
 from kvpilot.operator.planner import Plan, PlanError, plan_for_spec
@@ -283,15 +284,32 @@ def tuning_step(
     return TuningStep(status, new, new is not current)
 
 
+def without_nulls(value: Any) -> Any:
+    """``value`` as the API server stores it after a JSON merge patch: keys whose value is null
+    are removed, at every depth."""
+    if isinstance(value, dict):
+        return {key: without_nulls(item) for key, item in value.items() if item is not None}
+    return value
+
+
+def status_changed(previous: dict[str, Any], status: dict[str, Any]) -> bool:
+    """Whether merge-patching ``status`` onto ``previous`` would change any field."""
+    return any(without_nulls(previous.get(key)) != without_nulls(v) for key, v in status.items())
+
+
 def decision_status(
     decision: Decision, previous: dict[str, Any], now: datetime.datetime
 ) -> dict[str, Any]:
-    """The ``status`` fields the autoscaler owns, for ``decision`` made at ``now``."""
+    """The ``status`` fields the autoscaler owns, for ``decision`` made at ``now``.
+
+    ``lastDecision.time`` stays ``previous``'s when the rest of the decision (signals included)
+    is the same: it is when this decision was first made, so an unchanged decision changes no
+    field and needs no write.
+    """
     signals = decision.signals
     status: dict[str, Any] = {
         "desiredReplicas": decision.desired_replicas,
         "lastDecision": {
-            "time": format_time(now),
             "replicas": decision.desired_replicas,
             "reason": decision.reason,
             "message": decision.message,
@@ -308,6 +326,11 @@ def decision_status(
             ),
         },
     }
+    before = dict(previous.get("lastDecision") or {})
+    made = before.pop("time", None)
+    if made is None or without_nulls(before) != without_nulls(status["lastDecision"]):
+        made = format_time(now)
+    status["lastDecision"] = {"time": made, **status["lastDecision"]}
     if signals is not None:
         status["kvCacheUsage"] = round(signals.kv_cache_usage, 4)
     changed = decision.desired_replicas != previous.get("desiredReplicas") or decision.replan
@@ -342,15 +365,14 @@ class AutoscalingLoop:
             self._models = ModelCache(self.client, self.config.model_config_ttl)
         return self._models
 
-    def sizing(self, body: dict[str, Any]) -> tuple[Sizing, LLMDeploymentSpec | None]:
-        """(the sizing the reconciler deploys, with the chosen shape; the spec as written)."""
+    def sizing(self, body: dict[str, Any]) -> Sizing:
+        """The sizing the reconciler deploys (:func:`kvpilot.operator.handlers.sized`)."""
         namespace = body["metadata"]["namespace"]
 
         def load(source: ModelSource) -> ModelSpec:
             return self.models.load(source, namespace)
 
-        written = size(body, load, self.config.engine_image)
-        return shaped(written, body, load), written.spec
+        return sized(body, load, self.config.engine_image)
 
     async def tick(self, body: dict[str, Any]) -> Decision | None:
         """One scrape-decide-write round for ``body``; None when it is not ours to scale."""
@@ -364,8 +386,8 @@ class AutoscalingLoop:
         namespace, name = meta["namespace"], meta["name"]
         if state.memory == AutoscalerMemory():
             state.memory = remembered(body)
-        sizing, user_spec = await asyncio.to_thread(self.sizing, body)
-        spec = sizing.spec
+        sizing = await asyncio.to_thread(self.sizing, body)
+        spec, user_spec = sizing.spec, sizing.user_spec
         if spec is None or spec.autoscaling is None or spec.autoscaling.mode != "kvpilot":
             return None
         if not sizing.ok or user_spec is None:
@@ -476,7 +498,8 @@ class AutoscalingLoop:
         previous = body.get("status") or {}
         status = decision_status(decision, previous, datetime.datetime.now(datetime.UTC))
         status["recommendations"] = tuning.status
-        self.client.patch(ref, {"status": status}, "status")
+        if status_changed(previous, status):
+            self.client.patch(ref, {"status": status}, "status")
         if tuning.changed and tuning.rollout is not None:
             rollout = tuning.rollout
             kopf.event(

@@ -7,11 +7,14 @@ readiness feed the parent's status). Running it twice changes nothing the second
 
 One reconcile:
 
-1. :func:`size` (pure, given the model loader): validate the spec (``spec.parse_spec``), read
-   the model's config.json (``model_source``, cached), plan it (``planner.plan_for_spec``);
-   :func:`shaped` then plans the replica shape the autoscaler chose, if any.
+1. :func:`sized` (pure, given the model loader; the autoscaler calls it too): :func:`size`
+   validates the spec (``spec.parse_spec``), reads the model's config.json (``model_source``,
+   cached) and plans it (``planner.plan_for_spec``); :func:`shaped` then plans the replica
+   shape the autoscaler chose, if any.
 2. Apply the children (``manifests.children``, owned by the LLMDeployment) with
-   :func:`kvpilot.operator.apply.apply_child`: created, patched, or left alone.
+   :func:`kvpilot.operator.apply.apply_child`: created, patched, or left alone. The live
+   tuning the autoscaler recorded (:func:`tuning_rollout`) is rendered with them: a canary
+   Deployment, or every pod on the tuned or rolled-back settings.
 3. :func:`desired_status` (pure): conditions ``Sized``, ``Progressing``, ``Ready``,
    ``Degraded`` with ``observedGeneration``, plus ``plan``, ``replicas``, ``readyReplicas``,
    ``selector``, ``endpoint``, ``model``; written to the status subresource only if it differs.
@@ -38,6 +41,7 @@ from typing import Any
 import kopf
 import urllib3
 
+from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
 from kvpilot.engine.model_spec import ModelSpec
 from kvpilot.operator import conditions, manifests
 from kvpilot.operator.apply import (
@@ -59,14 +63,16 @@ from kvpilot.operator.spec import (
     parse_spec,
     validate_name,
 )
+from kvpilot.operator.tuning import TUNING_ANNOTATION, Rollout
 
 GROUP, VERSION, PLURAL = "kvpilot.dev", "v1alpha1", "llmdeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "LLMDeployment"
 INVALID_SPEC = "InvalidSpec"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # A reconcile re-reads its object and tries again this often when its status write conflicts.
 STATUS_CONFLICT_ATTEMPTS = 5
+
+logger = logging.getLogger("kvpilot.operator.handlers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +96,20 @@ class HandlerConfig:
 class Sizing:
     """A spec read and planned: ``spec`` and ``plan``, or a failure ``reason`` and ``message``.
 
-    ``spec`` is set whenever the spec itself is valid (even if planning failed).
+    ``spec`` is set whenever the spec itself is valid (even if planning failed). ``written`` is
+    the spec as the user wrote it when :func:`shaped` replaced ``spec``'s shape, else None.
     """
 
     spec: LLMDeploymentSpec | None = None
     plan: Plan | None = None
     reason: str | None = None
     message: str = ""
+    written: LLMDeploymentSpec | None = None
+
+    @property
+    def user_spec(self) -> LLMDeploymentSpec | None:
+        """The spec as the user wrote it (before the autoscaler's shape)."""
+        return self.written or self.spec
 
     @property
     def ok(self) -> bool:
@@ -157,9 +170,49 @@ def shaped(
     if spec is sizing.spec:
         return sizing
     try:
-        return Sizing(spec=spec, plan=plan_for_spec(spec, load_model(spec.model)))
+        plan = plan_for_spec(spec, load_model(spec.model))
     except PlanError as exc:
-        return Sizing(spec=spec, reason=exc.reason, message=exc.message)
+        return Sizing(spec=spec, reason=exc.reason, message=exc.message, written=sizing.spec)
+    return Sizing(spec=spec, plan=plan, written=sizing.spec)
+
+
+def sized(
+    body: dict[str, Any], load_model: Callable[[ModelSource], ModelSpec], engine_image: str
+) -> Sizing:
+    """What the reconciler deploys for ``body``: :func:`size`, then :func:`shaped`.
+
+    The autoscaler sizes with this same function, so both see the same plan.
+    """
+    return shaped(size(body, load_model, engine_image), body, load_model)
+
+
+def tuning_rollout(body: dict[str, Any], sizing: Sizing) -> Rollout | None:
+    """The live tuning to render: the autoscaler's ``TUNING_ANNOTATION``, or None without one.
+
+    With ``spec.autoscaling`` no longer ``mode: kvpilot`` with ``tuneEngine: true`` (or a CPU
+    plan), a recorded rollout is rendered as rolled back to the plan's settings: every pod runs
+    the plan and the canary Deployment keeps 0 replicas. A malformed annotation is ignored
+    (logged); the autoscaler writes a well-formed one with its next tuning decision.
+    """
+    raw = (body["metadata"].get("annotations") or {}).get(TUNING_ANNOTATION)
+    if raw is None or sizing.spec is None:
+        return None
+    try:
+        rollout = Rollout.from_annotation(raw)
+    except ValueError as exc:
+        logger.warning("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], exc)
+        return None
+    autoscaling = sizing.spec.autoscaling
+    enabled = (
+        autoscaling is not None
+        and autoscaling.mode == "kvpilot"
+        and autoscaling.tune_engine
+        and sizing.plan is not None
+        and sizing.plan.gpu_memory_utilization is not None
+    )
+    if enabled:
+        return rollout
+    return dataclasses.replace(rollout, phase="RolledBack", previous=None)
 
 
 def plan_summary(plan: Plan) -> str:
@@ -198,6 +251,17 @@ def _rollout(deployment: dict[str, Any] | None) -> tuple[int, int, int, bool]:
     return desired, existing, ready, finished
 
 
+def _fleet_rollout(
+    deployment: dict[str, Any] | None, canary: dict[str, Any] | None
+) -> tuple[int, int, int, bool]:
+    """:func:`_rollout` of the main Deployment and the tuning canary together."""
+    main = _rollout(deployment)
+    if canary is None:
+        return main
+    extra = _rollout(canary)
+    return (main[0] + extra[0], main[1] + extra[1], main[2] + extra[2], main[3] and extra[3])
+
+
 def _deployment_failure(deployment: dict[str, Any] | None) -> tuple[str, str] | None:
     """(reason, message) when the Deployment controller reports a failure."""
     for cond in ((deployment or {}).get("status") or {}).get("conditions") or []:
@@ -215,6 +279,7 @@ def desired_status(
     *,
     now: datetime.datetime,
     apply_failure: tuple[str, str] | None = None,
+    canary: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The status the LLMDeployment should have, from its sizing and its live Deployment.
 
@@ -224,6 +289,8 @@ def desired_status(
         deployment: the live child Deployment, or None.
         now: the time of any condition transition.
         apply_failure: (reason, message) when the children could not be applied.
+        canary: the live tuning canary Deployment, or None; its replicas count with the
+            main Deployment's.
 
     Returns:
         A ``status`` with every field the operator owns (the autoscaler's are left out).
@@ -231,7 +298,7 @@ def desired_status(
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
     previous = (body.get("status") or {}).get("conditions") or []
-    desired, existing, ready, finished = _rollout(deployment)
+    desired, existing, ready, finished = _fleet_rollout(deployment, canary)
 
     def put(
         conds: list[dict[str, Any]], type_: str, state: bool, reason: str, message: str
@@ -302,7 +369,7 @@ def desired_status(
     failure = (
         (sizing.reason or INVALID_SPEC, sizing.message)
         if not sizing.ok
-        else apply_failure or _deployment_failure(deployment)
+        else apply_failure or _deployment_failure(deployment) or _deployment_failure(canary)
     )
     if failure is None:
         conds = put(conds, conditions.DEGRADED, False, "AsExpected", "no failures")
@@ -354,11 +421,9 @@ class ModelCache:
     """``load_model_spec`` results kept for ``ttl`` seconds (hub fetches are network calls).
 
     Keyed by the model source without inline configs (those are read directly, not cached).
+    Safe to share between threads (``model_source`` is); two threads missing the same entry
+    at once both read it.
     """
-
-    # One read at a time across all caches (the reconciler's and the autoscaler's): reading the
-    # built-in model imports transformers, whose lazy imports break when two threads race.
-    _reads = threading.Lock()
 
     def __init__(self, client: KubeClient, ttl: float) -> None:
         self._client = client
@@ -380,13 +445,12 @@ class ModelCache:
             source.hf_token_secret_name,
             namespace,
         )
-        with ModelCache._reads:
-            hit = self._entries.get(key)
-            if hit is not None and time.monotonic() - hit[0] < self._ttl:
-                return hit[1]
-            model = load_model_spec(source, token=self._token(source, namespace))
-            self._entries[key] = (time.monotonic(), model)
-            return model
+        hit = self._entries.get(key)
+        if hit is not None and time.monotonic() - hit[0] < self._ttl:
+            return hit[1]
+        model = load_model_spec(source, token=self._token(source, namespace))
+        self._entries[key] = (time.monotonic(), model)
+        return model
 
     def _token(self, source: ModelSource, namespace: str) -> str | None:
         if source.scheme != "hf" or source.hf_token_secret_name is None:
@@ -438,21 +502,26 @@ def _owned(child: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
 
 def _apply_children(
     rt: Runtime, body: dict[str, Any], sizing: Sizing
-) -> tuple[dict[str, Any] | None, list[Event], tuple[str, str] | None]:
-    """Apply every child; returns (live Deployment, child events, failure)."""
+) -> tuple[dict[str, dict[str, Any]], list[Event], tuple[str, str] | None]:
+    """Apply every child; returns (live Deployments by name, child events, failure)."""
     meta = body["metadata"]
     if not sizing.ok:
-        return rt.client.get("apps/v1", "Deployment", meta["namespace"], meta["name"]), [], None
+        live = rt.client.get("apps/v1", "Deployment", meta["namespace"], meta["name"])
+        return ({meta["name"]: live} if live else {}), [], None
     assert sizing.spec is not None and sizing.plan is not None
-    deployment, events = None, []
-    for child in manifests.children(meta["name"], meta["namespace"], sizing.spec, sizing.plan):
+    deployments: dict[str, dict[str, Any]] = {}
+    events = []
+    rollout = tuning_rollout(body, sizing)
+    for child in manifests.children(
+        meta["name"], meta["namespace"], sizing.spec, sizing.plan, rollout
+    ):
         try:
             result = apply_child(rt.client, _owned(child, body))
         except OwnershipConflict as exc:
-            return deployment, events, ("ChildConflict", str(exc))
+            return deployments, events, ("ChildConflict", str(exc))
         except KubeApiError as exc:
             return (
-                deployment,
+                deployments,
                 events,
                 ("ApplyFailed", f"{child['kind']} {child['metadata']['name']}: {exc}"),
             )
@@ -466,8 +535,8 @@ def _apply_children(
                 )
             )
         if child["kind"] == "Deployment":
-            deployment = result.obj
-    return deployment, events, None
+            deployments[child["metadata"]["name"]] = result.obj
+    return deployments, events, None
 
 
 def _reconcile_once(rt: Runtime, body: dict[str, Any]) -> bool:
@@ -476,12 +545,17 @@ def _reconcile_once(rt: Runtime, body: dict[str, Any]) -> bool:
     def load(source: ModelSource) -> ModelSpec:
         return rt.models.load(source, meta["namespace"])
 
-    sizing = shaped(size(body, load, rt.config.engine_image), body, load)
-    deployment, events, failure = _apply_children(rt, body, sizing)
+    sizing = sized(body, load, rt.config.engine_image)
+    deployments, events, failure = _apply_children(rt, body, sizing)
     for event in events:  # posted now: a conflicting status write below repeats no child write
         rt.post_event(body, event)
     status = desired_status(
-        body, sizing, deployment, now=datetime.datetime.now(datetime.UTC), apply_failure=failure
+        body,
+        sizing,
+        deployments.get(meta["name"]),
+        now=datetime.datetime.now(datetime.UTC),
+        apply_failure=failure,
+        canary=deployments.get(manifests.canary_name(meta["name"])),
     )
     written = patch_status(rt.client, body, status)
     previous = (body.get("status") or {}).get("conditions") or []

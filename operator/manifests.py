@@ -7,18 +7,34 @@ which never changes, because a Deployment's selector is immutable.
 The pod template carries ``TEMPLATE_HASH_ANNOTATION``, a hash of the template itself: any spec or
 plan change that alters the pods changes it, which rolls the Deployment, and the handlers compare
 it with the live object's to skip a patch when nothing changed.
+
+Live engine tuning (:class:`kvpilot.operator.tuning.Rollout`, recorded by the autoscaler) is
+rendered here too. ``Canary``: a second Deployment ``<name>-canary`` runs one of the replicas
+with the tuned ``settings`` (pods labelled ``CANARY_LABEL``), the main Deployment the rest with
+``previous``; the Service and the PodDisruptionBudget select both. ``Applied``: every replica
+runs ``settings``; ``RolledBack``: every replica runs ``previous`` (the plan's when None). Once
+a rollout exists the canary Deployment stays, at 0 replicas outside ``Canary``, so no verb
+beyond create and patch is needed to retire it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from typing import Any
 
 from kvpilot.operator.planner import Plan
-from kvpilot.operator.spec import LLMDeploymentSpec
+from kvpilot.operator.spec import Adapter, LLMDeploymentSpec
+from kvpilot.operator.tuning import CANARY_LABEL, EngineSettings, Rollout
 
 LLMDEPLOYMENT_LABEL = "kvpilot.dev/llmdeployment"
+# app.kubernetes.io/managed-by names the tool that manages an object (Kubernetes' recommended
+# labels: "helm" for what Helm installs). The operator's children are managed by the operator,
+# whose name is kvpilot-operator; part-of names the application both halves belong to.
+MANAGED_BY = "kvpilot-operator"
+PART_OF = "kvpilot"
+CANARY_SUFFIX = "-canary"
 TEMPLATE_HASH_ANNOTATION = "kvpilot.dev/template-hash"
 HTTP_PORT = 8000
 MODEL_CACHE_PATH = "/models/cache"
@@ -30,6 +46,11 @@ SHM_SIZE = "2Gi"
 # Model downloads and GGUF conversions can take long: the startup probe allows an hour.
 STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURE_THRESHOLD = 360
+# Adapters resident in the engine at once (--max-loras): each slot holds one adapter's weights
+# on the device; more adapters than slots are swapped in least-recently-used order. The LoRA
+# flags are not reserved: engine.extraArgs (which come last) may override them, e.g.
+# --max-lora-rank for adapters above the engine's default rank 16.
+MAX_RESIDENT_ADAPTERS = 8
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -43,9 +64,20 @@ def labels(name: str) -> dict[str, str]:
         "app.kubernetes.io/name": "kvpilot-engine",
         "app.kubernetes.io/instance": name,
         "app.kubernetes.io/component": "engine",
-        "app.kubernetes.io/managed-by": "kvpilot-operator",
+        "app.kubernetes.io/part-of": PART_OF,
+        "app.kubernetes.io/managed-by": MANAGED_BY,
         **selector_labels(name),
     }
+
+
+def canary_name(name: str) -> str:
+    """The canary Deployment of the LLMDeployment ``name`` (live tuning)."""
+    return f"{name}{CANARY_SUFFIX}"
+
+
+def canary_selector_labels(name: str) -> dict[str, str]:
+    """The labels that select the canary pods (they include ``selector_labels``)."""
+    return {**selector_labels(name), CANARY_LABEL: "true"}
 
 
 def selector(name: str) -> str:
@@ -66,11 +98,22 @@ def model_argument(spec: LLMDeploymentSpec) -> str | None:
     return source.location
 
 
+def adapter_argument(adapter: Adapter) -> str:
+    """Where ``kvpilot serve`` finds a LoRA adapter: a Hub id (hf://), a path in the pod (file://,
+    or pvc://claim/path under the claim's read-only mount)."""
+    scheme, _, rest = adapter.source.partition("://")
+    if scheme == "pvc":
+        claim, _, path = rest.partition("/")
+        return "/".join(filter(None, (PVC_MODELS_PATH, claim, path.strip("/"))))
+    return rest
+
+
 def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
     """The ``kvpilot serve`` arguments (vLLM's flag names) from the spec and the plan.
 
     The plan's numbers are passed explicitly (not left to the engine's defaults), so the engine
-    sizes itself as the planner did. ``engine.extraArgs`` come last.
+    sizes itself as the planner did. ``spec.adapters`` become ``--enable-lora --max-loras N
+    --lora-modules name=path ...``. ``engine.extraArgs`` come last.
     """
     args = ["serve"]
     model = model_argument(spec)
@@ -104,16 +147,96 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
             args.append(f"--{flag}" if value else f"--no-{flag}")
     if engine.speculative_config is not None:
         args += ["--speculative-config", json.dumps(engine.speculative_config, sort_keys=True)]
+    if spec.adapters:
+        args += [
+            "--enable-lora",
+            "--max-loras",
+            str(min(len(spec.adapters), MAX_RESIDENT_ADAPTERS)),
+        ]
+        args += ["--lora-modules", *(f"{a.name}={adapter_argument(a)}" for a in spec.adapters)]
     return args + list(engine.extra_args)
 
 
-def deployment(name: str, namespace: str, spec: LLMDeploymentSpec, plan: Plan) -> dict[str, Any]:
+def tuned(plan: Plan, settings: EngineSettings | None) -> Plan:
+    """``plan`` running the engine ``settings`` live tuning chose (None: the plan's own).
+
+    Only the flags the pods run change; the planner's figures (``status.plan``) stay as planned.
+    A CPU plan has no GPU memory to tune and is returned unchanged.
+    """
+    if settings is None or plan.gpu_memory_utilization is None:
+        return plan
+    return dataclasses.replace(
+        plan,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
+        max_num_seqs=settings.max_num_seqs,
+    )
+
+
+def canary_replicas(spec: LLMDeploymentSpec, rollout: Rollout | None) -> int:
+    """Replicas of the canary Deployment: one during ``Canary``, else 0.
+
+    Never the only replica: the canary is judged against the others over the same time, and a
+    single replica stays on settings known to work until there are two.
+    """
+    canary = rollout is not None and rollout.phase == "Canary"
+    return 1 if canary and spec.replicas >= 2 else 0
+
+
+def deployment(
+    name: str,
+    namespace: str,
+    spec: LLMDeploymentSpec,
+    plan: Plan,
+    rollout: Rollout | None = None,
+) -> dict[str, Any]:
     """The engine Deployment (``apps/v1``): ``spec.replicas`` pods of ``plan``'s shape.
 
-    GPU mode rolls one pod at a time without a surge pod (GPUs are scarce: a surge pod would
-    often stay Pending); CPU mode surges one pod so there is no gap in service.
+    With a tuning ``rollout`` its pods run the settings in force (``Rollout.in_force``), and
+    during ``Canary`` one replica fewer (:func:`canary_replicas`). GPU mode rolls one pod at a
+    time without a surge pod (GPUs are scarce: a surge pod would often stay Pending); CPU mode
+    surges one pod so there is no gap in service.
     """
-    template = pod_template(name, spec, plan)
+    settings = rollout.in_force() if rollout is not None else None
+    return _deployment(
+        name,
+        namespace,
+        spec,
+        pod_template(name, spec, tuned(plan, settings)),
+        spec.replicas - canary_replicas(spec, rollout),
+        selector_labels(name),
+    )
+
+
+def canary_deployment(
+    name: str, namespace: str, spec: LLMDeploymentSpec, plan: Plan, rollout: Rollout | None
+) -> dict[str, Any] | None:
+    """The canary Deployment ``<name>-canary`` of a tuning ``rollout``, or None without one.
+
+    Its pods run ``rollout.settings`` and carry ``CANARY_LABEL``, so the autoscaler can judge
+    them against the others; it has :func:`canary_replicas` replicas. Its selector includes
+    the main Deployment's, which is immutable and so cannot exclude the canary pods: each
+    ReplicaSet counts only the pods it owns (``ownerReferences``), so the two do not fight.
+    """
+    if rollout is None:
+        return None
+    return _deployment(
+        canary_name(name),
+        namespace,
+        spec,
+        pod_template(name, spec, tuned(plan, rollout.settings), canary=True),
+        canary_replicas(spec, rollout),
+        canary_selector_labels(name),
+    )
+
+
+def _deployment(
+    deployment_name: str,
+    namespace: str,
+    spec: LLMDeploymentSpec,
+    template: dict[str, Any],
+    replicas: int,
+    selector: dict[str, str],
+) -> dict[str, Any]:
     template_hash = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
     template["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION] = template_hash
     rolling = (
@@ -125,23 +248,26 @@ def deployment(name: str, namespace: str, spec: LLMDeploymentSpec, plan: Plan) -
         "apiVersion": "apps/v1",
         "kind": "Deployment",
         "metadata": {
-            "name": name,
+            "name": deployment_name,
             "namespace": namespace,
-            "labels": labels(name),
+            "labels": dict(template["metadata"]["labels"]),
             "annotations": {TEMPLATE_HASH_ANNOTATION: template_hash},
         },
         "spec": {
-            "replicas": spec.replicas,
+            "replicas": replicas,
             "revisionHistoryLimit": 3,
-            "selector": {"matchLabels": selector_labels(name)},
+            "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": template,
         },
     }
 
 
-def pod_template(name: str, spec: LLMDeploymentSpec, plan: Plan) -> dict[str, Any]:
-    """The engine pod template (without the template hash annotation)."""
+def pod_template(
+    name: str, spec: LLMDeploymentSpec, plan: Plan, *, canary: bool = False
+) -> dict[str, Any]:
+    """The engine pod template (without the template hash annotation); ``canary`` pods carry
+    ``CANARY_LABEL``."""
     volumes, mounts = _volumes(name, spec, plan)
     tolerations = list(spec.tolerations)
     if spec.gpu is not None:
@@ -171,7 +297,7 @@ def pod_template(name: str, spec: LLMDeploymentSpec, plan: Plan) -> dict[str, An
         pod_spec["affinity"] = spec.affinity
     return {
         "metadata": {
-            "labels": labels(name),
+            "labels": {**labels(name), CANARY_LABEL: "true"} if canary else labels(name),
             "annotations": {
                 "prometheus.io/scrape": "true",
                 "prometheus.io/port": str(HTTP_PORT),
@@ -250,12 +376,23 @@ def model_cache_claim(name: str, namespace: str, spec: LLMDeploymentSpec) -> dic
 
 
 def children(
-    name: str, namespace: str, spec: LLMDeploymentSpec, plan: Plan
+    name: str,
+    namespace: str,
+    spec: LLMDeploymentSpec,
+    plan: Plan,
+    rollout: Rollout | None = None,
 ) -> list[dict[str, Any]]:
-    """Every child object, in the order to create them (the claim before the pods using it)."""
-    objects = [model_cache_claim(name, namespace, spec)]
-    objects += [deployment(name, namespace, spec, plan), service(name, namespace)]
-    objects.append(pod_disruption_budget(name, namespace))
+    """Every child object, in the order to create them (the claim before the pods using it).
+
+    ``rollout`` is the live tuning to render (see the module docstring), or None.
+    """
+    objects = [
+        model_cache_claim(name, namespace, spec),
+        deployment(name, namespace, spec, plan, rollout),
+        canary_deployment(name, namespace, spec, plan, rollout),
+        service(name, namespace),
+        pod_disruption_budget(name, namespace),
+    ]
     return [obj for obj in objects if obj is not None]
 
 
@@ -347,7 +484,32 @@ def _volumes(
                 "readOnly": True,
             }
         )
+    for i, claim in enumerate(_adapter_claims(spec)):
+        volumes.append(
+            {
+                "name": f"adapter-source-{i}",
+                "persistentVolumeClaim": {"claimName": claim, "readOnly": True},
+            }
+        )
+        mounts.append(
+            {
+                "name": f"adapter-source-{i}",
+                "mountPath": f"{PVC_MODELS_PATH}/{claim}",
+                "readOnly": True,
+            }
+        )
     if plan.tensor_parallel_size > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return volumes, mounts
+
+
+def _adapter_claims(spec: LLMDeploymentSpec) -> list[str]:
+    """Claims of pvc:// adapters not already mounted for the model, in order of appearance."""
+    claims = [
+        adapter.source.removeprefix("pvc://").partition("/")[0]
+        for adapter in spec.adapters
+        if adapter.source.startswith("pvc://")
+    ]
+    mounted = {spec.model.claim_name} if spec.model.scheme == "pvc" else set()
+    return [c for c in dict.fromkeys(claims) if c not in mounted]

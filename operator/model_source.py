@@ -13,6 +13,10 @@ Only the small config file is read, never weights:
   is required for such sources (the CRD and ``operator/spec.py`` enforce it); without it sizing
   fails with ``ConfigUnavailable``.
 
+Every function here is safe to call from several threads at once (kopf runs handlers in a
+thread pool): transformers is used under one lock, because its lazy imports fail with
+ImportError when two threads import it at the same time.
+
 Failures raise ``PlanError`` with reason ``ConfigUnavailable`` (cannot read) or
 ``InvalidModelConfig`` (read, but not a usable config), which the handlers write as
 ``Sized=False``.
@@ -24,6 +28,7 @@ import functools
 import importlib.util
 import json
 import pathlib
+import threading
 from typing import Any
 
 from kvpilot.engine.model_spec import ModelSpec, UnsupportedModelError
@@ -32,6 +37,10 @@ from kvpilot.operator.spec import ModelSource
 
 CONFIG_UNAVAILABLE = "ConfigUnavailable"
 INVALID_MODEL_CONFIG = "InvalidModelConfig"
+
+# Held around every use of transformers (importing it included); re-entrant because the
+# default model's one-time read holds it around its GGUF read.
+_TRANSFORMERS = threading.RLock()
 
 
 def read_model_config(source: ModelSource, *, token: str | None = None) -> dict[str, Any]:
@@ -107,10 +116,17 @@ def _read_local_config(path: pathlib.Path, source: str | None) -> dict[str, Any]
     return _parse_json(config, source or str(path))
 
 
-# The default model's file never changes while the operator runs, and reading it imports
-# transformers and torch (seconds): read it once.
-@functools.cache
 def _read_default_config() -> dict[str, Any]:
+    # Under the lock, threads that arrive together wait for the first read instead of
+    # repeating it.
+    with _TRANSFORMERS:
+        return _default_config_once()
+
+
+# The default model's file never changes while the operator runs, and reading it imports
+# transformers and torch (seconds): read it once (a failure is not cached, it is retried).
+@functools.cache
+def _default_config_once() -> dict[str, Any]:
     from kvpilot.engine.model_loader.resolve import DEFAULT_GGUF_NAME, DEFAULT_MODEL_PACKAGE
 
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
@@ -125,15 +141,16 @@ def _read_default_config() -> dict[str, Any]:
 
 def _gguf_config(path: pathlib.Path) -> dict[str, Any]:
     # transformers reads only the GGUF metadata here (no tensors), as the engine's loader does.
-    from transformers import AutoConfig
+    with _TRANSFORMERS:
+        from transformers import AutoConfig
 
-    try:
-        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    except (OSError, ValueError) as exc:
-        raise PlanError(
-            CONFIG_UNAVAILABLE, f"cannot read the GGUF metadata of {path}: {exc}"
-        ) from exc
-    return config.to_dict()
+        try:
+            config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        except (OSError, ValueError) as exc:
+            raise PlanError(
+                CONFIG_UNAVAILABLE, f"cannot read the GGUF metadata of {path}: {exc}"
+            ) from exc
+        return config.to_dict()
 
 
 def _parse_json(path: pathlib.Path, what: str) -> dict[str, Any]:

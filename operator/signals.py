@@ -141,7 +141,9 @@ class Signals:
     def as_dict(self) -> dict[str, float | int | None | dict[str, float]]:
         """JSON-ready form for ``status.lastDecision.signals`` (camelCase keys, rounded)."""
         return {
-            "windowSeconds": round(self.window_seconds, 3),
+            # Whole seconds: the spacing of scrape rounds jitters by milliseconds, which is no
+            # change worth a status write.
+            "windowSeconds": round(self.window_seconds),
             "pods": round(self.num_pods, 3),
             "kvCacheUsage": round(self.kv_cache_usage, 4),
             "kvLoad": round(self.kv_load, 4),

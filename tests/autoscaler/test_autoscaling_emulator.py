@@ -1,11 +1,14 @@
 """The autoscaling timer in a real kopf process against the API emulator: pressure up ->
 replicas up with an Event; pressure gone -> down after the window; a wake annotation -> up from
-zero; a full KV cache -> a tuning canary, rolled back when it preempts more; mode external ->
+zero; a full KV cache -> a tuning canary that the reconciler renders as a Deployment of its
+own, rolled back when it preempts more; a steady fleet -> no status writes; mode external ->
 never touched.
 
 Engines are stand-ins: local HTTP servers bound to each emulated pod's loopback ``podIP`` and
 container port, serving the engine's metric names as a prometheus_client registry renders
-them. Nothing maps addresses: the operator scrapes what the Pod objects say.
+them. Nothing maps addresses: the operator scrapes what the Pod objects say. The emulator has
+no Deployment controller: the test creates the pods a Deployment would, with the labels of the
+pod template the operator rendered.
 """
 
 from __future__ import annotations
@@ -34,6 +37,9 @@ pytestmark = pytest.mark.slow
 ROOT = pathlib.Path(__file__).parents[2]
 LLMD = ("kvpilot.dev", "v1alpha1", "llmdeployments")
 EVENTS = ("", "v1", "events")
+DEPLOYMENTS = ("apps", "v1", "deployments")
+PODS = ("", "v1", "pods")
+SERVICES = ("", "v1", "services")
 NAMESPACE = "default"
 SCALING_REASONS = {
     "ScaleUp",
@@ -58,8 +64,10 @@ class Engine:
         self.load = load
         self.grow = grow or {}
         self.runner = None
+        self.scrapes = 0
 
     async def handle(self, request):
+        self.scrapes += 1
         for counter, step in self.grow.items():
             self.load[counter] = self.load.get(counter, 0) + step
         return web.Response(text=self.render(**self.load), content_type="text/plain")
@@ -126,9 +134,13 @@ async def test_scaling_tuning_waking_and_external_mode(tmp_path, model_source, e
             "tuned", model_source, 2, mode="kvpilot", minReplicas=2, maxReplicas=2,
             stableWindowSeconds=3, panicWindowSeconds=1.5, tuneEngine=True,
         ))  # fmt: skip
+        store.create(LLMD, NAMESPACE, llm_deployment(
+            "steady", model_source, 1, mode="kvpilot", minReplicas=1, maxReplicas=1,
+            stableWindowSeconds=3, panicWindowSeconds=1.5,
+        ))  # fmt: skip
 
-        async def engine_pod(owner, index, *, extra_labels=None, grow=None, **load) -> Engine:
-            labels = {**manifests.selector_labels(owner), **(extra_labels or {})}
+        async def engine_pod(owner, index, *, labels=None, grow=None, **load) -> Engine:
+            labels = labels or manifests.selector_labels(owner)
             ip = create_ready_pod(store, NAMESPACE, f"{owner}-{index}", labels)
             engine = Engine(exposition, grow, **load)
             await engine.start(ip)
@@ -141,6 +153,7 @@ async def test_scaling_tuning_waking_and_external_mode(tmp_path, model_source, e
             await engine_pod("ext", i, **busy)
         for i in range(2):
             await engine_pod("tuned", i, kv=0.99, running=4, waiting=0)
+        steady = await engine_pod("steady", 0, kv=0.3, running=1, waiting=0)
 
         kubeconfig = cluster.write_kubeconfig(tmp_path / "operator", token=OPERATOR_TOKEN)
         # The real `kvpilot operator`, deciding every second so the test sees several rounds.
@@ -214,20 +227,54 @@ async def test_scaling_tuning_waking_and_external_mode(tmp_path, model_source, e
                 )
                 assert "replicas 0 -> 1" in woke[0]["message"]
 
-                # Live tuning: a full KV cache -> a canary with more memory for it. The canary pod
-                # (the reconciler's job, stood in for here) preempts more than the others: it is
-                # rolled back, with a Warning.
+                # Live tuning: a full KV cache -> a canary with more memory for it, which the
+                # reconciler renders as one replica of a Deployment of its own.
                 def tuning():
                     raw = store.get(LLMD, NAMESPACE, "tuned")["metadata"].get("annotations") or {}
                     return json.loads(raw.get("kvpilot.dev/engine-tuning", "null"))
 
+                def deployment(name):
+                    items, _ = store.list(DEPLOYMENTS, NAMESPACE)
+                    return next((d for d in items if d["metadata"]["name"] == name), None)
+
+                def engine_flag(name, flag):
+                    (engine,) = deployment(name)["spec"]["template"]["spec"]["containers"]
+                    return engine["args"][engine["args"].index(flag) + 1]
+
                 canary = await eventually(lambda: tuning(), "a tuning canary")
                 assert canary["phase"] == "Canary"
                 assert canary["settings"]["gpuMemoryUtilization"] == pytest.approx(0.95)
-                await engine_pod("tuned", "canary", extra_labels={"kvpilot.dev/canary": "true"},
-                                 grow={"preemptions": 5}, kv=0.9, running=4, waiting=0)  # fmt: skip
+                await eventually(
+                    lambda: (
+                        (deployment("tuned-canary") or {}).get("spec", {}).get("replicas")
+                        == 1
+                        == deployment("tuned")["spec"]["replicas"]
+                    ),
+                    "the canary Deployment beside one main replica",
+                )
+                assert engine_flag("tuned-canary", "--gpu-memory-utilization") == "0.95"
+                assert engine_flag("tuned", "--gpu-memory-utilization") == "0.9"
+                template = deployment("tuned-canary")["spec"]["template"]["metadata"]["labels"]
+                assert template["kvpilot.dev/canary"] == "true"
+                selector = store.get(SERVICES, NAMESPACE, "tuned")["spec"]["selector"]
+                assert selector.items() <= template.items()  # it serves behind the same Service
+
+                # As the Deployment controllers would: a main pod goes, a canary pod comes. It
+                # preempts more than the other: rolled back, with a Warning.
+                store.delete(PODS, NAMESPACE, "tuned-1")
+                await engine_pod("tuned-canary", "0", labels=template, grow={"preemptions": 5},
+                                 kv=0.9, running=4, waiting=0)  # fmt: skip
                 await eventually(lambda: tuning()["phase"] == "RolledBack", "a rollback")
                 assert "preemptions went from 0.000/s" in tuning()["reason"]
+                # Rendered: the canary retired, both replicas on the previous (planned) settings.
+                await eventually(
+                    lambda: (
+                        deployment("tuned-canary")["spec"]["replicas"] == 0
+                        and deployment("tuned")["spec"]["replicas"] == 2
+                    ),
+                    "the canary retired",
+                )
+                assert engine_flag("tuned", "--gpu-memory-utilization") == "0.9"
                 reasons = await eventually(
                     lambda: (
                         {e["reason"]: e["type"] for e in events("tuned")}.get("TuningRolledBack")
@@ -238,6 +285,23 @@ async def test_scaling_tuning_waking_and_external_mode(tmp_path, model_source, e
                 assert (
                     reasons["TuningCanary"] == "Normal" and reasons["TuningRolledBack"] == "Warning"
                 )
+
+                # A steady fleet: its decisions stop changing, and so do the status writes.
+                def status_writes():
+                    return sum(
+                        1 for c in cluster.emulator.calls
+                        if c.user == OPERATOR_TOKEN and c.name == "steady"
+                        and c.subresource == "status" and c.verb == "patch"
+                    )  # fmt: skip
+
+                await eventually(
+                    lambda: "lastDecision" in store.get(LLMD, NAMESPACE, "steady")["status"],
+                    "a decision for steady",
+                )
+                scraped, written = steady.scrapes, status_writes()
+                await eventually(lambda: steady.scrapes >= scraped + 6, "six more rounds")
+                # (A window whose span crosses a half second between rounds is a change.)
+                assert status_writes() - written <= 2
 
                 # mode: external -> never scaled, no decision written, no Event.
                 ext = store.get(LLMD, NAMESPACE, "ext")

@@ -8,6 +8,7 @@ import pathlib
 import pytest
 
 from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.operator import autoscaling_handlers, handlers
 from kvpilot.operator.autoscaler import (
     SHAPE_ANNOTATION,
     AutoscalerMemory,
@@ -21,13 +22,16 @@ from kvpilot.operator.autoscaling_handlers import (
     larger_shape,
     remembered,
     startup_seconds,
+    status_changed,
     unschedulable,
     wake_time,
+    without_nulls,
 )
 from kvpilot.operator.planner import plan_for_spec
 from kvpilot.operator.signals import MetricSample, summarize
 from kvpilot.operator.spec import SpecError, parse_spec
 
+UTC = datetime.UTC
 CONFIGS = pathlib.Path(__file__).parents[1] / "operator" / "configs"
 
 
@@ -114,6 +118,52 @@ def test_status_carries_the_decision_and_the_learned_capacity():
     # Same replicas: the last scale time stays.
     same = decision_status(decision, {"desiredReplicas": 3, "lastScaleTime": "earlier"}, now)
     assert same["lastScaleTime"] == "earlier"
+
+
+def test_an_unchanged_decision_changes_no_status_field():
+    """The loop writes status only when a field differs: the same decision an interval later
+    keeps its time; a different one (here: other signals) gets the new time."""
+    signals = summarize([MetricSample("p", 0.0, 0.5, 3, 1), MetricSample("p", 10.0, 0.7, 5, 1)])
+    decision = Decision(2, "Stable", "KV load 1.2 replicas", signals, None, AutoscalerMemory())
+    first = decision_status(decision, {}, datetime.datetime(2026, 11, 30, 10, 0, tzinfo=UTC))
+    # As the API server stores the merge patch: its nulls (no capacity learned yet) removed.
+    stored = without_nulls(first)
+    assert "replicaTokensPerSecond" not in stored["lastDecision"]
+    later = datetime.datetime(2026, 11, 30, 10, 0, 15, tzinfo=UTC)
+    again = decision_status(decision, stored, later)
+    assert again == first and not status_changed(stored, again)
+    assert again["lastDecision"]["time"] == "2026-11-30T10:00:00Z"
+    busier = summarize([MetricSample("p", 0.0, 0.9, 3, 1), MetricSample("p", 10.0, 0.9, 5, 1)])
+    moved = decision_status(dataclasses.replace(decision, signals=busier), stored, later)
+    assert moved["lastDecision"]["time"] == "2026-11-30T10:00:15Z"
+    assert status_changed(stored, moved)
+    assert moved["kvCacheUsage"] == pytest.approx(0.9)
+
+
+def test_the_loop_sizes_with_the_reconcilers_function(monkeypatch, llama):
+    """``AutoscalingLoop.sizing`` is ``handlers.sized``: the shape the autoscaler chose is
+    planned, and the spec as written (the TP the user left open) is kept beside it."""
+    calls = []
+
+    def sized(body, load, image):
+        calls.append((body, image))
+        return handlers.sized(body, lambda _source: llama, image)
+
+    monkeypatch.setattr(autoscaling_handlers, "sized", sized)
+    loop = autoscaling_handlers.AutoscalingLoop(
+        autoscaling_handlers.AutoscalerConfig(engine_image="engine:1"), client=object()
+    )
+    shape = json.dumps({"tensorParallelSize": 2, "gpuType": "L4"})
+    body = {
+        "metadata": {"name": "llama", "namespace": "ml", "annotations": {SHAPE_ANNOTATION: shape}},
+        "spec": {"model": {"source": "hf://x/y"}, "gpu": {"type": "L4"},
+                 "autoscaling": {"maxReplicas": 4}},
+    }  # fmt: skip
+    sizing = loop.sizing(body)
+    assert calls == [(body, "engine:1")]
+    assert sizing.plan.tensor_parallel_size == 2 and sizing.spec.tensor_parallel_size == 2
+    assert sizing.user_spec.tensor_parallel_size is None
+    assert sizing.spec.image == "engine:1"
 
 
 def test_startup_seconds_from_creation_to_ready():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta, timezone
 
 import pytest
+
 from kvpilot.operator.conditions import format_time, get_condition, is_true, set_condition
 
 T0 = datetime(2026, 11, 30, 9, 0, 0, tzinfo=UTC)

@@ -11,9 +11,9 @@ import copy
 
 import kubernetes_validate
 import pytest
+
 from kvpilot.operator.gpus import CATALOGUE, CUSTOM
 from kvpilot.operator.spec import MANAGED_FLAGS, SpecError, parse_spec, validate_name
-
 from tests.operator.crd_schema import (
     apply_defaults,
     cel_program,

@@ -9,11 +9,11 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 import yaml
+
 from kvpilot.engine.model_spec import ModelSpec
 from kvpilot.operator import manifests
 from kvpilot.operator.planner import plan_for_spec
 from kvpilot.operator.spec import parse_spec, validate_name
-
 from tests.operator.crd_schema import apply_defaults, cel_violations, validation_errors
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

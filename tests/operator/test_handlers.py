@@ -6,10 +6,21 @@ import datetime
 import json
 import pathlib
 
+from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
 from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.operator import handlers
 from kvpilot.operator.autoscaler import SHAPE_ANNOTATION
-from kvpilot.operator.handlers import Event, desired_status, shaped, size, transition_events
+from kvpilot.operator.handlers import (
+    Event,
+    desired_status,
+    shaped,
+    size,
+    sized,
+    transition_events,
+    tuning_rollout,
+)
 from kvpilot.operator.planner import PlanError
+from kvpilot.operator.tuning import TUNING_ANNOTATION, EngineSettings, Rollout
 
 CONFIGS = pathlib.Path(__file__).parent / "configs"
 NOW = datetime.datetime(2026, 1, 1, 12, 0, tzinfo=datetime.UTC)
@@ -226,3 +237,44 @@ def test_events_only_for_changes():
         ("Normal", "ReplicasReady"),
         ("Normal", "Recovered"),
     ]
+
+
+def test_the_default_model_is_named_as_the_engine_serves_it():
+    sizing = size(body({}), load("SmolLM2-135M-Instruct"), "x")
+    assert desired_status(body({}), sizing, None, now=NOW)["model"] == DEFAULT_MODEL_NAME
+    assert handlers.DEFAULT_MODEL_NAME is DEFAULT_MODEL_NAME  # one name, the engine's
+
+
+TUNED = {**GPU, "replicas": 3, "autoscaling": {"maxReplicas": 4, "tuneEngine": True}}
+
+
+def test_the_recorded_tuning_is_rendered_while_tuning_is_on():
+    canary = Rollout("Canary", EngineSettings(0.95, 512), EngineSettings(0.92, 300), 5.0, "full")
+    annotated = body(TUNED, annotations={TUNING_ANNOTATION: canary.to_annotation()})
+    sizing = sized(annotated, load("Meta-Llama-3-8B"), "x")
+    assert tuning_rollout(annotated, sizing) == canary
+    assert tuning_rollout(body(TUNED), sizing) is None
+    # Tuning switched off (or mode external): every pod back on the plan, the canary retired.
+    for autoscaling in ({"maxReplicas": 4}, {"maxReplicas": 4, "tuneEngine": True,
+                                              "mode": "external"}):  # fmt: skip
+        spec = {**TUNED, "autoscaling": autoscaling}
+        off = body(spec, annotations={TUNING_ANNOTATION: canary.to_annotation()})
+        retired = tuning_rollout(off, sized(off, load("Meta-Llama-3-8B"), "x"))
+        assert (retired.phase, retired.previous, retired.in_force()) == ("RolledBack", None, None)
+    broken = body(TUNED, annotations={TUNING_ANNOTATION: "{"})
+    assert tuning_rollout(broken, sizing) is None
+
+
+def test_the_canary_counts_in_the_status():
+    sizing = size(body(TUNED), load("Meta-Llama-3-8B"), "x")
+    both = desired_status(
+        body(TUNED), sizing, deployment(2, 2, 2), now=NOW, canary=deployment(1, 0, 1)
+    )
+    assert (both["replicas"], both["readyReplicas"]) == (3, 2)
+    assert states(both)["Ready"] == ("False", "ReplicasNotReady")
+    assert states(both)["Progressing"] == ("True", "RollingOut")
+    ready = desired_status(
+        body(TUNED), sizing, deployment(2, 2, 2), now=NOW, canary=deployment(1, 1, 1)
+    )
+    assert states(ready)["Ready"] == ("True", "ReplicasReady")
+    assert states(ready)["Progressing"] == ("False", "RolloutComplete")

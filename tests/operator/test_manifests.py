@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
+
 from kvpilot.engine.model_spec import ModelSpec
 from kvpilot.operator import manifests
 from kvpilot.operator.gpus import GiB
 from kvpilot.operator.images import ENGINE_IMAGE
 from kvpilot.operator.planner import plan_for_spec
 from kvpilot.operator.spec import MANAGED_FLAGS, parse_spec
+from kvpilot.operator.tuning import EngineSettings, Rollout
 
 CONFIGS = Path(__file__).parent / "configs"
 K8S_VERSION = "1.32.0"
@@ -208,6 +211,95 @@ def test_labels_selector_service_and_pdb():
     assert manifests.endpoint("chat", "team-a") == "http://chat.team-a.svc.cluster.local:8000/v1"
 
 
+def test_recommended_labels_and_the_charts_part_of():
+    """Kubernetes' recommended labels: the children are managed by the operator (the chart's
+    own objects by Helm), and both halves are part of the same application as in the chart."""
+    _, _, objects = render(CPU_SPEC, "SmolLM2-135M-Instruct", name="chat")
+    helpers = (Path(__file__).parents[2] / "charts/kvpilot/templates/_helpers.tpl").read_text()
+    (chart_part_of,) = re.findall(r"^app\.kubernetes\.io/part-of: (\S+)$", helpers, re.M)
+    for obj in objects:
+        labels = obj["metadata"]["labels"]
+        assert labels["app.kubernetes.io/managed-by"] == "kvpilot-operator"
+        assert labels["app.kubernetes.io/part-of"] == chart_part_of == "kvpilot"
+        assert labels["app.kubernetes.io/name"] == "kvpilot-engine"
+
+
+def rollout(phase: str, previous: EngineSettings | None = None) -> Rollout:
+    return Rollout(phase, EngineSettings(0.95, 512), previous, 100.0, "preempting")
+
+
+def engine_flags(deployment: dict) -> tuple[str, str]:
+    (engine,) = deployment["spec"]["template"]["spec"]["containers"]
+    args = engine["args"]
+    return flag(args, "--gpu-memory-utilization"), flag(args, "--max-num-seqs")
+
+
+def test_a_tuning_canary_is_one_replica_of_its_own_deployment():
+    spec = parse_spec(GPU_SPEC)
+    plan = plan_for_spec(spec, model("Meta-Llama-3-70B"))
+    objects = manifests.children("chat", "team-a", spec, plan, rollout("Canary"))
+    assert [o["kind"] for o in objects] == ["Deployment", "Deployment", "Service",
+                                            "PodDisruptionBudget"]  # fmt: skip
+    main, canary, service, pdb = objects
+    assert (main["metadata"]["name"], canary["metadata"]["name"]) == ("chat", "chat-canary")
+    assert (main["spec"]["replicas"], canary["spec"]["replicas"]) == (2, 1)
+    assert engine_flags(main) == (f"{plan.gpu_memory_utilization:g}", str(plan.max_num_seqs))
+    assert engine_flags(canary) == ("0.95", "512")
+    canary_pods = canary["spec"]["template"]["metadata"]["labels"]
+    main_pods = main["spec"]["template"]["metadata"]["labels"]
+    assert canary_pods["kvpilot.dev/canary"] == "true" and "kvpilot.dev/canary" not in main_pods
+    assert canary["spec"]["selector"]["matchLabels"] == {
+        "kvpilot.dev/llmdeployment": "chat",
+        "kvpilot.dev/canary": "true",
+    }
+    # One Service and one disruption budget over both pod groups.
+    for selector in (service["spec"]["selector"], pdb["spec"]["selector"]["matchLabels"]):
+        assert selector.items() <= canary_pods.items() and selector.items() <= main_pods.items()
+    assert canary["spec"]["template"]["spec"]["nodeSelector"] == {"pool": "h100"}
+    assert template_hash([canary]) != template_hash([main])
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_applied_and_rolled_back_settings_run_on_every_replica():
+    spec = parse_spec(GPU_SPEC)
+    plan = plan_for_spec(spec, model("Meta-Llama-3-70B"))
+    planned = (f"{plan.gpu_memory_utilization:g}", str(plan.max_num_seqs))
+    earlier = EngineSettings(0.92, 300)
+    for phase, previous, expected in (
+        ("Applied", None, ("0.95", "512")),
+        ("RolledBack", None, planned),
+        ("RolledBack", earlier, ("0.92", "300")),
+        ("Canary", earlier, ("0.92", "300")),  # the replicas beside the canary
+    ):
+        main, canary = manifests.children("chat", "team-a", spec, plan, rollout(phase, previous))[
+            :2
+        ]
+        assert main["spec"]["replicas"] + canary["spec"]["replicas"] == 3
+        assert canary["spec"]["replicas"] == (1 if phase == "Canary" else 0)
+        assert engine_flags(main) == expected
+        # The canary keeps the settings it tried: retiring it changes only its replicas.
+        assert engine_flags(canary) == ("0.95", "512")
+    # No rollout: no canary Deployment, the plan's settings.
+    (main,) = [
+        o for o in manifests.children("chat", "team-a", spec, plan) if o["kind"] == "Deployment"
+    ]
+    assert engine_flags(main) == planned and main["spec"]["replicas"] == 3
+
+
+def test_a_single_replica_is_never_the_canary():
+    spec = parse_spec({**GPU_SPEC, "replicas": 1})
+    plan = plan_for_spec(spec, model("Meta-Llama-3-70B"))
+    main, canary = manifests.children("chat", "team-a", spec, plan, rollout("Canary"))[:2]
+    assert (main["spec"]["replicas"], canary["spec"]["replicas"]) == (1, 0)
+
+
+def test_cpu_plans_are_not_tuned():
+    spec = parse_spec(CPU_SPEC)
+    plan = plan_for_spec(spec, model("SmolLM2-135M-Instruct"))
+    assert manifests.tuned(plan, EngineSettings(0.95, 512)) is plan
+
+
 def template_hash(objects: list[dict]) -> str:
     deployment = by_kind(objects)["Deployment"]
     value = deployment["spec"]["template"]["metadata"]["annotations"]["kvpilot.dev/template-hash"]
@@ -254,3 +346,48 @@ def test_optional_engine_flags(engine, expected):
     args = manifests.engine_args(spec, plan_for_spec(spec, model("Meta-Llama-3-70B")))
     position = args.index(expected[0])
     assert args[position : position + len(expected)] == expected
+
+
+def test_adapters_render_lora_modules_and_mount_their_claims():
+    config = json.loads((CONFIGS / "Meta-Llama-3-8B.json").read_text())
+    adapters = [
+        {"name": "sql", "source": "hf://org/sql-lora"},
+        {"name": "chat", "source": "file:///adapters/chat"},
+        {"name": "legal", "source": "pvc://loras/legal/v2"},
+        {"name": "beside", "source": "pvc://weights/adapters/x"},  # the model's claim
+    ]
+    spec_dict = {
+        **GPU_SPEC,
+        "model": {"source": "pvc://weights/llama/8b", "config": config},
+        "adapters": adapters,
+    }
+    _, _, objects = render(spec_dict, "Meta-Llama-3-8B")
+    engine = container(objects)
+    args = engine["args"]
+    assert "--enable-lora" in args
+    assert flag(args, "--max-loras") == "4"
+    start = args.index("--lora-modules") + 1
+    assert args[start:] == [
+        "sql=org/sql-lora",
+        "chat=/adapters/chat",
+        "legal=/models/pvc/loras/legal/v2",
+        "beside=/models/pvc/weights/adapters/x",
+        "--seed=7",  # extraArgs still come last
+    ]
+    mounts = [m for m in engine["volumeMounts"] if m["mountPath"].startswith("/models/pvc/")]
+    assert [(m["mountPath"], m["readOnly"]) for m in mounts] == [
+        ("/models/pvc/weights", True),
+        ("/models/pvc/loras", True),
+    ]
+    volumes = by_kind(objects)["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    claims = [v["persistentVolumeClaim"] for v in volumes if "persistentVolumeClaim" in v]
+    assert {"claimName": "loras", "readOnly": True} in claims
+    kubernetes_validate.validate(by_kind(objects)["Deployment"], K8S_VERSION, strict=True)
+
+
+def test_many_adapters_share_the_resident_slots():
+    adapters = [{"name": f"a{i}", "source": f"hf://org/a{i}"} for i in range(10)]
+    args = container(render({**CPU_SPEC, "adapters": adapters}, "SmolLM2-135M-Instruct")[2])["args"]
+    assert flag(args, "--max-loras") == str(manifests.MAX_RESIDENT_ADAPTERS) == "8"
+    assert len(args) - args.index("--lora-modules") - 1 == 10
+    assert "--enable-lora" not in container(render(CPU_SPEC, "SmolLM2-135M-Instruct")[2])["args"]

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
 from huggingface_hub import constants
+
 from kvpilot.operator.model_source import load_model_spec, read_model_config
 from kvpilot.operator.planner import PlanError
 from kvpilot.operator.spec import ModelSource, parse_spec
@@ -82,3 +87,50 @@ def test_builtin_default_reads_the_gguf_metadata():
     assert default.num_parameters() == public.num_parameters() == 134_515_008
     assert default.kv_bytes_per_token(4) == public.kv_bytes_per_token(4)
     assert default.is_supported_by_engine
+
+
+# A fresh interpreter (transformers not imported yet): threads read the default model and a
+# .gguf file source at the same moment, as kopf's handler threads can.
+CONCURRENT_READS = textwrap.dedent(
+    """
+    import importlib.util, pathlib, threading
+    from kvpilot.engine.model_loader.resolve import DEFAULT_GGUF_NAME, DEFAULT_MODEL_PACKAGE
+    from kvpilot.operator.model_source import read_model_config
+    from kvpilot.operator.spec import parse_spec
+
+    package = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE).submodule_search_locations[0]
+    gguf = pathlib.Path(package) / DEFAULT_GGUF_NAME
+    sources = [parse_spec({}).model, parse_spec({"model": {"source": f"file://{gguf}"}}).model]
+    barrier = threading.Barrier(4)
+    layers, errors = [], []
+
+    def read(source):
+        barrier.wait()
+        try:
+            layers.append(read_model_config(source)["num_hidden_layers"])
+        except Exception as error:
+            errors.append(repr(error))
+
+    threads = [threading.Thread(target=read, args=(sources[i % 2],)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    print(sorted(layers), errors)
+    """
+)
+
+
+@pytest.mark.slow  # a fresh interpreter importing transformers and torch: about 20 s
+def test_concurrent_first_reads_all_succeed():
+    """Several threads reading GGUF sources before transformers is imported all get the config
+    (transformers' lazy imports raise ImportError when two threads race through them)."""
+    done = subprocess.run(
+        [sys.executable, "-c", CONCURRENT_READS],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "[30, 30, 30, 30] []"

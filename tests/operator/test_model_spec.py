@@ -19,6 +19,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kvpilot.engine.model_spec import (
     DTYPE_BYTES,
     SUPPORTED_ARCHITECTURES,

@@ -16,6 +16,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kvpilot.engine.model_spec import ModelSpec
 from kvpilot.operator.gpus import CATALOGUE, GiB, MiB, gpu_type
 from kvpilot.operator.planner import PlanError, default_gpu_memory_utilization, plan
