@@ -1,0 +1,198 @@
+"""Adapters known to the engine, the fixed slots they occupy, and each batch's token mapping.
+
+S-LoRA (Sheng et al. 2023) keeps many adapters on the host and only those a batch needs on the
+device. Here ``max_loras`` fixed slots hold resident adapters; a batch needing one that is not
+resident loads it into a free slot or, when all are taken, evicts the least recently used
+adapter that no running request uses (vLLM's ``LRUCacheWorkerLoRAManager``).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Collection, Sequence
+
+import torch
+from torch import nn
+
+from kvpilot.engine.distributed import get_tensor_model_parallel_world_size
+from kvpilot.engine.lora.adapter import (
+    SUPPORTED_TARGETS,
+    LoRAAdapter,
+    LoRAAdapterError,
+    load_adapter,
+)
+from kvpilot.engine.lora.layers import LinearWithLoRA, LoRABatchMapping, wrap_lora_layers
+from kvpilot.engine.lora.request import LoRARequest
+
+
+class LoRASlotsBusyError(RuntimeError):
+    """Every slot holds an adapter that a running request uses; nothing can be evicted."""
+
+
+class LoRAInUseError(ValueError):
+    """An adapter cannot be removed while unfinished requests use it."""
+
+
+class LoRAManager:
+    """The LoRA state of one model: registered adapters (host) and resident slots (device).
+
+    Wraps the model's q/k/v/o and gate/up/down projections at construction (call it after the
+    weights are loaded).
+
+    Args:
+        model: a loaded model with ``stacked_params_mapping`` (the Llama family).
+        max_loras: slots: adapters resident at once (and distinct adapters in one batch).
+        max_lora_rank: the largest adapter rank accepted.
+        use_kernels: Triton kernels (True) or PyTorch (False) for the delta; None: the kernels
+            on a CUDA device only.
+
+    Raises:
+        ValueError: ``max_loras`` or ``max_lora_rank`` not a positive integer, or a model
+            sharded over several tensor-parallel ranks.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_loras: int,
+        max_lora_rank: int,
+        use_kernels: bool | None = None,
+    ) -> None:
+        for name, value in (("max_loras", max_loras), ("max_lora_rank", max_lora_rank)):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if get_tensor_model_parallel_world_size() > 1:
+            raise ValueError("LoRA adapters are not supported with tensor parallelism yet")
+        self.max_loras = max_loras
+        self.max_lora_rank = max_lora_rank
+        self.stacked_params_mapping = tuple(model.stacked_params_mapping)
+        self.device = next(model.parameters()).device
+        self.mapping = LoRABatchMapping(max_loras, use_kernels)
+        self.layers: dict[str, LinearWithLoRA] = wrap_lora_layers(
+            model,
+            self.stacked_params_mapping,
+            SUPPORTED_TARGETS,
+            lambda base, shard_ids: LinearWithLoRA(
+                base, shard_ids, max_loras, max_lora_rank, self.mapping
+            ),
+        )
+        self.adapters: dict[str, LoRAAdapter] = {}
+        self.requests: dict[str, LoRARequest] = {}
+        # Resident adapter name -> slot, least recently used first.
+        self._slots: OrderedDict[str, int] = OrderedDict()
+
+    @property
+    def resident(self) -> list[str]:
+        """Names of the adapters in slots, least recently used first."""
+        return list(self._slots)
+
+    def add_adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """Register an adapter (read and checked now; copied into a slot when a batch needs it).
+
+        Registering the same name and path again returns the adapter already read.
+
+        Raises:
+            LoRAAdapterError: the folder cannot be read or does not fit the model (a target it
+                lacks, other feature sizes, a rank above ``max_lora_rank``), or the name is
+                registered with another path (remove it first).
+        """
+        known = self.requests.get(request.lora_name)
+        if known is not None:
+            if known.lora_path != request.lora_path:
+                raise LoRAAdapterError(
+                    f"LoRA adapter {request.lora_name!r} is already loaded from "
+                    f"{known.lora_path}; unload it before loading it from {request.lora_path}"
+                )
+            return self.adapters[request.lora_name]
+        adapter = load_adapter(request.lora_name, request.lora_path, self.stacked_params_mapping)
+        self._check(adapter)
+        self.adapters[request.lora_name] = adapter
+        self.requests[request.lora_name] = request
+        return adapter
+
+    def remove_adapter(self, name: str, in_use: Collection[str] = ()) -> bool:
+        """Forget an adapter and free its slot; returns whether it was registered.
+
+        Args:
+            name: the adapter.
+            in_use: adapters of unfinished requests.
+
+        Raises:
+            LoRAInUseError: an unfinished request uses it (``name in in_use``).
+        """
+        if name in in_use:
+            raise LoRAInUseError(f"LoRA adapter {name!r} is used by unfinished requests")
+        self._slots.pop(name, None)
+        self.requests.pop(name, None)
+        return self.adapters.pop(name, None) is not None
+
+    def set_batch(
+        self,
+        adapter_names: Sequence[str | None],
+        num_tokens: Sequence[int],
+        in_use: Collection[str] = (),
+    ) -> None:
+        """Make the batch's adapters resident and map its tokens to their slots.
+
+        Args:
+            adapter_names: per sequence of the batch, its adapter's name or None (base model).
+            num_tokens: per sequence, its new tokens in this pass (they are contiguous, in
+                sequence order, as in the model runner's flat batch).
+            in_use: adapters of running requests outside this batch: not evicted.
+
+        Raises:
+            KeyError: an adapter that is not registered.
+            LoRASlotsBusyError: the batch's adapters and ``in_use`` leave no slot to evict.
+        """
+        names = [n for n in dict.fromkeys(adapter_names) if n is not None]
+        if len(names) > self.max_loras:
+            raise LoRASlotsBusyError(
+                f"a batch uses {len(names)} LoRA adapters; max_loras is {self.max_loras}"
+            )
+        pinned = set(names) | set(in_use)
+        slot_of = {name: self._make_resident(name, pinned) for name in names}
+        slots = [-1 if n is None else slot_of[n] for n in adapter_names]
+        token_slots = torch.repeat_interleave(
+            torch.tensor(slots, dtype=torch.int32), torch.tensor(num_tokens, dtype=torch.int64)
+        )
+        self.mapping.set(token_slots, self.device)
+
+    def _make_resident(self, name: str, pinned: set[str]) -> int:
+        if name not in self.adapters:
+            raise KeyError(f"LoRA adapter {name!r} is not loaded")
+        if name in self._slots:
+            self._slots.move_to_end(name)
+            return self._slots[name]
+        free = sorted(set(range(self.max_loras)) - set(self._slots.values()))
+        if free:
+            slot = free[0]
+        else:
+            victim = next((n for n in self._slots if n not in pinned), None)
+            if victim is None:
+                raise LoRASlotsBusyError(
+                    f"cannot load LoRA adapter {name!r}: all {self.max_loras} slots hold "
+                    f"adapters of running requests"
+                )
+            slot = self._slots.pop(victim)
+        weights = self.adapters[name].by_projection()
+        for module, layer in self.layers.items():
+            layer.set_slot(slot, weights.get(module, {}))
+        self._slots[name] = slot
+        return slot
+
+    def _check(self, adapter: LoRAAdapter) -> None:
+        if adapter.rank > self.max_lora_rank:
+            raise LoRAAdapterError(
+                f"LoRA adapter {adapter.name!r} has rank {adapter.rank}, above max_lora_rank "
+                f"{self.max_lora_rank}"
+            )
+        for module, weights in adapter.by_projection().items():
+            if module not in self.layers:
+                raise LoRAAdapterError(
+                    f"LoRA adapter {adapter.name!r} adapts {module!r}, which the model lacks "
+                    f"(an adapter of another base model?)"
+                )
+            try:
+                self.layers[module].check_weights(module, weights)
+            except LoRAAdapterError as exc:
+                raise LoRAAdapterError(f"LoRA adapter {adapter.name!r}: {exc}") from exc
