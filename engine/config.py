@@ -8,6 +8,10 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, fields
+from typing import Any
+
+from kvpilot.engine.lora.request import parse_lora_modules
+from kvpilot.engine.spec_decode.config import SpeculativeConfig
 
 # CPU defaults, chosen on a 2-core machine with the 135M default model (docs/benchmarks.md):
 # 64 sequences keep decode matmuls wide without letting per-step decode attention dominate, and
@@ -86,6 +90,11 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
     served_model_name: str | None = None
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    lora_modules: list[str] | None = None
+    speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -117,6 +126,20 @@ class EngineArgs:
             positive_int(name)
         positive_int("block_size", optional=False)
         positive_int("tensor_parallel_size", optional=False)
+        positive_int("max_loras", optional=False)
+        positive_int("max_lora_rank", optional=False)
+        if not isinstance(self.enable_lora, bool):
+            bad("enable_lora", "must be a boolean")
+        if self.lora_modules is not None:
+            if isinstance(self.lora_modules, str) or not isinstance(
+                self.lora_modules, list | tuple
+            ):
+                bad("lora_modules", "must be a list of name=path entries")
+            parse_lora_modules(self.lora_modules)
+            if self.lora_modules and not self.enable_lora:
+                bad("lora_modules", "needs enable_lora (--enable-lora)")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            bad("enable_lora", "is not supported with tensor_parallel_size > 1 yet")
         if not isinstance(self.gpu_memory_utilization, int | float) or not (
             0.0 < self.gpu_memory_utilization <= 1.0
         ):
@@ -129,6 +152,9 @@ class EngineArgs:
             bad("long_prefill_token_threshold", "must be an integer >= 0 (0: no cap)")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if self.speculative_config is not None:
+            # Parsed here so that a bad config is refused before any model is loaded.
+            self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
         if (
             self.max_model_len is not None
             and self.max_num_batched_tokens is not None
@@ -236,6 +262,35 @@ class EngineArgs:
             default=None,
             help="model name reported by the API (default: the model's)",
         )
+        group.add_argument(
+            "--enable-lora",
+            action="store_true",
+            default=False,
+            help="serve LoRA adapters (--lora-modules, /v1/load_lora_adapter)",
+        )
+        group.add_argument(
+            "--max-loras",
+            type=int,
+            default=1,
+            help="LoRA adapters resident at once, and distinct adapters in one batch",
+        )
+        group.add_argument(
+            "--max-lora-rank", type=int, default=16, help="largest LoRA adapter rank accepted"
+        )
+        group.add_argument(
+            "--lora-modules",
+            nargs="+",
+            default=None,
+            metavar="NAME=PATH",
+            help='LoRA adapters to load at start: name=path (a PEFT folder or Hub id) or JSON {"name": ..., "path": ...}',
+        )
+        group.add_argument(
+            "--speculative-config",
+            default=None,
+            help="speculative decoding, as JSON (vLLM's shape): "
+            '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
+            '\'{"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4}\'',
+        )
         return parser
 
     @classmethod
@@ -253,6 +308,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     enable_chunked_prefill: bool
     long_prefill_token_threshold: int
+    # Distinct LoRA adapters among running requests; 0: LoRA is off.
+    max_loras: int = 0
 
 
 @dataclass(frozen=True)

@@ -13,14 +13,23 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def first_block_extra_keys(request: Request) -> tuple:
+    """What besides the tokens decides the first block's K/V: the ``cache_salt`` and the LoRA
+    adapter (name and weight digest); later blocks inherit them through the hash chain."""
+    keys: tuple = () if request.cache_salt is None else (request.cache_salt,)
+    if request.lora_request is not None:
+        keys += (("lora", request.lora_request.lora_name, request.lora_digest),)
+    return keys
+
+
 class KVCacheManager:
     """Allocates blocks to requests and finds their longest cached prefix.
 
     A request's block table covers its first ``num_computed_tokens + num_new_tokens`` tokens.
     With prefix caching, every full block is identified by
     ``hash(parent hash, block tokens, extra keys)``; the first block's parent is ``root_hash``
-    (the model's identity and revision) and its extra keys hold the request's ``cache_salt``, so
-    the salt reaches every later block through the chain.
+    (the model's identity and revision) and its extra keys hold the request's ``cache_salt`` and
+    LoRA adapter, so they reach every later block through the chain.
 
     Args:
         num_blocks: blocks in the cache.
@@ -57,7 +66,7 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= len(tokens):
             i = len(hashes)
             parent = hashes[-1] if hashes else self.root_hash
-            extra = (request.cache_salt,) if i == 0 and request.cache_salt is not None else ()
+            extra = first_block_extra_keys(request) if i == 0 else ()
             hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
         return hashes
 
@@ -92,14 +101,17 @@ class KVCacheManager:
         num_new_tokens: int,
         new_computed_blocks: Sequence[KVCacheBlock] = (),
         num_new_computed_tokens: int = 0,
+        num_lookahead_tokens: int = 0,
     ) -> list[KVCacheBlock] | None:
         """Grow the request's block table to hold ``num_new_tokens`` more tokens.
 
         Args:
             request: the request; ``request.num_computed_tokens`` tokens are already held.
-            num_new_tokens: tokens to compute this step.
+            num_new_tokens: tokens to compute this step (draft tokens included).
             new_computed_blocks: prefix-cache hits (first scheduling only).
             num_new_computed_tokens: tokens those hits cover.
+            num_lookahead_tokens: further slots reserved past them (a draft model writes its
+                proposals' K/V there after the step).
 
         Returns:
             The fresh blocks, or None (nothing changed) when too few blocks are free.
@@ -107,7 +119,11 @@ class KVCacheManager:
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         self.num_cached_blocks.setdefault(request.request_id, 0)
         num_total = request.num_computed_tokens + num_new_computed_tokens + num_new_tokens
-        num_needed = cdiv(num_total, self.block_size) - len(blocks) - len(new_computed_blocks)
+        num_needed = (
+            cdiv(num_total + num_lookahead_tokens, self.block_size)
+            - len(blocks)
+            - len(new_computed_blocks)
+        )
         # Hits sitting in the free list are not available as fresh blocks once touched.
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         if num_needed > self.block_pool.get_num_free_blocks() - num_evictable_hits:
@@ -120,8 +136,9 @@ class KVCacheManager:
         blocks.extend(new_blocks)
         if self.enable_caching:
             # Index the blocks this step fills: their K/V are written in this step's forward
-            # pass, before any later request can read them.
-            num_full = num_total // self.block_size
+            # pass, before any later request can read them. Draft tokens are not the
+            # request's tokens (yet): blocks they fill are indexed once accepted.
+            num_full = min(num_total, request.num_tokens) // self.block_size
             hashes = self.update_block_hashes(request)
             self.block_pool.cache_full_blocks(
                 blocks, hashes, self.num_cached_blocks[request.request_id], num_full
@@ -136,6 +153,16 @@ class KVCacheManager:
         blocks = self.req_to_blocks.get(request.request_id, [])
         self.block_pool.free_blocks_of(reversed(blocks))
         self._forget(request.request_id)
+
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Shrink the block table to the blocks that the first ``num_tokens`` slots need
+        (rejected draft tokens roll back); the freed blocks were never indexed, as they hold
+        no full block of the request's tokens."""
+        blocks = self.req_to_blocks.get(request.request_id, [])
+        num_kept = cdiv(num_tokens, self.block_size)
+        if len(blocks) > num_kept:
+            self.block_pool.free_blocks_of(reversed(blocks[num_kept:]))
+            del blocks[num_kept:]
 
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table (physical block ids)."""

@@ -9,6 +9,7 @@ from tqdm.auto import tqdm
 
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine, PromptType
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -45,6 +46,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, all batched together.
 
@@ -54,13 +56,16 @@ class LLM:
             sampling_params: one for all prompts, or one per prompt (default
                 ``SamplingParams()``).
             use_tqdm: show a progress bar over finished requests.
+            lora_request: the LoRA adapter for all prompts, or one per prompt (None entries:
+                the base model); needs ``enable_lora``.
 
         Returns:
             Finished ``RequestOutput``s in the order of ``prompts``.
 
         Raises:
-            ValueError: when the numbers of prompts and sampling params differ, or a prompt is
-                refused (empty, too long, ...); no request of this call is left queued then.
+            ValueError: when the numbers of prompts and sampling params (or LoRA requests)
+                differ, or a prompt or adapter is refused (empty, too long, adapter not
+                loadable...); no request of this call is left queued then.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]
@@ -75,13 +80,19 @@ class LLM:
                 raise ValueError(
                     f"got {len(prompts)} prompts but {len(params_list)} sampling params"
                 )
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_list = [lora_request] * len(prompts)
+        else:
+            lora_list = list(lora_request)
+            if len(lora_list) != len(prompts):
+                raise ValueError(f"got {len(prompts)} prompts but {len(lora_list)} lora requests")
         engine = self.llm_engine
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list, strict=True):
+            for prompt, params, lora in zip(prompts, params_list, lora_list, strict=True):
                 request_id = str(self._counter)
                 self._counter += 1
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, lora_request=lora)
                 request_ids.append(request_id)
         except ValueError:
             engine.abort_request(request_ids)

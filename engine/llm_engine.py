@@ -24,14 +24,15 @@ from kvpilot.engine.config import (
     SchedulerConfig,
 )
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.executor import WorkerConfig, create_executor
 from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.model_runner import ModelRunner
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.lora.request import LoRARequest, parse_lora_modules
+from kvpilot.engine.model_spec import ModelSpec, check_tensor_parallel_size
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.engine.request import Request, RequestStatus
-from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.spec_decode import proposers
 from kvpilot.engine.stats import EngineStats
 
 logger = logging.getLogger("kvpilot.engine")
@@ -112,7 +113,6 @@ class LLMEngine:
         from kvpilot.engine.model_loader import (
             DEFAULT_MODEL_NAME,
             get_eos_token_ids,
-            load_model,
             load_tokenizer,
             resolve_dtype,
             resolve_model,
@@ -126,15 +126,20 @@ class LLMEngine:
             self.model_dir = resolve_model(args.model, args.revision)
             config_dict = json.loads((self.model_dir / "config.json").read_text())
             self.model_spec = ModelSpec.from_hf_config(config_dict)
-            if args.tensor_parallel_size != 1:
-                raise ValueError(
-                    f"tensor_parallel_size {args.tensor_parallel_size} is not supported by "
-                    "this engine build; use 1"
-                )
+            # The planner's divisor rule, checked before anything is loaded.
+            check_tensor_parallel_size(self.model_spec, args.tensor_parallel_size)
             progress.update()
             progress.set_postfix_str("tokenizer")
             self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
             self.eos_token_ids = frozenset(get_eos_token_ids(self.model_dir))
+            self.speculative_config = args.speculative_config
+            self.draft_dir = (
+                proposers.resolve_draft_model(
+                    self.speculative_config, self.model_dir, args.tensor_parallel_size
+                )
+                if self.speculative_config is not None
+                else None
+            )
             progress.update()
             progress.set_postfix_str("weights")
             self.device = _resolve_device(args.device)
@@ -146,13 +151,38 @@ class LLMEngine:
             backend = args.attention_backend or (
                 "triton" if self.device.type == "cuda" else "torch"
             )
-            model = load_model(self.model_dir, self.dtype, self.device, attention_backend=backend)
+            # One rank in this process, or one worker process per tensor-parallel rank.
+            self.executor = create_executor(
+                WorkerConfig(
+                    model_dir=self.model_dir,
+                    dtype=self.dtype,
+                    device=self.device,
+                    attention_backend=backend,
+                    block_size=args.block_size,
+                    seed=args.seed,
+                    eos_token_ids=self.eos_token_ids,
+                    tensor_parallel_size=args.tensor_parallel_size,
+                )
+            )
             progress.update()
             progress.set_postfix_str("KV cache")
-            self.cache_config = self._cache_config(model)
-            self.sampler = Sampler(args.seed, self.device, set(self.eos_token_ids))
-            self.model_runner = ModelRunner(
-                model, self.cache_config.num_blocks, args.block_size, self.device, self.sampler
+            self.cache_config = self._cache_config()
+            self.executor.initialize_cache(self.cache_config.num_blocks)
+            # In-process runner (None under tensor parallelism: each rank's is in its process).
+            self.model_runner = getattr(self.executor, "model_runner", None)
+            self.lora_manager = self._lora_manager()
+            self.proposer = (
+                proposers.build_proposer(
+                    self.speculative_config,
+                    self.draft_dir,
+                    self.dtype,
+                    self.device,
+                    backend,
+                    self.cache_config.num_blocks,
+                    args.block_size,
+                )
+                if self.speculative_config is not None
+                else None
             )
             progress.update()
         self.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
@@ -162,7 +192,11 @@ class LLMEngine:
             args.enable_prefix_caching,
             root_hash=_model_identity_hash(self.model_dir, args.revision, self.dtype),
         )
-        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager)
+        self.scheduler = Scheduler(
+            self.scheduler_config,
+            self.kv_cache_manager,
+            num_lookahead_tokens=proposers.num_lookahead_tokens(self.speculative_config),
+        )
         self._parents: dict[str, _ParentRequest] = {}
         self._sequences: dict[str, _Sequence] = {}
         self.prompt_tokens_total = 0
@@ -191,6 +225,23 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs, show_progress: bool = False) -> LLMEngine:
         """Build an engine (loads the model and allocates the KV cache)."""
         return cls(args, show_progress=show_progress)
+
+    def _lora_manager(self):
+        """The model's LoRA slots with the ``lora_modules`` registered, or None without LoRA.
+
+        LoRA runs on one rank, in this process (``EngineArgs`` refuses it with tensor
+        parallelism): the in-process model runner's model gets wrapped.
+        """
+        if not self.args.enable_lora:
+            return None
+        from kvpilot.engine.lora.manager import LoRAManager
+
+        runner = self.model_runner
+        manager = LoRAManager(runner.model, self.args.max_loras, self.args.max_lora_rank)
+        for lora_id, module in enumerate(parse_lora_modules(self.args.lora_modules), start=1):
+            manager.add_adapter(LoRARequest(module.name, lora_id, module.path))
+        runner.lora_manager = manager
+        return manager
 
     def _scheduler_config(self) -> SchedulerConfig:
         args = self.args
@@ -223,19 +274,22 @@ class LLMEngine:
             max_num_batched_tokens=max_num_batched_tokens,
             enable_chunked_prefill=args.enable_chunked_prefill,
             long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_loras=args.max_loras if args.enable_lora else 0,
         )
 
-    def _cache_config(self, model: torch.nn.Module) -> CacheConfig:
+    def _cache_config(self) -> CacheConfig:
         args = self.args
         sched = self.scheduler_config
-        bytes_per_token = self.model_spec.kv_bytes_per_token(self.dtype.itemsize)
+        # Per rank: each holds only its KV heads (all of them on a single rank); a draft
+        # model's cache shares the blocks (tensor parallelism is refused with one).
+        bytes_per_token = self.model_spec.kv_bytes_per_token(
+            self.dtype.itemsize, args.tensor_parallel_size
+        ) + proposers.draft_kv_bytes_per_token(self.draft_dir, self.dtype.itemsize)
         block_bytes = bytes_per_token * args.block_size
         if self.device.type == "cuda":
-            runner = ModelRunner(
-                model, 1, args.block_size, self.device, Sampler(0, self.device, set())
+            peak = self.executor.profile_peak_memory(
+                sched.max_num_batched_tokens, sched.max_model_len
             )
-            peak = runner.profile_peak_memory(sched.max_num_batched_tokens, sched.max_model_len)
-            del runner
             total = torch.cuda.mem_get_info(self.device)[1]
             budget = int(total * args.gpu_memory_utilization) - peak
             source = f"gpu_memory_utilization {args.gpu_memory_utilization} of {total} bytes minus a {peak}-byte profiled peak"
@@ -268,6 +322,7 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         cache_salt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         """Queue a request; it joins the batch at the next ``step()``.
 
@@ -278,11 +333,14 @@ class LLMEngine:
                 into ``n`` sequences, sequence ``i`` seeded with ``seed + i``.
             arrival_time: ``time.time()`` of arrival (default now).
             cache_salt: requests with different salts never share prefix-cache blocks.
+            lora_request: the LoRA adapter to apply (registered now if its name is new), or
+                None for the base model. Needs ``enable_lora``.
 
         Raises:
             ValueError: naming the problem: a duplicate id, an empty prompt, a prompt longer than
                 ``max_model_len`` or than the whole KV cache, token ids outside the vocabulary,
-                unsupported parameters. Nothing else is touched.
+                unsupported parameters, an adapter without ``enable_lora`` or that cannot be
+                loaded (``LoRAAdapterError``). Nothing else is touched.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -299,6 +357,7 @@ class LLMEngine:
         taken = [i for i in [request_id, *ids] if i in self._parents or i in self._sequences]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
+        lora_digest = self._lora_digest(lora_request)
         arrival_time = time.time() if arrival_time is None else arrival_time
         parent = _ParentRequest(request_id, text, token_ids)
         for index, seq_id in enumerate(ids):
@@ -310,6 +369,8 @@ class LLMEngine:
                 max_tokens=max_tokens,
                 arrival_time=arrival_time,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
+                lora_digest=lora_digest,
                 seed=None if params.seed is None else params.seed + index,
             )
             seq = _Sequence(
@@ -325,6 +386,49 @@ class LLMEngine:
         for seq in parent.sequences:
             self._sequences[seq.request.request_id] = seq
             self.scheduler.add_request(seq.request)
+
+    def _lora_digest(self, lora_request: LoRARequest | None) -> str | None:
+        """Register the request's adapter (if new) and return its weight digest."""
+        if lora_request is None:
+            return None
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(
+                f"lora_request must be a LoRARequest, got {type(lora_request).__name__}"
+            )
+        return self._require_lora().add_adapter(lora_request).digest
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Register a LoRA adapter (read and checked now); True once it is registered.
+
+        Raises:
+            ValueError: LoRA is not enabled, or the adapter cannot be loaded
+                (``LoRAAdapterError``: unreadable folder, unsupported PEFT feature, rank above
+                ``max_lora_rank``, another base model, a name registered with another path).
+        """
+        self._require_lora().add_adapter(lora_request)
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unregister an adapter and free its slot; False when it was not registered.
+
+        Raises:
+            ValueError: LoRA is not enabled, or unfinished requests use the adapter
+                (``LoRAInUseError``).
+        """
+        in_use = {s.request.lora_name for s in self._sequences.values()}
+        return self._require_lora().remove_adapter(lora_name, in_use)
+
+    def list_loras(self) -> list[LoRARequest]:
+        """The registered adapters, in registration order (empty without LoRA)."""
+        return [] if self.lora_manager is None else list(self.lora_manager.requests.values())
+
+    def _require_lora(self):
+        if self.lora_manager is None:
+            raise ValueError(
+                "LoRA adapters are not enabled on this engine; start it with enable_lora=True "
+                "(--enable-lora)"
+            )
+        return self.lora_manager
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -412,24 +516,37 @@ class LLMEngine:
         """
         scheduler_output = self.scheduler.schedule()
         if scheduler_output.is_empty:
-            self.sampler.remove_requests(scheduler_output.finished_request_ids)
+            if scheduler_output.finished_request_ids:
+                # Lets the workers forget the finished requests' sampler state.
+                self.executor.execute_model(scheduler_output)
             return []
-        runner_output = self.model_runner.execute_model(scheduler_output)
+        runner_output = self.executor.execute_model(scheduler_output)
+        num_outputs_before = {
+            s.request.request_id: s.request.num_output_tokens for s in scheduler_output.scheduled
+        }
         updated = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids
         )
         touched: dict[str, _ParentRequest] = {}
         for request in updated:
             seq = self._sequences[request.request_id]
-            token_id = request.output_token_ids[-1]
-            self.generation_tokens_total += 1
-            if request.num_output_tokens == 1:
+            start = num_outputs_before[request.request_id]
+            if start == 0:
                 self.prompt_tokens_total += request.num_prompt_tokens
-            logprobs = runner_output.logprobs.get(request.request_id)
-            if logprobs is not None and seq.logprobs is not None:
-                self._append_logprobs(seq, logprobs)
-            self._detokenize(request, seq, token_id)
+            logprobs = runner_output.logprobs.get(request.request_id, [])
+            # Several tokens with speculative decoding: a stop string inside an accepted run
+            # ends the output there.
+            new_token_ids = request.output_token_ids[start:]
+            for i, token_id in enumerate(new_token_ids):
+                self.generation_tokens_total += 1
+                if i < len(logprobs) and seq.logprobs is not None:
+                    self._append_logprobs(seq, logprobs[i])
+                if self._detokenize(request, seq, token_id, last=i == len(new_token_ids) - 1):
+                    request.truncate_output(start + i + 1)
+                    break
             touched[seq.parent_id] = self._parents[seq.parent_id]
+        if self.proposer is not None:
+            self.proposer.propose(scheduler_output, [r for r in updated if not r.is_finished])
         outputs = []
         for parent_id, parent in touched.items():
             outputs.append(parent.to_output())
@@ -439,20 +556,24 @@ class LLMEngine:
                     self._sequences.pop(seq.request.request_id, None)
         return outputs
 
-    def _detokenize(self, request: Request, seq: _Sequence, token_id: int) -> None:
-        """Feed the new token to the detokenizer; a matched stop string finishes the request.
+    def _detokenize(
+        self, request: Request, seq: _Sequence, token_id: int, last: bool = True
+    ) -> bool:
+        """Feed a new token to the detokenizer; a matched stop string finishes the request
+        (and is reported: True).
 
         As in vLLM, a token that stopped the request (EOS, a stop token id) is kept in
         ``token_ids`` but not in the text unless ``include_stop_str_in_output``; a stop string
-        wins over a length limit reached by the same token.
+        wins over a length limit reached by the same token. ``last``: whether the token is the
+        last of this step's (only that one can have stopped the request).
         """
         params = request.sampling_params
-        stopped_by_token = request.status == RequestStatus.FINISHED_STOPPED
+        stopped_by_token = last and request.status == RequestStatus.FINISHED_STOPPED
         if stopped_by_token and not params.include_stop_str_in_output:
-            return
+            return False
         stop_string = seq.detokenizer.update([token_id])
         if stop_string is None:
-            return
+            return False
         if request.is_finished:
             request.status = RequestStatus.FINISHED_STOPPED
             request.stop_reason = stop_string
@@ -460,6 +581,7 @@ class LLMEngine:
             self.scheduler.finish_requests(
                 request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop_string
             )
+        return True
 
     def _append_logprobs(
         self, seq: _Sequence, logprobs: tuple[float, dict[int, tuple[float, int]]]
@@ -490,11 +612,31 @@ class LLMEngine:
             prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            running_lora_adapters=_lora_names(self.scheduler.running),
+            waiting_lora_adapters=_lora_names(self.scheduler.waiting),
+            max_lora=self.scheduler_config.max_loras,
+            spec_decode=self.scheduler.spec_decoding_stats.snapshot() if self.proposer else None,
         )
+
+    def check_health(self) -> None:
+        """Return when the engine can run steps (every tensor-parallel worker alive).
+
+        Raises:
+            EngineDeadError: a worker died or failed; the message names the rank and cause.
+        """
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes (nothing to do on one rank); idempotent."""
+        self.executor.shutdown()
 
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer."""
         return self.tokenizer
+
+
+def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -6,11 +6,15 @@ latest ``EngineStats`` at scrape time; per-request latencies are histograms obse
 ``RequestOutput``s of each step. kvpilot adds the KV geometry the operator sizes replicas by:
 ``kvpilot:kv_cache_total_blocks``, ``kvpilot:kv_cache_free_blocks``,
 ``kvpilot:kv_cache_capacity_tokens`` and ``kvpilot:max_concurrency`` (sequences of
-``max_model_len`` tokens that fit in the cache at once).
+``max_model_len`` tokens that fit in the cache at once). With LoRA on, ``vllm:lora_requests_info``
+names the adapters of running and waiting requests in its labels.
+With speculative decoding on, the ``vllm:spec_decode_*`` counters follow the engine's
+``SpecDecodingStats``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -88,6 +92,8 @@ class _EngineStatsCollector(Collector):
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             yield family
+        if stats.max_lora:
+            yield self._lora_info(stats)
         counters = (
             ("vllm:prompt_tokens", "Prefill tokens processed.", stats.prompt_tokens_total),
             (
@@ -107,10 +113,57 @@ class _EngineStatsCollector(Collector):
                 stats.prefix_cache_hits_total,
             ),
         )
+        spec = stats.spec_decode
+        if spec is not None:
+            counters += (
+                (
+                    "vllm:spec_decode_num_drafts",
+                    "Verification steps of requests with draft tokens.",
+                    spec.num_drafts,
+                ),
+                (
+                    "vllm:spec_decode_num_draft_tokens",
+                    "Draft tokens proposed.",
+                    spec.num_draft_tokens,
+                ),
+                (
+                    "vllm:spec_decode_num_accepted_tokens",
+                    "Draft tokens accepted.",
+                    spec.num_accepted_tokens,
+                ),
+            )
         for name, doc, value in counters:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([self.model_name], float(value))
             yield family
+        if spec is not None:
+            family = CounterMetricFamily(
+                "vllm:spec_decode_num_accepted_tokens_per_pos",
+                "Draft tokens accepted at each draft position (0: first draft of a step).",
+                labels=["model_name", "position"],
+            )
+            for position, value in enumerate(spec.num_accepted_tokens_per_pos):
+                family.add_metric([self.model_name, str(position)], float(value))
+            yield family
+
+    def _lora_info(self, stats: EngineStats) -> Metric:
+        # vLLM's info gauge: the labels name the adapters (comma-separated), the value is the
+        # time they were observed (seconds since the epoch).
+        family = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "Running stats on LoRA requests.",
+            labels=["model_name", "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        family.add_metric(
+            [
+                self.model_name,
+                str(stats.max_lora),
+                ",".join(stats.running_lora_adapters),
+                ",".join(stats.waiting_lora_adapters),
+            ],
+            time.time(),
+        )
+        return family
 
 
 class PrometheusStatLogger:

@@ -8,12 +8,17 @@ sequence's context through its block table (PagedAttention).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler_output import SchedulerOutput
+from kvpilot.engine.spec_decode.rejection_sampler import RejectionSampler
+
+if TYPE_CHECKING:
+    from kvpilot.engine.lora.manager import LoRAManager
 
 
 @dataclass
@@ -21,13 +26,14 @@ class ModelRunnerOutput:
     """What one step produced.
 
     Attributes:
-        sampled_token_ids: request id -> sampled token, for requests whose ``sample`` was set.
-        logprobs: request id -> ``(sampled_logprob, {token_id: (logprob, rank)})`` for requests
-            that asked for logprobs.
+        sampled_token_ids: request id -> the tokens emitted, for requests whose ``sample`` was
+            set: one token, or with draft tokens the accepted drafts then one target token.
+        logprobs: request id -> one ``(sampled_logprob, {token_id: (logprob, rank)})`` per
+            emitted token, for requests that asked for logprobs.
     """
 
-    sampled_token_ids: dict[str, int]
-    logprobs: dict[str, tuple[float, dict[int, tuple[float, int]]]]
+    sampled_token_ids: dict[str, list[int]]
+    logprobs: dict[str, list[tuple[float, dict[int, tuple[float, int]]]]]
 
 
 class ModelRunner:
@@ -41,6 +47,10 @@ class ModelRunner:
         block_size: tokens per block.
         device: where the model and cache live.
         sampler: draws the tokens.
+
+    Attributes:
+        lora_manager: the model's LoRA slots, set by the engine when LoRA is enabled (the
+            model's projections are then wrapped); each step maps its tokens to their adapters.
     """
 
     def __init__(
@@ -52,9 +62,11 @@ class ModelRunner:
         sampler: Sampler,
     ) -> None:
         self.model = model
+        self.lora_manager: LoRAManager | None = None
         self.block_size = block_size
         self.device = device
         self.sampler = sampler
+        self.rejection_sampler = RejectionSampler(sampler)
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device)
 
     @torch.inference_mode()
@@ -62,67 +74,64 @@ class ModelRunner:
         """Compute the scheduled tokens' K/V and hidden states, then sample where a token is due.
 
         A partial prefill chunk (``sample`` False) only fills the cache; its logits are never
-        computed.
+        computed. Requests with draft tokens get logits at every draft position and after the
+        last one, and the rejection sampler decides how many drafts they keep.
         """
         self.sampler.remove_requests(scheduler_output.finished_request_ids)
         scheduled = scheduler_output.scheduled
         input_ids, positions, attn_metadata = self.prepare_inputs(scheduler_output)
+        if self.lora_manager is not None:
+            self.lora_manager.set_batch(
+                [s.request.lora_name for s in scheduled], [s.num_new_tokens for s in scheduled]
+            )
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
         rows = [i for i, s in enumerate(scheduled) if s.sample]
         if not rows:
             return ModelRunnerOutput({}, {})
         last_token = attn_metadata.query_start_loc[1:].long() - 1
-        logits = self.model.compute_logits(hidden[last_token[rows]]).float()
         requests = [scheduled[i].request for i in rows]
-        out = self.sampler(logits, requests)
         ids = [r.request_id for r in requests]
+        spec_token_ids = [scheduled[i].spec_token_ids for i in rows]
+        if not any(spec_token_ids):
+            logits = self.model.compute_logits(hidden[last_token[rows]]).float()
+            out = self.sampler(logits, requests)
+            token_ids = [[t] for t in out.token_ids]
+            logprobs = [None if lp is None else [lp] for lp in out.logprobs]
+        else:
+            # A request with k drafts is scored at its last k + 1 tokens.
+            scored = torch.cat(
+                [
+                    torch.arange(int(last_token[i]) - len(d), int(last_token[i]) + 1)
+                    for i, d in zip(rows, spec_token_ids, strict=True)
+                ]
+            ).to(hidden.device)
+            logits = self.model.compute_logits(hidden[scored]).float()
+            spec_out = self.rejection_sampler(logits, requests, spec_token_ids)
+            token_ids, logprobs = spec_out.token_ids, spec_out.logprobs
         return ModelRunnerOutput(
-            sampled_token_ids=dict(zip(ids, out.token_ids, strict=True)),
-            logprobs={rid: lp for rid, lp in zip(ids, out.logprobs, strict=True) if lp is not None},
+            sampled_token_ids=dict(zip(ids, token_ids, strict=True)),
+            logprobs={rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None},
         )
 
     def prepare_inputs(
         self, scheduler_output: SchedulerOutput
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flatten a step into ``input_ids`` ``[num_tokens]`` int64, ``positions``
-        ``[num_tokens]`` int64 and the attention metadata (slot mapping, block tables, ...)."""
+        ``[num_tokens]`` int64 and the attention metadata (slot mapping, block tables, ...);
+        a request's draft tokens follow its real ones."""
         scheduled = scheduler_output.scheduled
-        input_ids: list[int] = []
-        query_lens, seq_lens = [], []
+        token_ids = []
         for s in scheduled:
-            start, end = s.num_computed_tokens, s.num_computed_tokens + s.num_new_tokens
-            input_ids.extend(s.request.all_token_ids[start:end])
-            query_lens.append(s.num_new_tokens)
-            seq_lens.append(end)
-        width = max(len(s.block_ids) for s in scheduled)
-        block_tables = torch.tensor(
-            [s.block_ids + [0] * (width - len(s.block_ids)) for s in scheduled], dtype=torch.int32
-        )
-        query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
-        seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
-        query_start_loc = torch.zeros(len(scheduled) + 1, dtype=torch.int32)
-        torch.cumsum(query_lens_t, dim=0, out=query_start_loc[1:])
-        seq_index = torch.repeat_interleave(torch.arange(len(scheduled)), query_lens_t)
-        # Position of each new token: its sequence's start plus its offset within the chunk.
-        first_position = (seq_lens_t.long() - query_lens_t)[seq_index]
-        positions = first_position + (
-            torch.arange(len(input_ids)) - query_start_loc[:-1].long()[seq_index]
-        )
-        blocks = block_tables[seq_index, positions // self.block_size].long()
-        slot_mapping = blocks * self.block_size + positions % self.block_size
-        device = self.device
-        metadata = AttentionMetadata(
-            slot_mapping=slot_mapping.to(device, non_blocking=True),
-            query_start_loc=query_start_loc.to(device, non_blocking=True),
-            seq_lens=seq_lens_t.to(device, non_blocking=True),
-            block_tables=block_tables.to(device, non_blocking=True),
-            max_query_len=max(query_lens),
-            max_seq_len=max(seq_lens),
-        )
-        return (
-            torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
-            positions.to(device, non_blocking=True),
-            metadata,
+            end = s.num_computed_tokens + s.num_new_tokens - len(s.spec_token_ids)
+            token_ids.append(
+                s.request.all_token_ids[s.num_computed_tokens : end] + s.spec_token_ids
+            )
+        return build_model_inputs(
+            token_ids,
+            [s.num_computed_tokens for s in scheduled],
+            [s.block_ids for s in scheduled],
+            self.block_size,
+            self.device,
         )
 
     @torch.inference_mode()
@@ -161,6 +170,59 @@ class ModelRunner:
         self.model.compute_logits(hidden[query_start_loc[1:].long().to(self.device) - 1])
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
+
+
+def build_model_inputs(
+    token_ids: list[list[int]],
+    num_computed_tokens: list[int],
+    block_ids: list[list[int]],
+    block_size: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Flatten sequences' new tokens into one batch (vLLM V1's layout).
+
+    Args:
+        token_ids: per sequence, its new tokens (at least one).
+        num_computed_tokens: per sequence, the tokens already in the KV cache; the new ones
+            sit at the positions after them.
+        block_ids: per sequence, its block table (covering every new token's slot).
+        block_size: tokens per block.
+        device: where the tensors go.
+
+    Returns:
+        ``input_ids`` ``[num_tokens]`` int64, ``positions`` ``[num_tokens]`` int64 and the
+        attention metadata (slot mapping, block tables, ...).
+    """
+    input_ids = [t for tokens in token_ids for t in tokens]
+    query_lens = [len(tokens) for tokens in token_ids]
+    seq_lens = [c + n for c, n in zip(num_computed_tokens, query_lens, strict=True)]
+    width = max(len(b) for b in block_ids)
+    block_tables = torch.tensor([b + [0] * (width - len(b)) for b in block_ids], dtype=torch.int32)
+    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)
+    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)
+    query_start_loc = torch.zeros(len(token_ids) + 1, dtype=torch.int32)
+    torch.cumsum(query_lens_t, dim=0, out=query_start_loc[1:])
+    seq_index = torch.repeat_interleave(torch.arange(len(token_ids)), query_lens_t)
+    # Position of each new token: its sequence's start plus its offset within the chunk.
+    first_position = (seq_lens_t.long() - query_lens_t)[seq_index]
+    positions = first_position + (
+        torch.arange(len(input_ids)) - query_start_loc[:-1].long()[seq_index]
+    )
+    blocks = block_tables[seq_index, positions // block_size].long()
+    slot_mapping = blocks * block_size + positions % block_size
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping.to(device, non_blocking=True),
+        query_start_loc=query_start_loc.to(device, non_blocking=True),
+        seq_lens=seq_lens_t.to(device, non_blocking=True),
+        block_tables=block_tables.to(device, non_blocking=True),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+    )
+    return (
+        torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),
+        positions.to(device, non_blocking=True),
+        metadata,
+    )
 
 
 def allocate_kv_caches(

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestMetrics
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -53,10 +54,15 @@ class Request:
         eos_token_ids: token ids that end generation unless ``ignore_eos``.
         max_tokens: output limit after clamping to the model length and KV capacity (tokens).
         cache_salt: isolates prefix-cache entries (tenants); part of the first block's hash.
+        lora_request: the LoRA adapter applied to this sequence, or None (base model).
+        lora_digest: the adapter's weight digest; with its name, part of the first block's
+            hash, so different adapters (or new weights under one name) never share blocks.
         seed: the sampler seed of this sequence (``sampling_params.seed + index`` for fan-out).
         block_hashes: hashes of the full blocks of ``all_token_ids`` (prefix caching).
         num_cached_tokens: prompt tokens served from the prefix cache at first scheduling
             (-1 until then).
+        spec_token_ids: draft tokens proposed for the next step (speculative decoding); they
+            are not part of ``all_token_ids`` until the target model accepts them.
     """
 
     request_id: str
@@ -66,6 +72,8 @@ class Request:
     max_tokens: int
     arrival_time: float = field(default_factory=time.time)
     cache_salt: str | None = None
+    lora_request: LoRARequest | None = None
+    lora_digest: str | None = None
     seed: int | None = None
     status: RequestStatus = RequestStatus.WAITING
     stop_reason: int | str | None = None
@@ -75,6 +83,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     all_token_ids: list[int] = field(init=False)
     block_hashes: list[bytes] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
     times: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -85,6 +94,11 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus output tokens."""
         return len(self.all_token_ids)
+
+    @property
+    def lora_name(self) -> str | None:
+        """The LoRA adapter's name, or None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_name
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -102,6 +116,12 @@ class Request:
         """Record one sampled token (its KV is computed next step)."""
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop the output tokens past the first ``num_output_tokens`` (a stop string matched
+        inside a run of accepted draft tokens)."""
+        del self.output_token_ids[num_output_tokens:]
+        del self.all_token_ids[self.num_prompt_tokens + num_output_tokens :]
 
     def check_stop(self) -> bool:
         """Finish the request if its last token ends it; return whether it did.

@@ -9,6 +9,7 @@ import torch
 
 from kvpilot.engine.logits_processors import apply_logits_processors, compute_logprobs
 from kvpilot.engine.request import Request
+from kvpilot.engine.sampling_params import SamplingParams
 
 
 @dataclass
@@ -88,38 +89,29 @@ class Sampler:
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """Draw from ``[n, vocab]`` logits after temperature and truncation; ``[n]`` int64."""
-        params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temperature.unsqueeze(1)
-        top_k = [p.top_k for p in params]
-        if any(top_k):
-            vocab = logits.shape[1]
-            k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=logits.device)
-            kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)
-        top_p = [p.top_p for p in params]
-        if any(p < 1.0 for p in top_p):
-            probs = _top_p(probs, torch.tensor(top_p, device=probs.device))
-        min_p = [p.min_p for p in params]
-        if any(min_p):
-            floor = torch.tensor(min_p, device=probs.device).unsqueeze(1)
-            probs = probs.masked_fill(probs < floor * probs.max(dim=-1, keepdim=True).values, 0.0)
-        noise = torch.empty_like(probs)
+        probs = compute_probs(logits, [r.sampling_params for r in requests])
+        return (probs / self.exponential_noise(requests, probs.shape[1])).argmax(dim=-1)
+
+    def exponential_noise(self, requests: list[Request], vocab_size: int) -> torch.Tensor:
+        """``[len(requests), vocab_size]`` float32 ``Exp(1)`` draws, each row from its
+        request's own generator when it has a seed, else from the shared one."""
+        noise = torch.empty(len(requests), vocab_size, device=self.device)
         shared_rows = []
         for row, request in enumerate(requests):
-            generator = self._generator_for(request)
+            generator = self.generator_for(request)
             if generator is None:
                 shared_rows.append(row)
             else:
                 noise[row].exponential_(generator=generator)
         if shared_rows:
             noise[shared_rows] = torch.empty(
-                len(shared_rows), probs.shape[1], device=probs.device
+                len(shared_rows), vocab_size, device=self.device
             ).exponential_(generator=self.generator)
-        return (probs / noise).argmax(dim=-1)
+        return noise
 
-    def _generator_for(self, request: Request) -> torch.Generator | None:
+    def generator_for(self, request: Request) -> torch.Generator | None:
+        """The request's own generator (created on first use from its seed), or None when
+        it has no seed and draws from the shared one."""
         if request.seed is None:
             return None
         generator = self.request_generators.get(request.request_id)
@@ -127,6 +119,37 @@ class Sampler:
             generator = torch.Generator(device=self.device).manual_seed(request.seed)
             self.request_generators[request.request_id] = generator
         return generator
+
+
+def compute_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row samples from: temperature, then top-k, top-p, min-p.
+
+    Args:
+        logits: ``[n, vocab_size]`` float32 logits (after the logits processors), rows with
+            ``temperature > 0``.
+        params: one ``SamplingParams`` per row.
+
+    Returns:
+        ``[n, vocab_size]`` float32 probabilities; truncated tokens are 0 and rows need not sum
+        to 1 after top-p / min-p (sampling by the exponential race does not need it).
+    """
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temperature.unsqueeze(1)
+    top_k = [p.top_k for p in params]
+    if any(top_k):
+        vocab = logits.shape[1]
+        k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=logits.device)
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        probs = _top_p(probs, torch.tensor(top_p, device=probs.device))
+    min_p = [p.min_p for p in params]
+    if any(min_p):
+        floor = torch.tensor(min_p, device=probs.device).unsqueeze(1)
+        probs = probs.masked_fill(probs < floor * probs.max(dim=-1, keepdim=True).values, 0.0)
+    return probs
 
 
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

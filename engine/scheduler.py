@@ -19,6 +19,7 @@ from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.request import Request, RequestStatus
 from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvpilot.engine.spec_decode.metrics import SpecDecodingStats
 
 
 class Scheduler:
@@ -27,11 +28,24 @@ class Scheduler:
     Args:
         config: token and sequence budgets.
         kv_cache_manager: allocates the requests' blocks.
+        num_lookahead_tokens: slots reserved past a sampling request's tokens for a draft
+            model's proposals (speculative decoding; 0 otherwise).
+
+    Speculative decoding: a request whose ``spec_token_ids`` hold drafts and whose real tokens
+    all fit this step also gets its drafts scheduled (they take budget and KV slots like any
+    token); ``update_from_output`` keeps the accepted ones and rolls the rest back.
     """
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager) -> None:
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.num_lookahead_tokens = num_lookahead_tokens
+        self.spec_decoding_stats = SpecDecodingStats()
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -69,20 +83,29 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = self._num_new_tokens(request, request.num_computed_tokens, budget)
-            while self.kv_cache_manager.allocate_slots(request, num_new) is None:
+            spec = self._schedulable_drafts(request, num_new, budget - num_new)
+            lookahead = self._lookahead(request, request.num_computed_tokens, num_new)
+            while (
+                self.kv_cache_manager.allocate_slots(
+                    request, num_new + len(spec), num_lookahead_tokens=lookahead
+                )
+                is None
+            ):
                 victim = self.running.pop()
                 self._preempt(victim)
                 out.preempted_request_ids.append(victim.request_id)
                 if victim is request:
                     break
             else:
-                self._add_scheduled(out, request, request.num_computed_tokens, num_new)
+                num_new += len(spec)
+                self._add_scheduled(out, request, request.num_computed_tokens, num_new, spec)
                 budget -= num_new
                 index += 1
                 continue
             break
 
         # Admitting new work right after a preemption would only preempt again.
+        skipped: deque[Request] = deque()
         while (
             self.waiting
             and budget > 0
@@ -90,12 +113,22 @@ class Scheduler:
             and not out.preempted_request_ids
         ):
             request = self.waiting[0]
+            if not self._lora_fits(request):
+                # Its adapter would exceed max_loras: later requests may still fit (vLLM).
+                skipped.append(self.waiting.popleft())
+                continue
             hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(request)
             remaining = request.num_tokens - num_hit_tokens
             if not cfg.enable_chunked_prefill and remaining > budget:
                 break
             num_new = self._num_new_tokens(request, num_hit_tokens, budget)
-            if self.kv_cache_manager.allocate_slots(request, num_new, hits, num_hit_tokens) is None:
+            lookahead = self._lookahead(request, num_hit_tokens, num_new)
+            if (
+                self.kv_cache_manager.allocate_slots(
+                    request, num_new, hits, num_hit_tokens, num_lookahead_tokens=lookahead
+                )
+                is None
+            ):
                 break
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
@@ -109,7 +142,15 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(out, request, num_hit_tokens, num_new)
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return out
+
+    def _lora_fits(self, request: Request) -> bool:
+        """Whether running ``request`` keeps the running adapters within ``max_loras``."""
+        if request.lora_name is None or not self.config.max_loras:
+            return True
+        active = {r.lora_name for r in self.running if r.lora_name is not None}
+        return request.lora_name in active or len(active) < self.config.max_loras
 
     def _num_new_tokens(self, request: Request, num_computed: int, budget: int) -> int:
         num_new = request.num_tokens - num_computed
@@ -117,16 +158,36 @@ class Scheduler:
             num_new = min(num_new, self.config.long_prefill_token_threshold)
         return min(num_new, budget)
 
+    def _schedulable_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts that follow its real tokens this step: none unless all its
+        real tokens are scheduled, at most ``budget``, and never more than the tokens it may
+        still emit after the one the target samples anyway."""
+        if request.num_computed_tokens + num_new < request.num_tokens:
+            return []
+        limit = min(budget, request.max_tokens - request.num_output_tokens - 1)
+        return request.spec_token_ids[: max(limit, 0)]
+
+    def _lookahead(self, request: Request, num_computed: int, num_new: int) -> int:
+        """Slots to reserve for a draft model's proposals: only when a token is due."""
+        return self.num_lookahead_tokens if num_computed + num_new >= request.num_tokens else 0
+
     def _add_scheduled(
-        self, out: SchedulerOutput, request: Request, num_computed: int, num_new: int
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        num_computed: int,
+        num_new: int,
+        spec_token_ids: list[int] | None = None,
     ) -> None:
+        spec_token_ids = spec_token_ids or []
         out.scheduled.append(
             ScheduledRequest(
                 request=request,
                 num_computed_tokens=num_computed,
                 num_new_tokens=num_new,
                 block_ids=self.kv_cache_manager.get_block_ids(request.request_id),
-                sample=num_computed + num_new == request.num_tokens,
+                sample=num_computed + num_new - len(spec_token_ids) == request.num_tokens,
+                spec_token_ids=list(spec_token_ids),
             )
         )
         out.num_scheduled_tokens += num_new
@@ -135,36 +196,57 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
         self.waiting.appendleft(request)
 
     def update_from_output(
-        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int]
+        self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]]
     ) -> list[Request]:
         """Advance the scheduled requests after the forward pass.
 
+        With draft tokens, the tokens of a request are its accepted drafts followed by one
+        token from the target; the rejected drafts' slots roll back (``num_computed_tokens``
+        and the block table shrink). Tokens after one that finishes the request (EOS, a stop
+        token id, ``max_tokens``) are dropped.
+
         Args:
             scheduler_output: the step that ran.
-            sampled_token_ids: request id -> the token sampled for it (requests with
-                ``sample`` set).
+            sampled_token_ids: request id -> the token (or tokens, with drafts) sampled for it
+                (requests with ``sample`` set).
 
         Returns:
-            The requests that got a token this step (finished ones included, blocks freed).
+            The requests that got tokens this step (finished ones included, blocks freed).
         """
         now = time.time()
         updated = []
         for sched in scheduler_output.scheduled:
             request = sched.request
-            request.num_computed_tokens += sched.num_new_tokens
             if not sched.sample:
+                request.num_computed_tokens += sched.num_new_tokens
                 continue
-            request.append_output_token(sampled_token_ids[request.request_id])
+            token_ids = sampled_token_ids[request.request_id]
+            token_ids = [token_ids] if isinstance(token_ids, int) else token_ids
+            num_drafts = len(sched.spec_token_ids)
+            num_rejected = num_drafts + 1 - len(token_ids)
+            request.num_computed_tokens += sched.num_new_tokens - num_rejected
+            request.spec_token_ids = []
+            if num_drafts:
+                self.spec_decoding_stats.observe(num_drafts, len(token_ids) - 1)
+            for token_id in token_ids:
+                request.append_output_token(token_id)
+                if request.check_stop():
+                    break
             if request.times.first_token_time is None:
                 request.times.first_token_time = now
             request.times.last_token_time = now
-            if request.check_stop():
+            if request.is_finished:
                 self._remove_finished(request, now)
+            elif num_rejected:
+                self.kv_cache_manager.free_tail(
+                    request, request.num_tokens + self.num_lookahead_tokens
+                )
             updated.append(request)
         return updated
 

@@ -20,6 +20,9 @@ class ScheduledRequest:
         block_ids: the request's block table after this step's allocation.
         sample: whether a token is due (the new tokens reach the end of the sequence); a partial
             prefill chunk samples nothing.
+        spec_token_ids: draft tokens scored after the sequence's real tokens (speculative
+            decoding); counted in ``num_new_tokens``, so the input tokens are
+            ``all_token_ids[num_computed_tokens:] + spec_token_ids``.
     """
 
     request: Request
@@ -27,6 +30,7 @@ class ScheduledRequest:
     num_new_tokens: int
     block_ids: list[int]
     sample: bool
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvpilot.engine.spec_decode.metrics import SpecDecodingStats
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -23,6 +25,11 @@ class EngineStats:
         prefix_cache_hits_total: tokens found there (counter).
         prompt_tokens_total: prompt tokens of requests that produced a first token (counter).
         generation_tokens_total: output tokens produced (counter).
+        running_lora_adapters, waiting_lora_adapters: names of the LoRA adapters of running
+            and of waiting sequences, sorted (``vllm:lora_requests_info`` labels).
+        max_lora: ``max_loras``; 0 when LoRA is off.
+        spec_decode: speculative decoding counters (``vllm:spec_decode_*``); None when
+            speculative decoding is off.
     """
 
     num_running_reqs: int
@@ -37,3 +44,7 @@ class EngineStats:
     prefix_cache_hits_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+    max_lora: int = 0
+    spec_decode: SpecDecodingStats | None = None

@@ -2,10 +2,9 @@
 
 The images install dependencies in a layer of their own, before the sources, so that a source
 change does not reinstall torch; pins stay in pyproject.toml alone, this only reads them.
-With --operator, the engine's serving stack and GPU kernels are left out: the operator sizes
-models from their configs and never serves one. (It still needs torch and transformers: it reads
-the built-in default model's config from the GGUF metadata with transformers, which imports
-torch; the operator image installs torch's CPU wheel for that.)
+With --operator, the engine's model runtime, serving stack and GPU kernels are left out: the
+operator sizes models from their configs and never serves one. It reads GGUF metadata (the
+built-in default model's config) with the ``gguf`` package, which needs numpy but not torch.
 
 Usage: python hack/requirements.py [--operator] [PYPROJECT] > requirements.txt
 """
@@ -18,7 +17,9 @@ import tomllib
 
 # Distributions only the engine imports (each is also its import name): the operator must start
 # and size the built-in model without them (tests/chart/test_images.py blocks these imports).
-ENGINE_ONLY = frozenset({"triton", "fastapi", "uvicorn"})
+ENGINE_ONLY = frozenset(
+    {"torch", "triton", "transformers", "tokenizers", "safetensors", "fastapi", "uvicorn"}
+)
 
 
 def requirements(pyproject: dict, *, operator: bool = False) -> list[str]:

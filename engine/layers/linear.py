@@ -1,116 +1,297 @@
-"""Linear projections whose weights are filled from Hugging Face checkpoints.
+"""Linear projections, sharded Megatron-style across tensor-parallel ranks.
 
 Following vLLM, projections that read the same input are stacked into one matrix (q/k/v into
 ``qkv_proj``, gate/up into ``gate_up_proj``): one matmul instead of several. Each parameter
-carries a ``weight_loader(param, loaded, shard_id)`` that copies one checkpoint tensor into its
-place, so the model's name mapping stays a table and tensor parallelism can later shard here.
+carries a ``weight_loader(param, loaded, shard_id)`` that copies this rank's piece of one
+checkpoint tensor into its place, so the model's name mapping stays a table.
+
+Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, section 3): a column-parallel
+layer splits its output features across ranks (each rank computes its slice, no
+communication); a row-parallel layer splits its input features, each rank computes a partial
+product and an all-reduce sums them. A column-parallel layer followed by a row-parallel one
+(q/k/v -> attention -> o, gate/up -> SiLU -> down) needs one all-reduce per pair. With one rank
+every layer is an ordinary matmul over the whole weight
+(:func:`kvpilot.engine.layers.cpu_gemm.linear`).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kvpilot.engine.distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from kvpilot.engine.layers.cpu_gemm import linear
+from kvpilot.engine.layers.weight_loading import CheckpointTensor, copy_weight, load_shard
 
-def copy_weight(target: torch.Tensor, loaded: torch.Tensor) -> None:
-    """Copy ``loaded`` into ``target`` (casting dtype/device), in place.
+__all__ = [
+    "ColumnParallelLinear",
+    "Linear",
+    "MergedColumnParallelLinear",
+    "QKVParallelLinear",
+    "RowParallelLinear",
+    "copy_weight",
+]
 
-    Raises:
-        ValueError: the shapes differ (the message gives both).
-    """
-    if target.shape != loaded.shape:
-        raise ValueError(
-            f"has shape {tuple(loaded.shape)}, the model expects {tuple(target.shape)}"
-        )
-    target.copy_(loaded)
+# Where one checkpoint tensor (or one stacked shard of it) goes: the parameter region to fill,
+# the shape the whole checkpoint tensor must have, the sharded dimension, and where this rank's
+# piece starts along it.
+Placement = tuple[torch.Tensor, tuple[int, ...], int, int]
 
 
 class Linear(nn.Module):
     """``y = x W^T + b`` with uninitialised parameters (they are always loaded).
 
+    The base class is replicated: every rank holds the whole weight. Subclasses hold a
+    partition and say where each checkpoint tensor's piece goes (:meth:`placement`).
+
     Args:
-        input_size, output_size: feature sizes.
+        input_size, output_size: feature sizes of the whole (unsharded) layer.
         bias: whether a bias vector is present.
+        input_size_per_partition, output_size_per_partition: this rank's parameter sizes
+            (default: the whole layer).
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        input_size_per_partition: int | None = None,
+        output_size_per_partition: int | None = None,
+    ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)
+        self.input_size_per_partition = input_size_per_partition or input_size
+        self.output_size_per_partition = output_size_per_partition or output_size
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.weight = nn.Parameter(
+            torch.empty(self.output_size_per_partition, self.input_size_per_partition),
+            requires_grad=False,
+        )
         self.weight.weight_loader = self.weight_loader
         self.bias: nn.Parameter | None = None
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.empty(self.output_size_per_partition), requires_grad=False
+            )
             self.bias.weight_loader = self.weight_loader
 
-    def shard_range(self, shard_id: str | int) -> tuple[int, int]:
-        """Output rows ``[start, end)`` of a stacked shard; the whole output when not stacked."""
-        return 0, self.output_size
+    def placement(self, param: nn.Parameter, shard_id: str | int | None) -> Placement:
+        """Where ``param``'s checkpoint tensor (or its stacked shard ``shard_id``) goes.
+
+        Raises:
+            ValueError: a ``shard_id`` for a layer that stacks nothing.
+        """
+        if shard_id is not None:
+            raise ValueError(f"is a stacked shard ({shard_id!r}) of a layer that stacks nothing")
+        return param.data, tuple(param.shape), 0, 0
 
     def weight_loader(
-        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | int | None = None
     ) -> None:
-        """Copy one checkpoint tensor (or one stacked shard of it) into ``param``.
+        """Copy this rank's piece of one checkpoint tensor (or one stacked shard of it).
 
         Raises:
             ValueError: the tensor's shape does not match its place.
         """
         with torch.no_grad():
-            if shard_id is None:
-                copy_weight(param.data, loaded)
-            else:
-                start, end = self.shard_range(shard_id)
-                copy_weight(param.data[start:end], loaded)
+            target, expected_shape, dim, start = self.placement(param, shard_id)
+            load_shard(target, loaded, expected_shape, dim, start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[..., input_size]`` -> ``[..., output_size]``."""
-        return F.linear(x, self.weight, self.bias)
+        """``x``: ``[..., input_size_per_partition]`` -> ``[..., output_size_per_partition]``."""
+        return linear(x, self.weight, self.bias)
 
 
-class MergedLinear(Linear):
-    """Several projections of the same input stacked along the output (e.g. gate and up).
+class ColumnParallelLinear(Linear):
+    """Output features split across ranks: rank ``r`` holds output rows
+    ``[r * output_size / tp, (r + 1) * output_size / tp)`` (and that slice of the bias).
+
+    Args:
+        input_size, output_size: feature sizes of the whole layer.
+        bias: whether a bias vector is present.
+
+    Raises:
+        ValueError: ``output_size`` not divisible by the tensor-parallel size.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        output_size_per_partition: int | None = None,
+    ) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        super().__init__(
+            input_size,
+            output_size,
+            bias,
+            output_size_per_partition=output_size_per_partition
+            or divide(output_size, tp_size, "output_size"),
+        )
+
+    def output_shard(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
+        """``(offset in this rank's rows, rows, checkpoint tensor rows, first checkpoint row)``
+        of one stacked shard (of the whole output when not stacked)."""
+        if shard_id is not None:
+            raise ValueError(f"is a stacked shard ({shard_id!r}) of a layer that stacks nothing")
+        rows = self.output_size_per_partition
+        return 0, rows, self.output_size, self.tp_rank * rows
+
+    def placement(self, param: nn.Parameter, shard_id: str | int | None) -> Placement:
+        offset, rows, full_rows, start = self.output_shard(shard_id)
+        return param.data.narrow(0, offset, rows), (full_rows, *param.shape[1:]), 0, start
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel projections of the same input stacked along the output (gate
+    and up): each rank holds its slice of every projection, ``[gate_r | up_r]``.
 
     Args:
         input_size: input features.
-        output_sizes: output features of each stacked projection, in order; shard ``i`` of the
-            checkpoint fills rows ``sum(output_sizes[:i]) : sum(output_sizes[:i+1])``.
+        output_sizes: output features of each stacked projection (whole layer), in order;
+            checkpoint shard ``i`` fills this rank's ``i``-th slice.
         bias: whether the projections have biases.
+
+    Raises:
+        ValueError: an output size not divisible by the tensor-parallel size.
     """
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
-        super().__init__(input_size, sum(output_sizes), bias)
-        self.output_sizes = output_sizes
+        tp_size = get_tensor_model_parallel_world_size()
+        self.output_sizes = list(output_sizes)
+        self.output_sizes_per_partition = [
+            divide(size, tp_size, "output_size") for size in output_sizes
+        ]
+        super().__init__(
+            input_size,
+            sum(output_sizes),
+            bias,
+            output_size_per_partition=sum(self.output_sizes_per_partition),
+        )
 
-    def shard_range(self, shard_id: str | int) -> tuple[int, int]:
-        start = sum(self.output_sizes[: int(shard_id)])
-        return start, start + self.output_sizes[int(shard_id)]
+    def output_shard(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
+        if shard_id is None:
+            raise ValueError("is a whole stacked layer; load its shards one by one")
+        index = int(shard_id)
+        rows = self.output_sizes_per_partition[index]
+        offset = sum(self.output_sizes_per_partition[:index])
+        return offset, rows, self.output_sizes[index], self.tp_rank * rows
 
 
-class QKVLinear(Linear):
-    """Query, key and value projections stacked along the output: ``[q | k | v]``.
+class QKVParallelLinear(ColumnParallelLinear):
+    """Query, key and value projections stacked along the output, split by heads:
+    each rank holds ``[q_r | k_r | v_r]`` for its query heads and the KV heads they read.
+
+    Query heads divide evenly across ranks. KV heads divide evenly when there are at least as
+    many as ranks; otherwise each rank holds one KV head, replicated on ``tp / num_kv_heads``
+    consecutive ranks (vLLM's rule; Megatron-LM's GQA layout), so a rank's query heads always
+    find their KV head locally.
 
     Args:
         hidden_size: input features.
         head_dim: features per head.
-        num_heads: query heads.
-        num_kv_heads: key/value heads (fewer than ``num_heads`` under grouped-query attention).
+        num_heads: query heads of the whole layer.
+        num_kv_heads: key/value heads of the whole layer (fewer under grouped-query attention).
         bias: whether q/k/v have biases (Qwen2).
+
+    Attributes:
+        num_heads, num_kv_heads: heads held by this rank.
+        q_size, kv_size: this rank's q and k (= v) output features.
+
+    Raises:
+        ValueError: heads that cannot be split (see
+            ``kvpilot.engine.model_spec.check_tensor_parallel_size``).
     """
 
     def __init__(
         self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
     ) -> None:
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        super().__init__(hidden_size, self.q_size + 2 * self.kv_size, bias)
+        tp_size = get_tensor_model_parallel_world_size()
+        self.head_dim = head_dim
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
+        if tp_size >= num_kv_heads:
+            if tp_size % num_kv_heads:
+                raise ValueError(
+                    f"num_key_value_heads {num_kv_heads} and tensor_parallel_size {tp_size}: "
+                    "neither divides the other"
+                )
+            self.num_kv_heads = 1
+            self.num_kv_head_replicas = tp_size // num_kv_heads
+        else:
+            self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
+            self.num_kv_head_replicas = 1
+        self.q_size = self.num_heads * head_dim
+        self.kv_size = self.num_kv_heads * head_dim
+        super().__init__(
+            hidden_size,
+            (num_heads + 2 * num_kv_heads) * head_dim,
+            bias,
+            output_size_per_partition=self.q_size + 2 * self.kv_size,
+        )
 
-    def shard_range(self, shard_id: str | int) -> tuple[int, int]:
-        starts = {"q": 0, "k": self.q_size, "v": self.q_size + self.kv_size}
-        sizes = {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}
-        return starts[str(shard_id)], starts[str(shard_id)] + sizes[str(shard_id)]
+    def output_shard(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
+        if shard_id == "q":
+            return 0, self.q_size, self.total_num_heads * self.head_dim, self.tp_rank * self.q_size
+        if shard_id not in ("k", "v"):
+            raise ValueError(f"has shard id {shard_id!r}; q/k/v expected")
+        first_kv_head = (self.tp_rank // self.num_kv_head_replicas) * self.num_kv_heads
+        offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+        full_rows = self.total_num_kv_heads * self.head_dim
+        return offset, self.kv_size, full_rows, first_kv_head * self.head_dim
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``[num_tokens, q_size + 2 * kv_size]`` -> q, k, v views."""
+        """``[num_tokens, q_size + 2 * kv_size]`` -> q, k, v views (this rank's heads)."""
         return qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+
+
+class RowParallelLinear(Linear):
+    """Input features split across ranks; the partial products are summed by an all-reduce.
+
+    Rank ``r`` holds weight columns ``[r * input_size / tp, (r + 1) * input_size / tp)`` and
+    expects the matching slice of the input features (the output of a column-parallel layer).
+    The bias is replicated and added once, after the all-reduce.
+
+    Args:
+        input_size, output_size: feature sizes of the whole layer.
+        bias: whether a bias vector is present.
+
+    Raises:
+        ValueError: ``input_size`` not divisible by the tensor-parallel size.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp_size = get_tensor_model_parallel_world_size()
+        super().__init__(
+            input_size,
+            output_size,
+            bias,
+            input_size_per_partition=divide(input_size, tp_size, "input_size"),
+        )
+
+    def placement(self, param: nn.Parameter, shard_id: str | int | None) -> Placement:
+        if param is self.bias:
+            return super().placement(param, shard_id)
+        if shard_id is not None:
+            raise ValueError(f"is a stacked shard ({shard_id!r}) of a layer that stacks nothing")
+        columns = self.input_size_per_partition
+        return param.data, (self.output_size, self.input_size), 1, self.tp_rank * columns
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[..., input_size_per_partition]`` -> ``[..., output_size]`` (summed)."""
+        if self.tp_size == 1:
+            return linear(x, self.weight, self.bias)
+        out = tensor_model_parallel_all_reduce(linear(x, self.weight))
+        return out if self.bias is None else out + self.bias

@@ -9,16 +9,23 @@ import pathlib
 from collections.abc import Iterator
 
 import torch
-from kvpilot.engine.models import get_model_class
 from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import AutoConfig
 
+from kvpilot.engine.layers.weight_loading import CheckpointTensor
+from kvpilot.engine.models import get_model_class
+
 logger = logging.getLogger(__name__)
 
 
-def iterate_safetensors(model_dir: pathlib.Path) -> Iterator[tuple[str, torch.Tensor]]:
+def iterate_safetensors(
+    model_dir: pathlib.Path, lazy: bool = False
+) -> Iterator[tuple[str, CheckpointTensor]]:
     """Yield ``(Hugging Face weight name, tensor on CPU)`` for every tensor of every shard.
+
+    With ``lazy`` a safetensors slice is yielded instead of the tensor: nothing is read until
+    it is indexed, so a tensor-parallel rank reads only its own shard of each tensor.
 
     When ``model.safetensors.index.json`` exists only the shards it lists are read (some
     repositories also ship other safetensors, e.g. Mistral's ``consolidated.safetensors``).
@@ -36,7 +43,7 @@ def iterate_safetensors(model_dir: pathlib.Path) -> Iterator[tuple[str, torch.Te
     with tqdm(total=total, desc=f"Loading weights of {model_dir.name}", unit="tensor") as bar:
         for handle in handles:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                yield name, handle.get_slice(name) if lazy else handle.get_tensor(name)
                 bar.update()
 
 
@@ -60,7 +67,9 @@ def load_model(
 
     Parameters are allocated directly in ``dtype`` on ``device`` (no random initialisation, no
     float32 copy first), then each checkpoint tensor is copied into place by the model's own
-    ``load_weights`` (which knows how q/k/v and gate/up stack into one matrix).
+    ``load_weights`` (which knows how q/k/v and gate/up stack into one matrix). Under tensor
+    parallelism (``kvpilot.engine.distributed`` set up in this process) the model holds this
+    rank's shard and only that shard of each tensor is read from disk.
 
     Args:
         model_dir: a folder from :func:`~kvpilot.engine.model_loader.resolve_model`.
@@ -82,7 +91,7 @@ def load_model(
     device = torch.device(device)
     with _default_dtype(dtype), device:
         model = model_cls(config, attention_backend=attention_backend)
-    loaded = model.load_weights(iterate_safetensors(model_dir))
+    loaded = model.load_weights(iterate_safetensors(model_dir, lazy=True))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing)}")

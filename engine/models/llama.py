@@ -4,6 +4,9 @@ Touvron et al. 2023 ("LLaMA"): pre-norm decoder with RMSNorm, rotary embeddings,
 grouped-query attention (Ainslie et al. 2023). Parameter names follow Hugging Face's so
 checkpoints load by name, except that q/k/v and gate/up are stacked (vLLM's ``qkv_proj`` and
 ``gate_up_proj``); :attr:`LlamaForCausalLM.stacked_params_mapping` is the one place that knows.
+Under tensor parallelism (Megatron-LM, Shoeybi et al. 2019) the layers hold this rank's shard
+(:mod:`kvpilot.engine.layers.linear`, :mod:`kvpilot.engine.layers.embedding`) and their weight
+loaders read only that shard of each checkpoint tensor.
 The float operations mirror transformers' ``modeling_llama`` in order, so logits agree with it
 to rounding and greedy decoding picks the same tokens.
 
@@ -17,15 +20,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+from torch import nn
+from transformers import PretrainedConfig
+
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.attention.backends import AttentionBackend
 from kvpilot.engine.layers.activation import SiluAndMul
-from kvpilot.engine.layers.embedding import VocabEmbedding
+from kvpilot.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvpilot.engine.layers.layernorm import RMSNorm
-from kvpilot.engine.layers.linear import Linear, MergedLinear, QKVLinear, copy_weight
+from kvpilot.engine.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
 from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
-from torch import nn
-from transformers import PretrainedConfig
+from kvpilot.engine.layers.weight_loading import CheckpointTensor, copy_weight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 # (cos, sin), each [num_tokens, 1, rotary_dim]: computed once per forward, used by every layer.
@@ -70,6 +79,9 @@ def head_dim_of(config: PretrainedConfig) -> int:
 class LlamaAttention(nn.Module):
     """Self-attention of one layer: stacked qkv projection, RoPE, paged attention, output.
 
+    Under tensor parallelism ``num_heads`` and ``num_kv_heads`` are this rank's heads; the
+    output projection sums the ranks' partial results.
+
     Args:
         config: the model config.
         options: biases, q/k norm and sliding window of this layer.
@@ -80,15 +92,21 @@ class LlamaAttention(nn.Module):
         self, config: PretrainedConfig, options: AttentionOptions, backend: AttentionBackend
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.scale = self.head_dim**-0.5
         self.sliding_window = options.sliding_window
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, options.qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            options.qkv_bias,
         )
-        self.o_proj = Linear(self.num_heads * self.head_dim, config.hidden_size, options.o_bias)
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, options.o_bias
+        )
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
         self.backend = backend
@@ -123,9 +141,9 @@ class LlamaMLP(nn.Module):
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu'")
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, [size, size], bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
         self.act_fn = SiluAndMul()
-        self.down_proj = Linear(size, config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> same shape."""
@@ -170,7 +188,7 @@ class LlamaModel(nn.Module):
         backend: AttentionBackend,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, layer_options, backend) for layer_options in options
         )
@@ -201,7 +219,8 @@ class LlamaForCausalLM(nn.Module):
 
     Attributes:
         config: the Hugging Face config.
-        num_layers, num_kv_heads, head_dim, vocab_size: sizes the KV cache and sampler need.
+        num_layers, num_kv_heads, head_dim, vocab_size: sizes the KV cache and sampler need;
+            ``num_kv_heads`` is this rank's (the KV cache holds only those heads).
         dtype: the parameters' dtype (the default dtype at construction).
     """
 
@@ -218,21 +237,21 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.num_layers = config.num_hidden_layers
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         self.vocab_size = config.vocab_size
         self.dtype = torch.get_default_dtype()
         backend = get_attention_backend(attention_backend)
         options = [self.attention_options(config, i) for i in range(self.num_layers)]
         self.model = LlamaModel(config, options, backend)
+        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
             # Built on "meta" (no memory) because its weight is replaced by the shared table.
             with torch.device("meta"):
-                self.lm_head = Linear(config.hidden_size, config.vocab_size)
+                self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size)
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     @classmethod
     def attention_options(cls, config: PretrainedConfig, layer_idx: int) -> AttentionOptions:
@@ -268,11 +287,13 @@ class LlamaForCausalLM(nn.Module):
         """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` float32."""
         return self.lm_head(hidden).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy checkpoint tensors (Hugging Face names) into the parameters.
+    def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
+        """Copy checkpoint tensors (Hugging Face names), or this rank's shards of them, into
+        the parameters.
 
         Args:
-            weights: ``(name, tensor)`` pairs, e.g. from ``iterate_safetensors``.
+            weights: ``(name, tensor)`` pairs, e.g. from ``iterate_safetensors``; a lazy
+                safetensors slice in place of a tensor is read only where this rank's shard is.
 
         Returns:
             The names of the parameters that were filled completely (stacked ones once all

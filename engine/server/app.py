@@ -18,22 +18,25 @@ from http import HTTPStatus
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvpilot import __version__
 from kvpilot.engine.async_llm import AsyncLLM
+from kvpilot.engine.executor.abstract import EngineDeadError
 from kvpilot.engine.metrics import PrometheusStatLogger
 from kvpilot.engine.server.errors import OpenAIError, install_error_handlers
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
+    UnloadLoRAAdapterRequest,
 )
 from kvpilot.engine.server.serving_chat import OpenAIServingChat
 from kvpilot.engine.server.serving_completion import OpenAIServingCompletion
 from kvpilot.engine.server.serving_engine import RETRY_AFTER_SECONDS, now
+from kvpilot.engine.server.serving_models import OpenAIServingModels
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -58,6 +61,7 @@ class _State:
     engine: AsyncLLM | None = None
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
+    models: OpenAIServingModels | None = None
     max_model_len: int | None = None
     load_error: BaseException | None = None
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
@@ -132,7 +136,10 @@ def create_app(
 
     @app.get("/health")
     async def health() -> Response:
-        ready_state()
+        try:
+            await ready_state().engine.check_health()
+        except EngineDeadError as exc:
+            raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine is dead: {exc}") from None
         return Response(status_code=200)
 
     @app.get("/version")
@@ -145,13 +152,15 @@ def create_app(
 
     @v1.get("/models")
     async def models() -> ModelList:
-        ready = ready_state()
-        return ModelList(
-            data=[
-                ModelCard(id=name, root=name, max_model_len=ready.max_model_len)
-                for name in config.served_model_names
-            ]
-        )
+        return ready_state().models.model_list()
+
+    @v1.post("/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await ready_state().models.load_lora_adapter(body))
+
+    @v1.post("/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> PlainTextResponse:
+        return PlainTextResponse(await ready_state().models.unload_lora_adapter(body))
 
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
@@ -187,15 +196,20 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     stat_logger.record_stats(async_llm.stats)
     async_llm.start()
     tokenizer = copy.deepcopy(engine.tokenizer)
+    models = OpenAIServingModels(
+        async_llm, config.served_model_names, max_model_len, engine.list_loras()
+    )
     args = (
         async_llm,
         tokenizer,
         config.served_model_names,
         max_model_len,
         engine.model_spec.vocab_size,
+        models,
     )
     state.completion = OpenAIServingCompletion(*args)
     state.chat = OpenAIServingChat(*args)
+    state.models = models
     state.max_model_len = max_model_len
     state.engine = async_llm
 

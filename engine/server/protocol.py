@@ -310,7 +310,22 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "kvpilot"
     root: str | None = None
+    parent: str | None = None
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """``/v1/load_lora_adapter`` (vLLM's body)."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """``/v1/unload_lora_adapter`` (vLLM's body; ``lora_int_id`` is accepted and unused)."""
+
+    lora_name: str
+    lora_int_id: int | None = None
 
 
 class ModelList(OpenAIModel):

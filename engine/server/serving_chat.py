@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 from kvpilot.engine.async_llm import EngineError
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import CompletionOutput
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.protocol import (
@@ -48,7 +49,7 @@ class OpenAIServingChat(OpenAIServing):
             OpenAIError: 400 for invalid parameters or messages (including a template that
                 refuses them), 404 for an unknown model, 503 when the waiting queue is full.
         """
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         prompt_token_ids = self._render(request)
         max_tokens = self.max_tokens_for(
             len(prompt_token_ids), request.requested_max_tokens(), "messages"
@@ -56,11 +57,13 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(request, max_tokens, request.num_logprobs())
         request_id = new_request_id("chatcmpl")
         stream = await self.add(
-            request_id, prompt_token_ids, params, arrival_time, request.cache_salt
+            request_id, prompt_token_ids, params, arrival_time, request.cache_salt, lora_request
         )
         echo = self._echo_text(request)
         if request.stream:
-            return self._stream(request, request_id, len(prompt_token_ids), stream, echo)
+            return self._stream(
+                request, request_id, len(prompt_token_ids), stream, echo, lora_request
+            )
         try:
             final = await self.final_output(stream)
         finally:
@@ -77,7 +80,7 @@ class OpenAIServingChat(OpenAIServing):
         ]
         return ChatCompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.response_model(lora_request),
             choices=choices,
             usage=self.usage(
                 len(prompt_token_ids), sum(len(seq.token_ids) for seq in final.outputs)
@@ -154,11 +157,12 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt_tokens: int,
         stream: RequestStream,
         echo: str,
+        lora_request: LoRARequest | None,
     ) -> AsyncIterator[str]:
+        model = self.response_model(lora_request)
+
         def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-            return sse(
-                ChatCompletionStreamResponse(id=request_id, model=self.model_name, choices=choices)
-            )
+            return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=choices))
 
         n = request.n
         for index in range(n):
@@ -196,7 +200,7 @@ class OpenAIServingChat(OpenAIServing):
                 yield sse(
                     ChatCompletionStreamResponse(
                         id=request_id,
-                        model=self.model_name,
+                        model=model,
                         choices=[],
                         usage=self.usage(num_prompt_tokens, sum(num_tokens)),
                     )

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from kvpilot.engine.async_llm import EngineError
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import CompletionOutput, RequestOutput
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.protocol import (
@@ -48,7 +49,7 @@ class OpenAIServingCompletion(OpenAIServing):
             OpenAIError: 400 for invalid parameters or prompts, 404 for an unknown model, 503
                 when the waiting queue is full.
         """
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         if request.echo and request.logprobs is not None:
             raise bad_request(
                 "echo: prompt logprobs (echo with logprobs) are not supported", "echo"
@@ -73,6 +74,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         prompt_params,
                         arrival_time,
                         request.cache_salt,
+                        lora_request,
                     )
                 )
         except BaseException:
@@ -80,13 +82,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 stream.close()
             raise
         if request.stream:
-            return self._stream(request, request_id, prompts, streams)
+            return self._stream(request, request_id, prompts, streams, lora_request)
         try:
             finals = await asyncio.gather(*(self.final_output(s) for s in streams))
         finally:
             for stream in streams:
                 stream.close()
-        return self._response(request, request_id, prompts, finals)
+        return self._response(request, request_id, prompts, finals, lora_request)
 
     def _encode(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
@@ -104,6 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id: str,
         prompts: list[_Prompt],
         finals: list[RequestOutput],
+        lora_request: LoRARequest | None,
     ) -> CompletionResponse:
         choices = []
         num_generated = 0
@@ -122,7 +125,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         return CompletionResponse(
             id=request_id,
-            model=self.model_name,
+            model=self.response_model(lora_request),
             choices=choices,
             usage=self.usage(sum(len(p.token_ids) for p in prompts), num_generated),
         )
@@ -153,7 +156,9 @@ class OpenAIServingCompletion(OpenAIServing):
         request_id: str,
         prompts: list[_Prompt],
         streams: list[RequestStream],
+        lora_request: LoRARequest | None,
     ) -> AsyncIterator[str]:
+        model = self.response_model(lora_request)
         n = request.n
         num_choices = len(prompts) * n
         sent_text = [0] * num_choices  # characters of each choice already sent
@@ -193,16 +198,10 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason=seq.finish_reason,
                         stop_reason=seq.stop_reason,
                     )
-                    yield sse(
-                        CompletionResponse(id=request_id, model=self.model_name, choices=[choice])
-                    )
+                    yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
             if request.stream_options and request.stream_options.include_usage:
                 usage = self.usage(sum(len(p.token_ids) for p in prompts), sum(num_tokens))
-                yield sse(
-                    CompletionResponse(
-                        id=request_id, model=self.model_name, choices=[], usage=usage
-                    )
-                )
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         except EngineError as exc:
             yield sse_error(str(exc))
         yield sse("[DONE]")

@@ -15,10 +15,12 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvpilot.engine.async_llm import AsyncLLM, EngineError, QueueFullError, RequestStream
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import Logprob, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.errors import OpenAIError, bad_request
 from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from kvpilot.engine.server.serving_models import OpenAIServingModels
 
 # JSON has no -inf; vLLM reports impossible tokens with this floor.
 MIN_LOGPROB = -9999.0
@@ -37,6 +39,7 @@ class OpenAIServing:
         served_model_names: names ``model`` may take; the first is reported in responses.
         max_model_len: longest prompt + output in tokens.
         vocab_size: the model's vocabulary size (bounds for token ids).
+        models: the served names and LoRA adapters (default: ``served_model_names`` alone).
     """
 
     def __init__(
@@ -46,8 +49,10 @@ class OpenAIServing:
         served_model_names: list[str],
         max_model_len: int,
         vocab_size: int,
+        models: OpenAIServingModels | None = None,
     ) -> None:
         self.engine = engine
+        self.models = models or OpenAIServingModels(engine, served_model_names, max_model_len, [])
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
@@ -58,12 +63,17 @@ class OpenAIServing:
     def model_name(self) -> str:
         return self.served_model_names[0]
 
-    def check_model(self, model: str | None) -> None:
-        """Raises a 404 ``OpenAIError`` for a model this server does not serve."""
-        if model is not None and model not in self.served_model_names:
-            raise OpenAIError(
-                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model"
-            )
+    def check_model(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter ``model`` names, or None for the base model.
+
+        Raises:
+            OpenAIError: 404 for a model this server does not serve.
+        """
+        return self.models.resolve(model)
+
+    def response_model(self, lora_request: LoRARequest | None) -> str:
+        """The ``model`` reported in a response: the adapter's name or the base model's."""
+        return self.model_name if lora_request is None else lora_request.lora_name
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Raises a 400 naming ``param`` when a token id lies outside the vocabulary."""
@@ -109,6 +119,7 @@ class OpenAIServing:
         params: SamplingParams,
         arrival_time: float,
         cache_salt: str | None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit to the engine, mapping refusals to HTTP errors (400, 503 + Retry-After)."""
         try:
@@ -118,6 +129,7 @@ class OpenAIServing:
                 params,
                 arrival_time=arrival_time,
                 cache_salt=cache_salt,
+                lora_request=lora_request,
             )
         except QueueFullError as exc:
             raise OpenAIError(

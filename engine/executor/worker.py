@@ -1,0 +1,136 @@
+"""One tensor-parallel rank: its shard of the model, its share of the KV cache, its sampler.
+
+A worker is what an executor drives: the in-process executor holds one, the multiprocessing
+executor one per process. Every rank runs the same ``SchedulerOutput`` through its shard; the
+logits are gathered on every rank, so every rank samples the same tokens from the same logits
+and the driver reads them from rank 0.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from kvpilot.engine.distributed import init_distributed_environment
+from kvpilot.engine.model_loader import load_model
+from kvpilot.engine.model_runner import ModelRunner, ModelRunnerOutput
+from kvpilot.engine.sampler import Sampler
+from kvpilot.engine.scheduler_output import SchedulerOutput
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """What every rank needs to build its part of the engine (picklable: sent to processes).
+
+    Attributes:
+        model_dir: a resolved model folder (config.json, safetensors).
+        dtype: parameter, activation and KV cache dtype.
+        device: ``cpu``, or ``cuda`` (rank ``r`` then uses ``cuda:r``).
+        attention_backend: ``"torch"`` or ``"triton"``.
+        block_size: tokens per KV cache block.
+        seed: the sampler seed for requests without their own.
+        eos_token_ids: token ids that end generation (masked before ``min_tokens``).
+        tensor_parallel_size: ranks the model is sharded over.
+        distributed_timeout_s: seconds a collective waits for the other ranks before failing.
+        num_threads: torch CPU threads of each rank; None keeps torch's default.
+    """
+
+    model_dir: pathlib.Path
+    dtype: torch.dtype
+    device: torch.device
+    attention_backend: str
+    block_size: int
+    seed: int
+    eos_token_ids: frozenset[int]
+    tensor_parallel_size: int = 1
+    distributed_timeout_s: float = 600.0
+    num_threads: int | None = None
+
+    def device_of_rank(self, rank: int) -> torch.device:
+        """The device rank ``rank`` computes on: ``cuda:rank`` on GPUs, else the CPU."""
+        if self.device.type == "cuda":
+            return torch.device("cuda", rank)
+        return self.device
+
+
+class Worker:
+    """Builds and runs one rank's model shard.
+
+    Args:
+        config: the engine's worker settings.
+        rank: this worker's tensor-parallel rank.
+        distributed_init_method: rendezvous address of the group (``tcp://host:port``);
+            None for a single rank.
+
+    Raises:
+        ValueError: from model loading (unsupported architecture, weights that do not fit).
+    """
+
+    def __init__(
+        self, config: WorkerConfig, rank: int = 0, distributed_init_method: str | None = None
+    ) -> None:
+        self.config = config
+        self.rank = rank
+        self.device = config.device_of_rank(rank)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if config.tensor_parallel_size > 1:
+            init_distributed_environment(
+                rank,
+                config.tensor_parallel_size,
+                distributed_init_method,
+                self.device,
+                config.distributed_timeout_s,
+            )
+        self.model = load_model(
+            config.model_dir, config.dtype, self.device, attention_backend=config.attention_backend
+        )
+        self.sampler = Sampler(config.seed, self.device, set(config.eos_token_ids))
+        self.model_runner: ModelRunner | None = None
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's parameters (a tied table counted once)."""
+        return sum(p.nbytes for p in self.model.parameters())
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV cache (0 before ``initialize_cache``)."""
+        if self.model_runner is None:
+            return 0
+        # Layers' K and V may be views of one allocation: count each storage once.
+        storages = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for pair in self.model_runner.kv_caches
+            for t in pair
+        }
+        return sum(storages.values())
+
+    def profile_peak_memory(self, num_tokens: int, max_model_len: int) -> int:
+        """Peak GPU memory (bytes) of a ``num_tokens`` forward pass on this rank
+        (see ``ModelRunner.profile_peak_memory``)."""
+        runner = ModelRunner(
+            self.model, 1, self.config.block_size, self.device, Sampler(0, self.device, set())
+        )
+        return runner.profile_peak_memory(num_tokens, max_model_len)
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """Allocate this rank's KV cache: ``num_blocks`` blocks of its KV heads only."""
+        self.model_runner = ModelRunner(
+            self.model, num_blocks, self.config.block_size, self.device, self.sampler
+        )
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one step; an empty step only forgets the finished requests' sampler state.
+
+        Raises:
+            RuntimeError: ``initialize_cache`` was not called.
+        """
+        if scheduler_output.is_empty:
+            self.sampler.remove_requests(scheduler_output.finished_request_ids)
+            return ModelRunnerOutput({}, {})
+        if self.model_runner is None:
+            raise RuntimeError("execute_model before initialize_cache: the KV cache is missing")
+        return self.model_runner.execute_model(scheduler_output)

@@ -1,0 +1,272 @@
+"""Tensor parallelism on CPU with gloo: N worker processes must reproduce one process.
+
+Every multi-rank engine is checked against the same engine on one rank, with the same number
+of KV blocks (so both schedule the same batches and preempt the same requests): greedy tokens
+must be identical and the logprobs of the top tokens equal to float32 rounding (the row-parallel
+all-reduce sums partial products in another order than one matmul does, so the last bits may
+differ; see docs/benchmarks.md, "Tensor parallelism"). Per-rank sizes are measured in the
+worker processes and checked against the planner's ``ModelSpec``, which the operator sizes GPUs
+with.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import pathlib
+import signal
+
+import pytest
+import torch
+
+from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.async_llm import AsyncLLM, EngineError
+from kvpilot.engine.distributed import parallel_state
+from kvpilot.engine.executor import EngineDeadError, MultiprocExecutor, WorkerConfig
+from kvpilot.engine.model_loader import load_model
+from kvpilot.engine.model_spec import ModelSpec, check_tensor_parallel_size
+
+BLOCK_SIZE = 4
+LOGPROB_ATOL = 1e-4
+
+
+def tp_workers() -> list[multiprocessing.process.BaseProcess]:
+    """This process's live tensor-parallel worker processes."""
+    return [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp-")]
+
+
+def model_spec(model_dir: pathlib.Path) -> ModelSpec:
+    return ModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+
+
+def make_llm(model_dir: pathlib.Path, tp: int, num_blocks: int) -> LLM:
+    """An engine over ``tp`` ranks with exactly ``num_blocks`` KV blocks on each rank."""
+    bytes_per_token = model_spec(model_dir).kv_bytes_per_token(4, tp)
+    return LLM(
+        str(model_dir),
+        tensor_parallel_size=tp,
+        dtype="float32",
+        max_model_len=64,
+        block_size=BLOCK_SIZE,
+        kv_cache_memory=num_blocks * BLOCK_SIZE * bytes_per_token,
+        enable_prefix_caching=False,
+    )
+
+
+def generate(llm: LLM, prompts: list, max_tokens: int) -> tuple[list, list, int]:
+    """Greedy tokens, per-token top-2 logprobs ``{token: (logprob, rank)}`` and preemptions."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    logprobs = [
+        [{t: (lp.logprob, lp.rank) for t, lp in step.items()} for step in o.logprobs]
+        for o in outputs
+    ]
+    stats = llm.llm_engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    return [o.token_ids for o in outputs], logprobs, stats.num_preemptions_total
+
+
+def assert_same_generation(expected: tuple, actual: tuple) -> None:
+    tokens, logprobs, preemptions = actual
+    assert tokens == expected[0]
+    assert preemptions == expected[2] > 0
+    for seq_expected, seq_actual in zip(expected[1], logprobs, strict=True):
+        for top_expected, top_actual in zip(seq_expected, seq_actual, strict=True):
+            assert top_actual.keys() == top_expected.keys()
+            for token, (logprob, rank) in top_expected.items():
+                assert top_actual[token][1] == rank
+                assert top_actual[token][0] == pytest.approx(logprob, abs=LOGPROB_ATOL)
+
+
+def random_prompts(lengths: list[int], seed: int = 0) -> list[dict]:
+    generator = torch.Generator().manual_seed(seed)
+    return [
+        {"prompt_token_ids": torch.randint(3, 49000, (n,), generator=generator).tolist()}
+        for n in lengths
+    ]
+
+
+def test_unshardable_sizes_are_refused_with_the_planners_message(default_model_dir, tiny_model_dir):
+    # SmolLM2: 9 query heads, 3 KV heads; tiny: 4 query heads, 2 KV heads, 128 MLP channels.
+    tiny = tiny_model_dir("llama")
+    messages = []
+    for model_dir, tp in [(default_model_dir, 2), (tiny, 3), (tiny, 8)]:
+        with pytest.raises(ValueError) as planner:
+            check_tensor_parallel_size(model_spec(model_dir), tp)
+        with pytest.raises(ValueError) as engine:
+            LLM(str(model_dir), tensor_parallel_size=tp)
+        with pytest.raises(ValueError) as executor:
+            MultiprocExecutor(
+                WorkerConfig(
+                    model_dir, torch.float32, torch.device("cpu"), "torch", 16, 0, frozenset(), tp
+                )
+            )
+        assert str(engine.value) == str(executor.value) == str(planner.value)
+        messages.append(str(engine.value))
+    assert messages == [
+        "num_attention_heads 9 is not divisible by tensor_parallel_size 2",
+        "num_attention_heads 4 is not divisible by tensor_parallel_size 3",
+        "num_attention_heads 4 is not divisible by tensor_parallel_size 8",
+    ]
+    assert tp_workers() == []
+
+
+def test_more_ranks_than_gpus_is_refused(tiny_model_dir):
+    available = torch.cuda.device_count()
+    tp = available + 1
+    # A model that tp ranks can shard, so that only the device count is wrong.
+    model_dir = tiny_model_dir(
+        "llama", num_attention_heads=tp, num_key_value_heads=1, intermediate_size=128 * tp
+    )
+    config = WorkerConfig(
+        model_dir, torch.float32, torch.device("cuda"), "triton", 16, 0, frozenset(), tp
+    )
+    with pytest.raises(ValueError, match=f"needs one GPU per rank; this node has {available}"):
+        MultiprocExecutor(config)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        # One KV head on two ranks: replicated. An untied head, biases and an odd vocabulary
+        # (a padding row on the last rank) exercise every weight loader.
+        dict(
+            num_key_value_heads=1,
+            tie_word_embeddings=False,
+            attention_bias=True,
+            mlp_bias=True,
+            vocab_size=49151,
+        ),
+    ],
+    ids=["gqa-tied", "kv-replicated-untied-bias"],
+)
+def test_two_ranks_match_one_under_batching_and_preemption(tiny_model_dir, overrides):
+    model_dir = tiny_model_dir("llama", **overrides)
+    spec = model_spec(model_dir)
+    # 5 requests needing 31 blocks in all share 16: some are preempted and recomputed.
+    prompts, num_blocks = random_prompts([1, 7, 9, 17, 33]), 16
+    single = make_llm(model_dir, 1, num_blocks)
+    expected = generate(single, prompts, max_tokens=12)
+    whole_bytes = single.llm_engine.executor.worker.weight_bytes()
+    llm = make_llm(model_dir, 2, num_blocks)
+    try:
+        assert_same_generation(expected, generate(llm, prompts, max_tokens=12))
+        executor = llm.llm_engine.executor
+        # Measured in each worker: the planner's per-GPU sizes, about half of the whole.
+        weight_bytes = executor.collective_rpc("weight_bytes")
+        assert whole_bytes == spec.weight_bytes(4, 1)
+        assert weight_bytes == [spec.weight_bytes(4, 2)] * 2
+        assert max(weight_bytes) < 0.51 * whole_bytes
+        kv_block_bytes = spec.kv_bytes_per_token(4, 2) * BLOCK_SIZE
+        assert executor.collective_rpc("kv_cache_bytes") == [num_blocks * kv_block_bytes] * 2
+    finally:
+        llm.llm_engine.shutdown()
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_each_rank_loads_its_megatron_shard(tiny_model_dir, monkeypatch, tp):
+    """Rank r's tensors are the right slices of the checkpoint (no process group needed: the
+    layers only read the rank and size when built). 2 KV heads: split over 2 ranks, replicated
+    over 4 (ranks 0-1 hold head 0, ranks 2-3 head 1)."""
+    model_dir = tiny_model_dir("llama")
+    full = load_model(model_dir, torch.float32, "cpu")
+    config, head_dim = full.config, full.head_dim
+    q_rows = config.num_attention_heads * head_dim // tp
+    for rank in range(tp):
+        monkeypatch.setattr(parallel_state, "_STATE", parallel_state.TensorParallelState(rank, tp))
+        shard = load_model(model_dir, torch.float32, "cpu")
+        kv_head = rank * config.num_key_value_heads // tp
+        whole_attn, attn = full.model.layers[1].self_attn, shard.model.layers[1].self_attn
+        q, k, v = whole_attn.qkv_proj.split(whole_attn.qkv_proj.weight.T)
+        expected_qkv = torch.cat(
+            [
+                q.T[rank * q_rows : (rank + 1) * q_rows],
+                k.T[kv_head * head_dim : (kv_head + 1) * head_dim],
+                v.T[kv_head * head_dim : (kv_head + 1) * head_dim],
+            ]
+        )
+        assert torch.equal(attn.qkv_proj.weight, expected_qkv)
+        assert (attn.num_heads, attn.num_kv_heads, shard.num_kv_heads) == (4 // tp, 1, 1)
+        o_cols = slice(rank * q_rows, (rank + 1) * q_rows)
+        assert torch.equal(attn.o_proj.weight, whole_attn.o_proj.weight[:, o_cols])
+        width = config.intermediate_size // tp
+        gate, up = full.model.layers[1].mlp.gate_up_proj.weight.split(config.intermediate_size)
+        rows = slice(rank * width, (rank + 1) * width)
+        assert torch.equal(
+            shard.model.layers[1].mlp.gate_up_proj.weight, torch.cat([gate[rows], up[rows]])
+        )
+        vocab_rows = slice(rank * config.vocab_size // tp, (rank + 1) * config.vocab_size // tp)
+        assert torch.equal(
+            shard.model.embed_tokens.weight, full.model.embed_tokens.weight[vocab_rows]
+        )
+        assert shard.lm_head.weight is shard.model.embed_tokens.weight
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_worker_takes_the_engine_down_with_a_clear_error(tiny_model_dir):
+    llm = make_llm(tiny_model_dir("llama"), 2, num_blocks=16)
+    engine = llm.llm_engine
+    try:
+        engine.check_health()
+        victim = engine.executor.worker_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {victim}\) died") as dead:
+            generate(llm, random_prompts([5, 6]), max_tokens=4)
+        assert "exit code -9" in str(dead.value)
+        # The survivor is stopped too, and the engine stays down, naming the cause.
+        assert tp_workers() == []
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            engine.check_health()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            engine.step()
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.timeout(120)
+async def test_the_server_loop_reports_a_dead_worker_and_refuses_new_requests(tiny_model_dir):
+    engine = make_llm(tiny_model_dir("llama"), 2, num_blocks=16).llm_engine
+    served = AsyncLLM(engine)
+    served.start()
+    try:
+        await served.check_health()
+        params = SamplingParams(temperature=0, max_tokens=4)
+        stream = await served.add_request("ok", {"prompt_token_ids": [5, 6, 7]}, params)
+        assert len([o async for o in stream][-1].outputs[0].token_ids) == 4
+        victim = engine.executor.worker_pids[1]
+        os.kill(victim, signal.SIGKILL)
+        stream = await served.add_request("hit", {"prompt_token_ids": [5, 6, 7]}, params)
+        with pytest.raises(EngineError, match="rank 1"):
+            [o async for o in stream]
+        # /health asks check_health: it names the dead rank; new requests are refused.
+        with pytest.raises(EngineDeadError, match=rf"rank 1 \(pid {victim}\) died"):
+            await served.check_health()
+        with pytest.raises(EngineError, match="the engine is dead"):
+            await served.add_request("after", {"prompt_token_ids": [5, 6, 7]}, params)
+    finally:
+        await served.shutdown()
+        engine.shutdown()
+
+
+@pytest.mark.slow
+def test_three_ranks_match_one_on_the_default_model(default_model_dir):
+    """SmolLM2-135M: 9 query heads and 3 KV heads over 3 ranks (3 and 1 per rank)."""
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    # The three requests need 11 blocks of 4 tokens; 9 blocks force preemption.
+    single = make_llm(default_model_dir, 1, num_blocks=9)
+    expected = generate(single, prompts, max_tokens=6)
+    whole_bytes = single.llm_engine.executor.worker.weight_bytes()
+    llm = make_llm(default_model_dir, 3, num_blocks=9)
+    try:
+        assert_same_generation(expected, generate(llm, prompts, max_tokens=6))
+        weight_bytes = llm.llm_engine.executor.collective_rpc("weight_bytes")
+        assert weight_bytes == [model_spec(default_model_dir).weight_bytes(4, 3)] * 3
+        assert max(weight_bytes) < 0.34 * whole_bytes
+    finally:
+        llm.llm_engine.shutdown()
