@@ -13,9 +13,15 @@ import sys
 
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("kvpilot.engine.entrypoints.generate_cli", "generate text offline with the engine"),
+    "generate": (
+        "kvpilot.engine.entrypoints.generate_cli",
+        "generate text offline with the engine",
+    ),
     "serve": ("kvpilot.engine.server.cli", "run the OpenAI-compatible server"),
-    "plan": ("kvpilot.operator.plan_cli", "size a model for a GPU type (tensor parallel, KV capacity)"),
+    "plan": (
+        "kvpilot.operator.plan_cli",
+        "size a model for a GPU type (tensor parallel, KV capacity)",
+    ),
     "operator": ("kvpilot.operator.main", "run the Kubernetes operator (kopf)"),
 }
 

@@ -6,6 +6,7 @@ import importlib
 from typing import Protocol
 
 import torch
+
 from kvpilot.engine.attention.metadata import AttentionMetadata
 
 # name -> "module:Class"; imported on first use.

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from kvpilot.engine.models.llama import AttentionOptions, LlamaForCausalLM, config_sliding_window
 from transformers import PretrainedConfig
+
+from kvpilot.engine.models.llama import AttentionOptions, LlamaForCausalLM, config_sliding_window
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

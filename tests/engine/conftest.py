@@ -18,6 +18,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import transformers
+
 from kvpilot.engine.model_loader import resolve_model
 
 # architecture -> transformers config class name

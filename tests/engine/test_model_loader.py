@@ -9,6 +9,8 @@ import shutil
 import pytest
 import torch
 import transformers
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
 from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding
 from kvpilot.engine.model_loader import (
     DEFAULT_MODEL_NAME,
@@ -19,7 +21,6 @@ from kvpilot.engine.model_loader import (
     resolve_model,
 )
 from kvpilot.engine.model_loader.resolve import DEFAULT_GGUF_NAME, DEFAULT_MODEL_PACKAGE
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 CPU = torch.device("cpu")
 
