@@ -8,10 +8,11 @@
    near the steady inter-token latency (target: <= 2x); without it one step computes the whole
    prompt and every stream stalls for that long.
 
-    python benchmarks/prefix_and_chunked_prefill.py --threads 1
+    python benchmarks/prefix_and_chunked_prefill.py --threads 1 --max-num-batched-tokens 16 32
 
 Latencies are wall-clock seconds (``time.perf_counter``); the load average is printed because
-other processes on a shared machine inflate them.
+other processes on a shared machine inflate them. Step times are also given in CPU seconds
+(``time.process_time``), which count only this process's work.
 """
 
 from __future__ import annotations
@@ -42,7 +43,17 @@ def parse_args() -> argparse.Namespace:
         "--long-len", type=int, default=2000, help="the prompt that arrives (tokens)"
     )
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=32, help="step budget with chunked prefill"
+        "--max-num-batched-tokens",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="step budget(s) with chunked prefill; several values run one after another",
+    )
+    parser.add_argument(
+        "--skip-prefix-caching", action="store_true", help="run only the inter-token latency part"
+    )
+    parser.add_argument(
+        "--skip-unchunked", action="store_true", help="leave out the run without chunked prefill"
     )
     return parser.parse_args()
 
@@ -83,17 +94,28 @@ def time_to_first_token(args, enable_prefix_caching: bool) -> list[float]:
     return ttfts
 
 
-def inter_token_latencies(args, chunked: bool) -> tuple[list[float], list[float]]:
-    """(steady ITLs before the long prompt arrives, ITLs from its arrival to its first token)."""
+class StepTimes:
+    """Per-step wall-clock and CPU seconds (``time.process_time``: all threads of this process,
+    so with one torch thread the work of the step without the time other processes held the
+    core)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+
+def inter_token_latencies(args, budget: int | None) -> tuple[StepTimes, StepTimes, float]:
+    """(step times before the long prompt arrives, step times from its arrival to its first
+    token, the long prompt's time to first token in seconds); ``budget`` None: no chunking."""
     from kvpilot.engine import LLM, SamplingParams
 
     max_model_len = max(4096, args.long_len + 16)
     llm = LLM(
         args.model,
         max_model_len=max_model_len,
-        enable_chunked_prefill=chunked,
+        enable_chunked_prefill=budget is not None,
         # Without chunking a step must hold a whole prompt.
-        max_num_batched_tokens=args.max_num_batched_tokens if chunked else max_model_len,
+        max_num_batched_tokens=budget or max_model_len,
         enable_prefix_caching=False,
         kv_cache_memory=KV_CACHE_MEMORY,
     )
@@ -103,27 +125,28 @@ def inter_token_latencies(args, chunked: bool) -> tuple[list[float], list[float]
     for i in range(args.streams):
         engine.add_request(f"s{i}", {"prompt_token_ids": tokens(16, 100 + i, vocab_size)}, stream)
     engine.step()  # prefill the streams
-    steady, during = [], []
-    last = time.perf_counter()
-    arrived = False
-    desc = f"ITL, chunked prefill {'on' if chunked else 'off'}"
+    steady, during = StepTimes(), StepTimes()
+    arrival = None
+    desc = f"ITL, {f'{budget} tokens/step' if budget else 'no chunked prefill'}"
     with tqdm(desc=desc, unit="step") as bar:
         while True:
-            if len(steady) == 20 and not arrived:
+            if len(steady.wall) == 20 and arrival is None:
                 long_params = SamplingParams(temperature=0, max_tokens=1)
                 engine.add_request(
                     "long", {"prompt_token_ids": tokens(args.long_len, 7, vocab_size)}, long_params
                 )
-                arrived = True
+                arrival = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             outputs = engine.step()
-            now = time.perf_counter()
-            (during if arrived else steady).append(now - last)
-            last = now
+            times = during if arrival is not None else steady
+            times.wall.append(time.perf_counter() - wall)
+            times.cpu.append(time.process_time() - cpu)
             bar.update()
             if any(o.request_id == "long" and o.finished for o in outputs):
+                ttft = time.perf_counter() - arrival
                 break
     engine.abort_request([f"s{i}" for i in range(args.streams)])
-    return steady, during
+    return steady, during, ttft
 
 
 def main() -> None:
@@ -132,33 +155,41 @@ def main() -> None:
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"threads: {torch.get_num_threads()}, load average at start: {os.getloadavg()[0]:.2f}")
 
-    cold = time_to_first_token(args, enable_prefix_caching=False)
-    warm = time_to_first_token(args, enable_prefix_caching=True)
-    # The first cached request fills the cache; the rest are the hits.
-    off, on = statistics.mean(cold[1:]), statistics.mean(warm[1:])
-    print()
-    print(f"TTFT, {args.system_len}-token shared system prompt + 32 tokens, one request at a time:")
-    print(f"  without prefix caching: mean {off * 1000:.0f} ms")
-    print(
-        f"  with prefix caching:    mean {on * 1000:.0f} ms (first, cache filling: {warm[0] * 1000:.0f} ms)"
-    )
-    print(f"  {off / on:.1f}x lower with caching")
+    if not args.skip_prefix_caching:
+        cold = time_to_first_token(args, enable_prefix_caching=False)
+        warm = time_to_first_token(args, enable_prefix_caching=True)
+        # The first cached request fills the cache; the rest are the hits.
+        off, on = statistics.mean(cold[1:]), statistics.mean(warm[1:])
+        print()
+        print(
+            f"TTFT, {args.system_len}-token shared system prompt + 32 tokens, "
+            "one request at a time:"
+        )
+        print(f"  without prefix caching: mean {off * 1000:.0f} ms")
+        print(
+            f"  with prefix caching:    mean {on * 1000:.0f} ms "
+            f"(first, cache filling: {warm[0] * 1000:.0f} ms)"
+        )
+        print(f"  {off / on:.1f}x lower with caching")
 
     print()
-    print(f"ITL of {args.streams} streams while a {args.long_len}-token prompt arrives:")
-    for chunked in (True, False):
-        steady, during = inter_token_latencies(args, chunked)
-        base = statistics.median(steady)
-        label = (
-            f"chunked prefill, {args.max_num_batched_tokens} tokens/step"
-            if chunked
-            else "no chunked prefill"
-        )
-        print(
-            f"  {label:40} steady median {base * 1000:.0f} ms; while prefilling: median "
-            f"{statistics.median(during) * 1000:.0f} ms, p99 {p99(during) * 1000:.0f} ms = "
-            f"{p99(during) / base:.1f}x steady, over {len(during)} steps"
-        )
+    print(
+        f"Step time (= inter-token latency) of {args.streams} streams while a "
+        f"{args.long_len}-token prompt arrives; steady = median before it arrives:"
+    )
+    budgets = [*args.max_num_batched_tokens, *([] if args.skip_unchunked else [None])]
+    for budget in budgets:
+        steady, during, ttft = inter_token_latencies(args, budget)
+        label = f"chunked prefill, {budget} tokens/step" if budget else "no chunked prefill"
+        print(f"  {label} ({len(during.wall)} steps; long prompt's TTFT {ttft:.1f} s):")
+        for clock in ("wall", "cpu"):
+            base = statistics.median(getattr(steady, clock))
+            values = getattr(during, clock)
+            print(
+                f"    {clock:4} steady {base * 1000:6.0f} ms; while prefilling: median "
+                f"{statistics.median(values) * 1000:6.0f} ms, p99 {p99(values) * 1000:6.0f} ms "
+                f"= {p99(values) / base:.2f}x steady"
+            )
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 

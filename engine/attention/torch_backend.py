@@ -3,18 +3,24 @@
 Follows Kwon et al. 2023 ("Efficient Memory Management for Large Language Model Serving with
 PagedAttention"): keys/values live in fixed-size blocks reached through each sequence's block
 table. Decode sequences (one new token each) are attended in one batched call over their
-gathered blocks; every sequence with several new tokens (a prefill or a prefill chunk, attending
-to its cached context and causally to itself) gets its own call. Scores are computed by
-``scaled_dot_product_attention`` in the activation dtype, as transformers' default ("sdpa")
-attention does, so results agree with it to float rounding.
+gathered context, padded to the longest; every sequence with several new tokens (a prefill or a
+prefill chunk, attending to its cached context and causally to itself) gets its own call.
+Scores are computed by ``scaled_dot_product_attention`` in the activation dtype, as
+transformers' default ("sdpa") attention does, so results agree with it to float rounding.
+
+Everything derived from the batch layout alone (which rows decode, the flat cache slots to read,
+the masks) is computed once per forward pass, in :func:`plan_step`, and reused by every layer:
+the same :class:`AttentionMetadata` object is passed to all of them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn.functional as F
+
 from kvpilot.engine.attention.metadata import AttentionMetadata
-from kvpilot.kernels.reference import reshape_and_cache
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -25,10 +31,187 @@ def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | Non
     return mask
 
 
+# Cost of one more decode group, in padded context positions: a group costs a few
+# microseconds of calls per layer, about what attending to ~100 positions of one sequence costs.
+GROUP_OVERHEAD_TOKENS = 128
+
+
+@dataclass
+class DecodePlan:
+    """A group of decode sequences (one new token each) attended in one call.
+
+    Attributes:
+        rows: ``[num_decodes]`` int64 token rows of the group's sequences, or None when the
+            group is every token of the step, in order (rows ``0..num_tokens-1``).
+        seq_lens: ``[num_decodes]`` int64 context lengths (tokens).
+        slots: ``[num_decodes * max_len]`` int64 flat cache slots (``block * block_size +
+            offset``) of each sequence's positions ``0..max_len-1``. Positions past a sequence's
+            end repeat its last slot, so the padding reads only that sequence's own K/V: the
+            output never depends on what other or freed blocks hold (even NaN), although the
+            mask already gives those positions a weight of exactly 0.
+        max_len: the group's longest context (tokens).
+    """
+
+    rows: torch.Tensor | None
+    seq_lens: torch.Tensor
+    slots: torch.Tensor
+    max_len: int
+
+
+@dataclass
+class PrefillPlan:
+    """One sequence with several new tokens (a prompt, a prompt chunk, or draft tokens).
+
+    Attributes:
+        start: its first token row.
+        q_len: its new tokens.
+        seq_len: its context length after this step (tokens).
+        slots: ``[seq_len]`` int64 flat cache slots of its positions ``0..seq_len-1``.
+    """
+
+    start: int
+    q_len: int
+    seq_len: int
+    slots: torch.Tensor
+
+
+@dataclass
+class StepPlan:
+    """What every layer of one forward pass reuses; masks are built per sliding window.
+
+    Attributes:
+        write_rows: ``[n]`` int64 rows whose K/V are cached, or None for all rows.
+        write_slots: ``[n]`` int64 their flat slots.
+        decodes: the decode sequences, in groups of similar length.
+        prefills: the other sequences.
+        masks: sliding window (None: full attention) -> (one ``[num_decodes, 1, 1, max_len]``
+            bool mask per decode group, one ``[q_len, seq_len]`` bool mask per prefill, None
+            for a whole prompt without a window: plain causal attention).
+    """
+
+    write_rows: torch.Tensor | None
+    write_slots: torch.Tensor
+    decodes: list[DecodePlan]
+    prefills: list[PrefillPlan]
+    masks: dict[int | None, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = field(
+        default_factory=dict
+    )
+
+    def masks_for(
+        self, sliding_window: int | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The decode and prefill masks (True: attend) for one sliding window, built once."""
+        if sliding_window not in self.masks:
+            decode_masks = []
+            for d in self.decodes:
+                k_pos = torch.arange(d.max_len, device=d.seq_lens.device)[None, :]
+                last = (d.seq_lens - 1)[:, None]
+                decode_masks.append(_allowed(last, k_pos, sliding_window)[:, None, None, :])
+            prefill_masks: list[torch.Tensor | None] = []
+            for p in self.prefills:
+                if p.q_len == p.seq_len and sliding_window is None:
+                    # A whole prompt: SDPA's own causal mask, which also skips masked tiles.
+                    prefill_masks.append(None)
+                    continue
+                positions = torch.arange(p.seq_len, device=p.slots.device)
+                q_pos = positions[p.seq_len - p.q_len :, None]
+                prefill_masks.append(_allowed(q_pos, positions[None, :], sliding_window))
+            self.masks[sliding_window] = (decode_masks, prefill_masks)
+        return self.masks[sliding_window]
+
+
+def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -> list[list[int]]:
+    """Split sequences into groups that are each padded to their longest member.
+
+    Minimises ``sum(group size x group's longest length) + overhead x number of groups``: the
+    padded positions a batched attention call computes plus a per-call cost. The optimum
+    groups consecutive lengths in sorted order, so a dynamic programme over the sorted lengths
+    finds it (O(n^2)).
+
+    Args:
+        lengths: context length of each sequence (tokens).
+        overhead: cost of one more group, in positions.
+
+    Returns:
+        Indices into ``lengths``, one list per group, shortest group first.
+    """
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    n = len(order)
+    best = [0] + [float("inf")] * n  # best[j]: cost of grouping the j shortest
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        longest = lengths[order[j - 1]]
+        for i in range(j):
+            cost = best[i] + (j - i) * longest + overhead
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j] : j])
+        j = cut[j]
+    return groups[::-1]
+
+
+def plan_step(attn_metadata: AttentionMetadata, block_size: int) -> StepPlan:
+    """Derive the per-step tensors of :class:`StepPlan` from the batch layout (one host sync).
+
+    Args:
+        attn_metadata: the batch layout.
+        block_size: tokens per cache block.
+    """
+    device = attn_metadata.seq_lens.device
+    starts = attn_metadata.query_start_loc.tolist()
+    seq_lens = attn_metadata.seq_lens.tolist()
+    slot_mapping = attn_metadata.slot_mapping.long()
+    write_rows = None
+    if bool((slot_mapping < 0).any()):
+        write_rows = torch.nonzero(slot_mapping >= 0).flatten()
+        slot_mapping = slot_mapping[write_rows]
+
+    max_len = max(seq_lens)
+    positions = torch.arange(max_len, device=device)
+    tables = attn_metadata.block_tables[:, : -(-max_len // block_size)].long()
+    # [num_seqs, max_len]: slot of every position of every sequence (garbage past the end).
+    all_slots = tables[:, positions // block_size] * block_size + positions % block_size
+
+    decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    decode_plans = []
+    for group in group_by_length([seq_lens[i] for i in decode], GROUP_OVERHEAD_TOKENS):
+        seqs = [decode[g] for g in group]
+        index = torch.tensor(seqs, device=device)
+        lens = attn_metadata.seq_lens[index].long()
+        group_len = max(seq_lens[i] for i in seqs)
+        slots = all_slots[index, :group_len]
+        last = slots.gather(1, (lens - 1)[:, None])
+        slots = torch.where(positions[None, :group_len] < lens[:, None], slots, last)
+        in_order = seqs == list(range(len(seq_lens))) and starts[-1] == len(seqs)
+        rows = None if in_order else torch.tensor([starts[i] for i in seqs], device=device)
+        decode_plans.append(DecodePlan(rows, lens, slots.flatten(), group_len))
+    prefills = [
+        PrefillPlan(starts[i], starts[i + 1] - starts[i], n, all_slots[i, :n])
+        for i, n in enumerate(seq_lens)
+        if starts[i + 1] - starts[i] > 1
+    ]
+    return StepPlan(write_rows, slot_mapping, decode_plans, prefills)
+
+
 class TorchAttentionBackend:
-    """The ``"torch"`` attention backend (see :class:`~kvpilot.engine.attention.backends.AttentionBackend`)."""
+    """The ``"torch"`` attention backend (see :class:`~kvpilot.engine.attention.backends.AttentionBackend`).
+
+    Keeps the :class:`StepPlan` of the last metadata object it saw; a forward pass must not
+    mutate its metadata between layers (the model runner builds a new one every step).
+    """
 
     name = "torch"
+
+    def __init__(self) -> None:
+        self._plan: tuple[AttentionMetadata, StepPlan] | None = None
+
+    def plan(self, attn_metadata: AttentionMetadata, block_size: int) -> StepPlan:
+        """The step plan of ``attn_metadata``, computed on its first layer and then reused."""
+        if self._plan is None or self._plan[0] is not attn_metadata:
+            self._plan = (attn_metadata, plan_step(attn_metadata, block_size))
+        return self._plan[1]
 
     def forward(
         self,
@@ -43,95 +226,58 @@ class TorchAttentionBackend:
     ) -> torch.Tensor:
         """Cache the new K/V, then attend; shapes as in ``AttentionBackend.forward``."""
         k_cache, v_cache = kv_cache
-        reshape_and_cache(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
-        out = torch.empty_like(query)
-        starts = attn_metadata.query_start_loc.tolist()
-        seq_lens = attn_metadata.seq_lens.tolist()
-        decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-        if decode:
-            self._decode(
-                query, k_cache, v_cache, attn_metadata, decode, starts, scale, sliding_window, out
-            )
-        for i, seq_len in enumerate(seq_lens):
-            q_len = starts[i + 1] - starts[i]
-            if q_len > 1:
-                self._prefill(
-                    query,
-                    k_cache,
-                    v_cache,
-                    attn_metadata.block_tables[i],
-                    starts[i],
-                    q_len,
-                    seq_len,
-                    scale,
-                    sliding_window,
-                    out,
-                )
-        return out
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        plan = self.plan(attn_metadata, k_cache.shape[1])
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        if plan.write_rows is not None:
+            key, value = key[plan.write_rows], value[plan.write_rows]
+        k_flat.index_copy_(0, plan.write_slots, key.to(k_cache.dtype))
+        v_flat.index_copy_(0, plan.write_slots, value.to(v_cache.dtype))
 
-    @staticmethod
-    def _prefill(
-        query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_table: torch.Tensor,
-        start: int,
-        q_len: int,
-        seq_len: int,
-        scale: float,
-        sliding_window: int | None,
-        out: torch.Tensor,
-    ) -> None:
-        block_size = k_cache.shape[1]
-        blocks = block_table[: -(-seq_len // block_size)].long()
-        k = k_cache[blocks].flatten(0, 1)[:seq_len]  # [seq_len, num_kv_heads, head_dim]
-        v = v_cache[blocks].flatten(0, 1)[:seq_len]
-        positions = torch.arange(seq_len, device=query.device)
-        mask = _allowed(positions[seq_len - q_len :, None], positions[None, :], sliding_window)
-        o = F.scaled_dot_product_attention(
-            query[start : start + q_len].transpose(0, 1),
-            k.transpose(0, 1),
-            v.transpose(0, 1),
-            attn_mask=mask,
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start : start + q_len] = o.transpose(0, 1)
+        decode_masks, prefill_masks = plan.masks_for(sliding_window)
+        if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
+            return self._decode(query, k_flat, v_flat, plan.decodes[0], decode_masks[0], scale)
+        out = torch.empty_like(query)
+        for d, mask in zip(plan.decodes, decode_masks, strict=True):
+            out[d.rows] = self._decode(query[d.rows], k_flat, v_flat, d, mask, scale)
+        for p, mask in zip(plan.prefills, prefill_masks, strict=True):
+            k = k_flat.index_select(0, p.slots)  # [seq_len, num_kv_heads, head_dim]
+            v = v_flat.index_select(0, p.slots)
+            # 4-D inputs: with 3-D ones PyTorch's CPU dispatch takes the unfused math kernel,
+            # ~3x slower on long prompts.
+            o = F.scaled_dot_product_attention(
+                query[p.start : p.start + p.q_len].transpose(0, 1)[None],
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=mask is None,
+                scale=scale,
+                enable_gqa=True,
+            )
+            out[p.start : p.start + p.q_len] = o[0].transpose(0, 1)
+        return out
 
     @staticmethod
     def _decode(
         query: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        attn_metadata: AttentionMetadata,
-        seqs: list[int],
-        starts: list[int],
+        k_flat: torch.Tensor,
+        v_flat: torch.Tensor,
+        d: DecodePlan,
+        mask: torch.Tensor,
         scale: float,
-        sliding_window: int | None,
-        out: torch.Tensor,
-    ) -> None:
-        block_size = k_cache.shape[1]
-        rows = torch.tensor([starts[i] for i in seqs], device=query.device)
-        index = torch.tensor(seqs, device=query.device)
-        seq_lens = attn_metadata.seq_lens[index].long()  # [batch]
-        max_len = int(seq_lens.max())
-        tables = attn_metadata.block_tables[index, : -(-max_len // block_size)].long()
-        # [batch, max_len, num_kv_heads, head_dim]; slots past a sequence's end hold another
-        # sequence's data or uninitialised memory (possibly NaN), so they are zeroed, not only
-        # masked: NaN * 0 attention weight would still be NaN.
-        k = k_cache[tables].flatten(1, 2)[:, :max_len]
-        v = v_cache[tables].flatten(1, 2)[:, :max_len]
-        k_pos = torch.arange(max_len, device=query.device)[None, :]
-        valid = k_pos < seq_lens[:, None]  # [batch, max_len]
-        k = torch.where(valid[:, :, None, None], k, 0)
-        v = torch.where(valid[:, :, None, None], v, 0)
-        mask = valid & _allowed((seq_lens - 1)[:, None], k_pos, sliding_window)
+    ) -> torch.Tensor:
+        """``query`` ``[num_decodes, num_heads, head_dim]`` -> attention output, same shape."""
+        batch, num_kv_heads, head_dim = len(d.seq_lens), k_flat.shape[1], k_flat.shape[2]
+        # [batch, num_kv_heads, max_len, head_dim], one index_select per cache.
+        k = k_flat.index_select(0, d.slots).view(batch, d.max_len, num_kv_heads, head_dim)
+        v = v_flat.index_select(0, d.slots).view(batch, d.max_len, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
-            query[rows][:, :, None, :],  # [batch, num_heads, 1, head_dim]
+            query[:, :, None, :],  # [batch, num_heads, 1, head_dim]
             k.transpose(1, 2),
             v.transpose(1, 2),
-            attn_mask=mask[:, None, None, :],
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )
-        out[rows] = o[:, :, 0, :]
+        return o[:, :, 0, :]

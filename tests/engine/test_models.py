@@ -13,6 +13,7 @@ import pathlib
 import pytest
 import torch
 import transformers
+
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.model_loader import load_model, load_tokenizer
 
@@ -247,3 +248,23 @@ def test_default_model_greedy_tokens_match_transformers_generate(default_model_d
             eos_token_id=None,
         )[0, len(prompt) :].tolist()
         assert tokens == expected
+
+
+def test_cpu_gemm_linear_matches_float64_and_follows_weight_updates():
+    from kvpilot.engine.layers.cpu_gemm import linear
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(96, 64, generator=gen), requires_grad=False)
+    bias = torch.randn(96, generator=gen)
+    x = torch.randn(2, 5, 64, generator=gen)
+    expected = (x.double() @ weight.double().T + bias.double()).float()
+    torch.testing.assert_close(linear(x, weight, bias), expected, atol=1e-4, rtol=1e-5)
+    # The packed copy must follow in-place updates (weight loading) and replaced storage.
+    with torch.no_grad():
+        weight.mul_(-2)
+    torch.testing.assert_close(linear(x, weight), x @ weight.T, atol=1e-4, rtol=1e-5)
+    weight.data = torch.randn(96, 64, generator=gen)
+    torch.testing.assert_close(linear(x, weight), x @ weight.T, atol=1e-4, rtol=1e-5)
+    # Other dtypes are F.linear's business, bit for bit.
+    x16, w16 = x.bfloat16(), weight.detach().bfloat16()
+    assert torch.equal(linear(x16, w16), torch.nn.functional.linear(x16, w16))

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
+
+from kvpilot.engine.attention import AttentionMetadata, get_attention_backend, torch_backend
+from kvpilot.engine.attention.torch_backend import group_by_length
 from kvpilot.kernels.reference import reshape_and_cache, unified_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 32
@@ -18,7 +22,8 @@ def make_batch(dtype: torch.dtype, seed: int = 0):
     shape = (NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    # Blocks no sequence owns hold NaN: reading them must not leak into any output.
+    # Blocks no sequence owns, and the slots of owned blocks past a sequence's end (stale K/V of
+    # an earlier request), hold NaN: reading them must not leak into any output.
     owned = set()
     tables, slots, starts, seq_lens = [], [], [0], []
     for cached, new in BATCH:
@@ -29,6 +34,8 @@ def make_batch(dtype: torch.dtype, seed: int = 0):
             table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(cached, total)
         ]
         tables.append(table)
+        k_cache[table[-1], total % BLOCK_SIZE or BLOCK_SIZE :] = float("nan")
+        v_cache[table[-1], total % BLOCK_SIZE or BLOCK_SIZE :] = float("nan")
         starts.append(starts[-1] + new)
         seq_lens.append(total)
     for block in set(range(NUM_BLOCKS)) - owned:
@@ -50,8 +57,11 @@ def make_batch(dtype: torch.dtype, seed: int = 0):
     return q, k, v, k_cache, v_cache, metadata
 
 
+@pytest.mark.parametrize("group_overhead", [torch_backend.GROUP_OVERHEAD_TOKENS, 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_matches_the_kernel_reference(dtype):
+def test_matches_the_kernel_reference(dtype, group_overhead, monkeypatch):
+    # Overhead 0 puts decodes of different lengths in separate groups.
+    monkeypatch.setattr(torch_backend, "GROUP_OVERHEAD_TOKENS", group_overhead)
     q, k, v, k_cache, v_cache, md = make_batch(dtype)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
     reshape_and_cache(k, v, ref_k, ref_v, md.slot_mapping)
@@ -94,6 +104,42 @@ def test_sliding_window_matches_dense_attention():
                 scores = keys[lo : pos + 1, kv] @ q[starts[i] + j, h] * 0.25
                 expected = scores.softmax(0) @ values[lo : pos + 1, kv]
                 torch.testing.assert_close(out[starts[i] + j, h], expected, atol=1e-5, rtol=0)
+
+
+def test_decode_groups_are_padded_per_group_and_shortest_first():
+    plan = torch_backend.plan_step(make_batch(torch.float32)[-1], BLOCK_SIZE)
+    # Decodes of 10, 2 and 15 tokens: one group at the default overhead, padded to 15.
+    assert [d.max_len for d in plan.decodes] == [15]
+    assert plan.decodes[0].seq_lens.tolist() == [2, 10, 15]
+    assert plan.decodes[0].rows.tolist() == [11, 0, 12]
+    assert [(p.start, p.q_len, p.seq_len) for p in plan.prefills] == [(1, 6, 6), (7, 4, 9)]
+
+
+def brute_force_grouping_cost(lengths: list[int], overhead: int) -> int:
+    ordered = sorted(lengths)
+    best = None
+    for cuts in itertools.product([False, True], repeat=len(ordered) - 1):
+        cost, size = 0, 1
+        for i, cut in enumerate([*cuts, True]):
+            if cut:
+                cost += size * ordered[i] + overhead
+                size = 0
+            size += 1
+        best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("overhead", [0, 5, 50])
+def test_group_by_length_finds_the_cheapest_grouping(overhead):
+    gen = torch.Generator().manual_seed(overhead)
+    for n in range(1, 8):
+        lengths = torch.randint(1, 60, (n,), generator=gen).tolist()
+        groups = group_by_length(lengths, overhead)
+        assert sorted(i for g in groups for i in g) == list(range(n))
+        cost = sum(len(g) * max(lengths[i] for i in g) + overhead for g in groups)
+        assert cost == brute_force_grouping_cost(lengths, overhead)
+        longest = [max(lengths[i] for i in g) for g in groups]
+        assert longest == sorted(longest)
 
 
 def test_unknown_backend_is_named():
