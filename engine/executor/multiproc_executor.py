@@ -175,8 +175,11 @@ class MultiprocExecutor(Executor):
                     except (EOFError, OSError):
                         self._fail(_death_message(rank, self._procs[rank], method))
                     if status == "error":
+                        # A peer's death surfaces in the survivors as a collective error
+                        # ("connection reset"): name the dead rank, the root cause, first.
                         self._fail(
-                            f"tensor-parallel worker rank {rank} failed during {method}:\n{value}"
+                            self._dead_worker_message(method)
+                            or f"tensor-parallel worker rank {rank} failed during {method}:\n{value}"
                         )
                     results[rank] = value
                     del pending[rank]
@@ -184,6 +187,13 @@ class MultiprocExecutor(Executor):
                 if sentinel in ready and rank in pending:
                     self._fail(_death_message(rank, self._procs[rank], method))
         return results
+
+    def _dead_worker_message(self, method: str) -> str | None:
+        """The death message of the first worker process that has exited, if any."""
+        for rank, proc in enumerate(self._procs):
+            if not proc.is_alive():
+                return _death_message(rank, proc, method)
+        return None
 
     def _fail(self, message: str) -> None:
         """Record the failure, stop every worker, raise."""

@@ -139,7 +139,9 @@ def create_app(
         try:
             await ready_state().engine.check_health()
         except EngineDeadError as exc:
-            raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"the engine is dead: {exc}") from None
+            raise OpenAIError(
+                HTTPStatus.SERVICE_UNAVAILABLE, f"the engine is dead: {exc}"
+            ) from None
         return Response(status_code=200)
 
     @app.get("/version")
