@@ -23,14 +23,14 @@ shared machine the CPU time counts only this process's work). Numbers go to docs
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
-import platform
 import sys
 import tempfile
 import time
 
 import torch
+
+from kvpilot.machine import describe_machine
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,17 +47,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    return f"{cpu}, {os.cpu_count()} logical cores{gpu}, torch {torch.__version__}"
 
 
 def build_adapters(model_dir: pathlib.Path, root: pathlib.Path, count: int, rank: int) -> list:
@@ -109,7 +98,7 @@ def main() -> None:
     from kvpilot.engine.model_loader import resolve_model
 
     print("command:", " ".join([sys.executable, *sys.argv]))
-    print("machine:", machine())
+    print("machine:", describe_machine())
     print(f"threads: {torch.get_num_threads()}")
     model_dir = resolve_model(args.model)
     generator = torch.Generator().manual_seed(args.seed)

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import shlex
 import sys
@@ -38,6 +37,8 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 import numpy as np
+
+from kvpilot.machine import describe_machine
 
 
 @dataclass
@@ -252,20 +253,10 @@ def summarize(
     return out
 
 
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}"
-
-
 def report(args: argparse.Namespace, summary: dict[str, float], errors: list[str]) -> str:
     lines = [
         f"command: {shlex.join([sys.executable, *sys.argv])}",
-        f"machine: {machine()}",
+        f"machine: {describe_machine()}",
         f"server: {args.label or args.base_url}",
         f"load: {args.num_prompts} prompts, input {args.random_input_len}, output "
         f"{args.random_output_len} tokens, rate {args.request_rate}/s, max concurrency "

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
 import torch
 from tqdm.auto import tqdm
+
+from kvpilot.machine import describe_machine
 
 
 class Timer:
@@ -75,16 +76,6 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     return parser.parse_args()
-
-
-def machine() -> str:
-    cpu = platform.processor() or "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{cpu}, {os.cpu_count()} logical cores, {platform.system()} {platform.release()}, torch {torch.__version__}"
 
 
 def matmul_peak_flops(n: int = 2048, reps: int = 5) -> dict[str, float]:
@@ -219,7 +210,7 @@ def main() -> None:
     from kvpilot.engine.model_loader import resolve_model
 
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
-    print(f"machine: {machine()}")
+    print(f"machine: {describe_machine()}")
     print(f"threads: {torch.get_num_threads()} (torch.set_num_threads, every system)")
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     peaks = matmul_peak_flops()
