@@ -451,6 +451,10 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a dict, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt is empty")
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer raises TypeError
+            raise ValueError(f"prompt is not valid Unicode text ({exc.reason})") from None
         return prompt, self._check_prompt(self.tokenizer.encode(prompt))
 
     def _check_prompt(self, token_ids: list[int]) -> list[int]:

@@ -15,7 +15,7 @@ import pathlib
 import sys
 
 from kvpilot.operator.gpus import CATALOGUE, CPU, CUSTOM
-from kvpilot.operator.spec import DTYPES
+from kvpilot.operator.spec import DTYPES, SpecError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +105,9 @@ def _model_dict(model: str | None, revision: str | None) -> dict:
         return {**out, "config": json.loads(path.read_text())}
     if path.exists():
         return {**out, "source": f"file://{path.resolve()}"}
+    if path.suffix in (".json", ".gguf") or model.startswith(("/", ".", "~")):
+        # A local path with a typo, not a hub id to fetch (with retries) from the network.
+        raise SpecError("model", f"{model}: no such file or folder")
     return {**out, "source": f"hf://{model}"}
 
 

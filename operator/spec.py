@@ -279,7 +279,7 @@ def parse_spec(spec: dict[str, Any]) -> LLMDeploymentSpec:
             "spec.resources.limits.memory",
             "required in CPU mode (no spec.gpu): the planner sizes the KV cache from it",
         )
-    return LLMDeploymentSpec(
+    parsed = LLMDeploymentSpec(
         model=_model(r.child("model")),
         engine=_engine(r.child("engine")),
         gpu=gpu,
@@ -296,6 +296,12 @@ def parse_spec(spec: dict[str, Any]) -> LLMDeploymentSpec:
         model_cache=_model_cache(r.child("modelCache")),
         adapters=_adapters(r),
     )
+    if gpu is None and not parsed.memory_limit_bytes:
+        raise SpecError(
+            "spec.resources.limits.memory",
+            "must be more than 0 in CPU mode (no spec.gpu): the planner sizes the KV cache from it",
+        )
+    return parsed
 
 
 def _model(r: _Reader | None) -> ModelSource:

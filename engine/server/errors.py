@@ -96,7 +96,19 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers 400 for invalid parameters, not FastAPI's default 422.
         first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            # loc is ("body", <character position>): not a parameter.
+            position = first.get("loc", (None, None))[-1]
+            reason = first.get("ctx", {}).get("error", "JSON decode error")
+            return error_response(
+                HTTPStatus.BAD_REQUEST,
+                f"the request body is not valid JSON: {reason} at character {position}",
+            )
         loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if not loc and first.get("type") == "missing":
+            return error_response(
+                HTTPStatus.BAD_REQUEST, "the request body is missing: send a JSON object"
+            )
         param = loc[0] if loc else None
         message = first.get("msg", "invalid request")
         if message.startswith("Value error, "):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -179,6 +179,19 @@ class ChatMessage(OpenAIModel):
     content: str | list[TextContentPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _check_content_parts(cls, content: Any) -> Any:
+        # Name the unsupported part (image_url, input_audio, file, ...) instead of pydantic's
+        # "Input should be a valid string" from the union's first member.
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind is not None and kind != "text":
+                raise ValueError(
+                    f"Content part type {kind!r} is not supported: only 'text' parts are"
+                )
+        return content
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
@@ -197,11 +210,26 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # Accepted only in their no-op forms: silently ignoring JSON mode or tools would hand the
+    # client free text where it expects JSON or a tool call.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any = None
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
+        kind = (self.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise ValueError(
+                f"response_format: type {kind!r} is not supported (structured output is not "
+                "implemented); only 'text' is"
+            )
+        if self.tools and self.tool_choice != "none":
+            raise ValueError(
+                "tools: tool calling is not supported; send no tools or tool_choice 'none'"
+            )
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError(
                 "continue_final_message: cannot be combined with add_generation_prompt"

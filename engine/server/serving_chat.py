@@ -108,7 +108,7 @@ class OpenAIServingChat(OpenAIServing):
             raise bad_request(
                 f"messages: the chat template refused them: {exc}", "messages"
             ) from None
-        token_ids = self.tokenizer.encode(text, add_special_tokens=False)
+        token_ids = self.encode(text, "messages", add_special_tokens=False)
         if not token_ids:
             raise bad_request("messages: the rendered prompt is empty", "messages")
         return token_ids

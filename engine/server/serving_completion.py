@@ -94,7 +94,7 @@ class OpenAIServingCompletion(OpenAIServing):
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt: must not be empty", "prompt")
-            return _Prompt(prompt, self.tokenizer.encode(prompt))
+            return _Prompt(prompt, self.encode(prompt, "prompt"))
         if not prompt:
             raise bad_request("prompt: a token id list must not be empty", "prompt")
         self.check_token_ids(prompt, "prompt")

@@ -84,6 +84,22 @@ class OpenAIServing:
                 param,
             )
 
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenize ``text`` from the request.
+
+        Raises:
+            OpenAIError: 400 naming ``param`` when ``text`` is not valid Unicode (a lone
+                surrogate such as ``"\\ud800"``, which JSON allows and the tokenizer refuses).
+        """
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise bad_request(
+                f"{param}: the text is not valid Unicode ({exc.reason})",
+                param,
+            ) from None
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
         """The output limit: ``requested`` or all room left, checked against ``max_model_len``.
 

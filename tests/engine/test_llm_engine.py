@@ -243,6 +243,7 @@ def small_llm(llama_dir) -> LLM:
         ({"prompt_token_ids": list(range(3, 68))}, None, "longer than max_model_len"),
         ({"prompt_token_ids": []}, None, "prompt is empty"),
         ("", None, "prompt is empty"),
+        ("\ud800 x", None, "not valid Unicode"),
         ({"prompt_token_ids": [5, 49152]}, None, "outside the vocabulary"),
         ({"prompt_token_ids": [5, "x"]}, None, "list of integers"),
         ({"tokens": [5]}, None, "'prompt' or 'prompt_token_ids'"),

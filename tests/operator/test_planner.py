@@ -248,3 +248,20 @@ def test_plan_cli_reports_why_it_cannot_plan(capsys):
     assert "UnsupportedArchitecture" in capsys.readouterr().err
     assert run_plan_cli(str(CONFIGS / "Meta-Llama-3-8B.json"), "--gpu", "custom") == 2
     assert "spec.gpu.memoryGiB" in capsys.readouterr().err
+
+
+def test_plan_cli_refuses_a_missing_local_file_and_a_zero_memory_limit(capsys, monkeypatch):
+    # A mistyped path was fetched from the Hub as hf://<path> (network retries, then a
+    # confusing error); a zero memory limit was a ValueError traceback from the planner.
+    import huggingface_hub
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("a local path must not be looked up on the Hub")
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", no_network)
+    assert run_plan_cli("no/such/config.json", "--gpu", "L4") == 2
+    assert "no/such/config.json: no such file or folder" in capsys.readouterr().err
+    assert run_plan_cli("./no-such-model", "--gpu", "L4") == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert run_plan_cli("--gpu", "cpu", "--memory", "0") == 2
+    assert "spec.resources.limits.memory: must be more than 0" in capsys.readouterr().err

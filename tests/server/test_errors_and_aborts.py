@@ -87,6 +87,8 @@ CHAT = "/v1/chat/completions"
         (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
         (CHAT, chat(messages=[{"role": "user", "content": "hi " * 300}]), "messages"),
         (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens"),
+        (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+        (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ],
 )
 def test_invalid_parameters_get_400_with_openai_error_body(http, path, body, param):
@@ -104,8 +106,44 @@ def test_malformed_json_is_a_400(http):
         COMPLETIONS, content=b"{not json", headers={"Content-Type": "application/json"}
     )
     assert response.status_code == 400
-    assert response.json()["error"]["type"] == "BadRequestError"
+    error = response.json()["error"]
+    assert error["type"] == "BadRequestError"
+    # Not FastAPI's loc ("body", <character position>) as if the position were a parameter.
+    assert error["param"] is None
+    assert error["message"].startswith("the request body is not valid JSON")
+    empty = http.post(COMPLETIONS, content=b"", headers={"Content-Type": "application/json"})
+    assert empty.status_code == 400
+    assert empty.json()["error"]["message"] == "the request body is missing: send a JSON object"
     assert_still_serving(http)
+
+
+@pytest.mark.parametrize(
+    ("path", "raw", "param"),
+    [
+        (COMPLETIONS, '{"prompt": "\\ud800 x", "max_tokens": 3}', "prompt"),
+        (COMPLETIONS, '{"prompt": ["ok", "\\udfff"], "max_tokens": 3}', "prompt"),
+        (
+            CHAT,
+            '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 3}',
+            "messages",
+        ),
+    ],
+)
+def test_text_with_a_lone_surrogate_is_a_400(http, path, raw, param):
+    # JSON allows "\ud800" but the tokenizer refuses it: this was a 500 (TypeError).
+    response = http.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert "not valid Unicode" in error["message"]
+    assert_still_serving(http)
+
+
+def test_unsupported_content_part_is_named(http):
+    parts = [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]
+    response = http.post(CHAT, json=chat(messages=[{"role": "user", "content": parts}]))
+    assert response.status_code == 400, response.text
+    assert "'image_url' is not supported" in response.json()["error"]["message"]
 
 
 def test_openai_client_sees_bad_request_and_not_found(server, api_key, http):
