@@ -227,6 +227,12 @@ def plan(
             raise PlanError("InvalidTensorParallelSize", "CPU mode runs one process: TP must be 1")
         utilization = None
         budget = memory_bytes - CPU_RUNTIME_BYTES
+        if budget <= 0:
+            raise PlanError(
+                "ModelTooLarge",
+                f"the memory limit {_gib(memory_bytes)} does not cover the engine's CPU runtime "
+                f"({_gib(CPU_RUNTIME_BYTES)}) before weights and KV cache: raise it",
+            )
     else:
         seqs = max_num_seqs or GPU_MAX_NUM_SEQS
         batched = max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS

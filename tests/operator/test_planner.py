@@ -186,6 +186,14 @@ def test_cpu_mode_is_one_process():
         plan(spec("SmolLM2-135M-Instruct"), gpu=None)
 
 
+def test_a_cpu_limit_below_the_runtime_names_the_runtime_not_a_negative_budget():
+    with pytest.raises(PlanError) as caught:
+        plan(spec("SmolLM2-135M-Instruct"), gpu=None, memory_bytes=100 * MiB)
+    assert caught.value.reason == "ModelTooLarge"
+    assert "does not cover the engine's CPU runtime" in caught.value.message
+    assert "-" not in caught.value.message.split("runtime")[0]
+
+
 def test_explicit_utilization_and_custom_gpu():
     p = plan(spec("Meta-Llama-3-8B"), gpu=L4, gpu_memory_utilization=0.95)
     blocks = (int(23_034 * MiB * 0.95) - LLAMA3_8B_WEIGHTS - LLAMA3_8B_RESERVE) // (131_072 * 16)
