@@ -25,7 +25,11 @@ from aiohttp import web
 
 from kvpilot.operator import manifests
 from tests.operator.emulator import (
+    DEPLOYMENTS,
+    EVENTS,
+    LLMD,
     OPERATOR_TOKEN,
+    SERVICES,
     create_ready_pod,
     operator_process,
     running_emulator,
@@ -35,11 +39,7 @@ from tests.operator.emulator import (
 pytestmark = pytest.mark.slow
 
 ROOT = pathlib.Path(__file__).parents[2]
-LLMD = ("kvpilot.dev", "v1alpha1", "llmdeployments")
-EVENTS = ("", "v1", "events")
-DEPLOYMENTS = ("apps", "v1", "deployments")
 PODS = ("", "v1", "pods")
-SERVICES = ("", "v1", "services")
 NAMESPACE = "default"
 SCALING_REASONS = {
     "ScaleUp",

@@ -7,20 +7,16 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
+from tests.engine.helpers import tokens
 
 PROMPT_LEN = 20
 DECODERS = 2
 LONG = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 # The decoders outlive the slowest prefill (one-token chunks).
 DECODE = SamplingParams(temperature=0, max_tokens=PROMPT_LEN + 4, ignore_eos=True)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,8 @@ import torch
 import transformers
 
 from kvpilot.engine import LLM, SamplingParams
-from kvpilot.engine.llm_engine import LLMEngine
+from tests.engine.helpers import NEW_TOKENS, assert_no_leak, generate_ids, greedy
 
-NEW_TOKENS = 24
 # K and V of the tiny test models: 2 layers x 2 KV heads x head_dim 16, float32.
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
 # Lengths around block boundaries of 8, 16 and 32.
@@ -46,23 +45,6 @@ def hf_greedy(
         )[0, len(p) :].tolist()
         for p in prompts
     ]
-
-
-def greedy(max_tokens: int = NEW_TOKENS, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def generate_ids(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def assert_no_leak(engine: LLMEngine) -> None:
-    pool = engine.kv_cache_manager.block_pool
-    assert not engine.has_unfinished_requests()
-    assert pool.get_num_free_blocks() == pool.num_blocks
-    assert all(block.ref_cnt == 0 for block in pool.blocks)
-    assert engine.get_stats().kv_cache_usage == 0.0
 
 
 @pytest.fixture(scope="module")

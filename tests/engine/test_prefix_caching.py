@@ -7,19 +7,15 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
+from tests.engine.helpers import tokens
 
 BS = 8
 # K and V of the tiny test model: 2 layers x 2 KV heads x head_dim 16, float32.
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
 PARAMS = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], salt: str | None = None) -> list:

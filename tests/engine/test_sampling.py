@@ -6,15 +6,11 @@ from __future__ import annotations
 import math
 
 import pytest
-import torch
 
 from kvpilot.engine import LLM, SamplingParams
+from tests.engine.helpers import tokens
 
 MAX_TOKENS = 10
-
-
-def tokens(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 49152, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="module")

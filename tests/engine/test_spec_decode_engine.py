@@ -13,8 +13,8 @@ import torch
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.llm_engine import LLMEngine
+from tests.engine.helpers import NEW_TOKENS, assert_no_leak, generate_ids, greedy
 
-NEW_TOKENS = 24
 NGRAM = {
     "method": "ngram",
     "num_speculative_tokens": 3,
@@ -31,22 +31,6 @@ def repetitive_prompts(seed: int = 0) -> list[list[int]]:
     prompts = [phrase * 3, phrase * 2 + phrase[:3], phrase[:2] * 4 + [7]]
     prompts += [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in (1, 8, 17)]
     return prompts
-
-
-def greedy(max_tokens: int = NEW_TOKENS, **kwargs) -> SamplingParams:
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kwargs)
-
-
-def token_ids(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    return [o.outputs[0].token_ids for o in outputs]
-
-
-def assert_no_leak(engine: LLMEngine) -> None:
-    pool = engine.kv_cache_manager.block_pool
-    assert not engine.has_unfinished_requests()
-    assert pool.get_num_free_blocks() == pool.num_blocks
-    assert all(block.ref_cnt == 0 for block in pool.blocks)
 
 
 def assert_counters_consistent(engine: LLMEngine) -> None:
@@ -77,13 +61,13 @@ def prompts() -> list[list[int]]:
 def reference(llama_dir, prompts) -> list[list[int]]:
     """Plain greedy decoding (itself checked against transformers by test_llm_engine)."""
     llm = LLM(str(llama_dir), block_size=8, enable_prefix_caching=False)
-    return token_ids(llm, prompts, greedy())
+    return generate_ids(llm, prompts, greedy())
 
 
 @pytest.mark.parametrize("max_num_seqs", [1, 3, 8])
 def test_ngram_greedy_matches_plain_decoding(llama_dir, prompts, reference, max_num_seqs):
     llm = LLM(str(llama_dir), block_size=8, max_num_seqs=max_num_seqs, speculative_config=NGRAM)
-    assert token_ids(llm, prompts, greedy()) == reference
+    assert generate_ids(llm, prompts, greedy()) == reference
     assert_no_leak(llm.llm_engine)
     assert_counters_consistent(llm.llm_engine)
 
@@ -120,10 +104,10 @@ def test_ngram_under_preemption_and_prefix_cache_hits(llama_dir, prompts, refere
         enable_prefix_caching=True,
         speculative_config=NGRAM,
     )
-    assert token_ids(llm, prompts, greedy()) == reference
+    assert generate_ids(llm, prompts, greedy()) == reference
     assert llm.llm_engine.get_stats().num_preemptions_total > 0
     # Again: the prompts' blocks are now cached.
-    assert token_ids(llm, prompts, greedy()) == reference
+    assert generate_ids(llm, prompts, greedy()) == reference
     assert llm.llm_engine.get_stats().prefix_cache_hits_total > 0
     assert_no_leak(llm.llm_engine)
 
@@ -202,7 +186,7 @@ def test_draft_model_identical_to_target_accepts_everything(llama_dir, prompts, 
             "num_speculative_tokens": 3,
         },
     )
-    assert token_ids(llm, prompts, greedy()) == reference
+    assert generate_ids(llm, prompts, greedy()) == reference
     stats = llm.llm_engine.get_stats().spec_decode
     assert stats.num_draft_tokens > 0
     assert stats.num_accepted_tokens == stats.num_draft_tokens
@@ -227,7 +211,7 @@ def test_draft_model_with_other_weights_under_preemption(
         },
     )
     assert llm.llm_engine.cache_config.num_blocks == 14
-    assert token_ids(llm, prompts, greedy()) == reference
+    assert generate_ids(llm, prompts, greedy()) == reference
     assert llm.llm_engine.get_stats().num_preemptions_total > 0
     stats = llm.llm_engine.get_stats().spec_decode
     assert stats.num_draft_tokens > stats.num_accepted_tokens
@@ -331,7 +315,7 @@ def test_counters_are_exported_with_vllm_names(llama_dir, prompts):
     from kvpilot.engine.metrics import PrometheusStatLogger
 
     llm = LLM(str(llama_dir), block_size=8, speculative_config=NGRAM)
-    token_ids(llm, prompts, greedy())
+    generate_ids(llm, prompts, greedy())
     stats = llm.llm_engine.get_stats()
     registry = CollectorRegistry()
     logger = PrometheusStatLogger("tiny", registry, 2048, {"block_size": 8})
@@ -358,7 +342,7 @@ def test_ngram_with_tensor_parallelism(llama_dir, prompts, reference):
     """Two ranks (gloo on CPU): each rank verifies the same drafts with the same generators."""
     llm = LLM(str(llama_dir), block_size=8, tensor_parallel_size=2, speculative_config=NGRAM)
     try:
-        assert token_ids(llm, prompts, greedy()) == reference
+        assert generate_ids(llm, prompts, greedy()) == reference
         assert_counters_consistent(llm.llm_engine)
     finally:
         llm.llm_engine.shutdown()

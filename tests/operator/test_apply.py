@@ -18,10 +18,9 @@ from kvpilot.operator.apply import (
     removals,
     with_retries,
 )
-from tests.operator.emulator import running_emulator
+from tests.operator.emulator import SERVICES, running_emulator
 
 CONFIGMAPS = ("", "v1", "configmaps")
-SERVICES = ("", "v1", "services")
 
 
 @pytest.fixture(scope="module")

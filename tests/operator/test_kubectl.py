@@ -15,6 +15,8 @@ import pytest
 import yaml
 
 from tests.operator.emulator import (
+    DEPLOYMENTS,
+    LLMD,
     OPERATOR_TOKEN,
     ApiError,
     operator_process,
@@ -24,8 +26,6 @@ from tests.operator.emulator import (
 )
 
 ROOT = pathlib.Path(__file__).parents[2]
-LLMD = ("kvpilot.dev", "v1alpha1", "llmdeployments")
-DEPLOYMENTS = ("apps", "v1", "deployments")
 KUBECTL = shutil.which("kubectl")
 
 pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installed")

@@ -18,7 +18,12 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.operator.emulator import (
+    DEPLOYMENTS,
+    EVENTS,
+    LLMD,
     OPERATOR_TOKEN,
+    PDBS,
+    SERVICES,
     ApiError,
     operator_process,
     running_emulator,
@@ -28,11 +33,6 @@ from tests.operator.emulator import (
 
 ROOT = pathlib.Path(__file__).parents[2]
 CONFIGS = pathlib.Path(__file__).parent / "configs"
-LLMD = ("kvpilot.dev", "v1alpha1", "llmdeployments")
-DEPLOYMENTS = ("apps", "v1", "deployments")
-SERVICES = ("", "v1", "services")
-PDBS = ("policy", "v1", "poddisruptionbudgets")
-EVENTS = ("", "v1", "events")
 CHILDREN = (DEPLOYMENTS, SERVICES, PDBS)
 WRITES = {"create", "update", "patch", "delete"}
 

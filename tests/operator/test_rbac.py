@@ -19,6 +19,8 @@ import pytest
 import yaml
 
 from tests.operator.emulator import (
+    DEPLOYMENTS,
+    LLMD,
     OPERATOR_TOKEN,
     ApiCall,
     ApiError,
@@ -32,8 +34,6 @@ ROOT = pathlib.Path(__file__).parents[2]
 CHART = ROOT / "charts" / "kvpilot"
 HELM = ROOT / ".tools" / "bin" / "helm"
 CONFIGS = pathlib.Path(__file__).parent / "configs"
-LLMD = ("kvpilot.dev", "v1alpha1", "llmdeployments")
-DEPLOYMENTS = ("apps", "v1", "deployments")
 SECRETS = ("", "v1", "secrets")
 CLAIMS = ("", "v1", "persistentvolumeclaims")
 

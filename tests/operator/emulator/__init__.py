@@ -33,10 +33,16 @@ from .harness import (
     settled,
     wait_for,
 )
+from .resources import DEPLOYMENTS, EVENTS, LLMD, PDBS, SERVICES
 from .server import ApiCall, KubeEmulator
 from .store import ApiError, ObjectStore
 
 __all__ = [
+    "DEPLOYMENTS",
+    "EVENTS",
+    "LLMD",
+    "PDBS",
+    "SERVICES",
     "ADMIN_TOKEN",
     "OPERATOR_TOKEN",
     "ApiCall",

@@ -11,6 +11,13 @@ from typing import Any
 
 import kmock
 
+# (group, version, plural) of the types the operator's tests read and write.
+LLMD = ("kvpilot.dev", "v1alpha1", "llmdeployments")
+DEPLOYMENTS = ("apps", "v1", "deployments")
+SERVICES = ("", "v1", "services")
+PDBS = ("policy", "v1", "poddisruptionbudgets")
+EVENTS = ("", "v1", "events")
+
 # Built-in workload types that expose /scale, and where Kubernetes reads the numbers from.
 _BUILTIN_SCALE = {
     ("apps", "deployments"),

@@ -18,12 +18,11 @@ from tests.operator.emulator.patches import (
     merge_patch,
     strategic_merge_patch,
 )
+from tests.operator.emulator.resources import DEPLOYMENTS, LLMD
 from tests.operator.emulator.selectors import label_selector
 from tests.operator.emulator.tables import human_age, jsonpath
 
 CRD_PATH = pathlib.Path(__file__).parents[3] / "crds" / "llmdeployment.yaml"
-DEPLOYMENTS = ("apps", "v1", "deployments")
-LLMD = ("kvpilot.dev", "v1alpha1", "llmdeployments")
 
 
 def deployment(name: str, replicas: int = 1, labels: dict[str, str] | None = None) -> dict:
