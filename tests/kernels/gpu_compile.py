@@ -196,9 +196,15 @@ def main(capability: int) -> None:
     }
     for (module, name), recorder in recorders.items():
         setattr(module, name, recorder)
-    for case, call in _cases():
+    compile_recorded(_cases(), {name: rec for (_, name), rec in recorders.items()}, capability)
+
+
+def compile_recorded(cases, recorders: dict, capability: int) -> None:
+    """Run each ``(case, call)``, then compile every launch the ``recorders`` (kernel name ->
+    recorder) captured for ``capability`` and print one JSON line per launch."""
+    for case, call in cases:
         call()
-        for (_, name), recorder in recorders.items():
+        for name, recorder in recorders.items():
             for args, kwargs in recorder.launches:
                 result = {"kernel": name, "case": case, "ok": True, "error": ""}
                 result.update(shared_bytes=0, registers=-1, spill_bytes=0)

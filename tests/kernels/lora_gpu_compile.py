@@ -7,7 +7,6 @@ Run as a script with ``TRITON_INTERPRET=0``; prints one JSON object per launch, 
 
 from __future__ import annotations
 
-import json
 import pathlib
 import sys
 
@@ -15,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
-from gpu_compile import _Recorder, compile_launch  # noqa: E402
+from gpu_compile import _Recorder, compile_recorded  # noqa: E402
 
 from kvpilot.kernels import lora_expand, lora_shrink  # noqa: E402
 
@@ -50,18 +49,7 @@ def main(capability: int) -> None:
     ):
         recorders[name] = _Recorder(getattr(module, name))
         setattr(module, name, recorders[name])
-    for case, call in _cases():
-        call()
-        for name, recorder in recorders.items():
-            for args, kwargs in recorder.launches:
-                result = {"kernel": name, "case": case, "ok": True, "error": ""}
-                result.update(shared_bytes=0, registers=-1, spill_bytes=0)
-                try:
-                    result.update(compile_launch(recorder.fn, args, kwargs, capability))
-                except Exception as exc:  # report every failure, keep compiling the rest
-                    result.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
-                print(json.dumps(result), flush=True)
-            recorder.launches.clear()
+    compile_recorded(_cases(), recorders, capability)
 
 
 if __name__ == "__main__":
