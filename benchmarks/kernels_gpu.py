@@ -10,8 +10,9 @@
    batch >= 32 and context >= 4k.
 3. Prefill attention: TFLOP/s (causal, ``2 * L^2 * heads * head_dim`` FLOPs per sequence of L
    tokens) beside SDPA (contiguous) and ``flex_attention`` on the same paged layout.
-4. End to end: the engine's greedy tokens in bfloat16 with the Triton backend against
-   transformers' ``generate()`` on the same model.
+4. End to end: the engine's greedy tokens in bfloat16 with the Triton backend (attention,
+   RMSNorm with the fused residual add, rotary embedding and SiLU-and-mul all in the Triton
+   kernels) against transformers' ``generate()`` on the same model.
 
 Timing uses CUDA events around each call, replayed from a CUDA graph (as the engine would run
 it) so host-side launch cost is not counted, with the L2 cache flushed before it (so small
@@ -761,10 +762,15 @@ def prefill_config_sweep(bench: Bench, shapes: Shapes, dtype: torch.dtype) -> li
 
 
 def end_to_end(model: str | None, new_tokens: int = 32) -> dict:
-    """Greedy tokens of the engine (Triton backend, bf16) and of transformers on one model."""
+    """Greedy tokens of the engine (Triton backend, bf16) and of transformers on one model.
+
+    ``layer_kernels`` names the implementations the model's norms, activations and rotary
+    embedding ran (``["triton"]`` when every layer ran its Triton kernel).
+    """
     import transformers
 
     from kvpilot.engine import LLM, SamplingParams
+    from kvpilot.engine.layers.custom_op import CustomOp
     from kvpilot.engine.model_loader import resolve_model
 
     model_dir = resolve_model(model)
@@ -784,7 +790,9 @@ def end_to_end(model: str | None, new_tokens: int = 32) -> dict:
         [{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False
     )
     ours = [list(o.outputs[0].token_ids) for o in outputs]
-    del llm
+    model = llm.llm_engine.model_runner.model
+    layer_kernels = sorted({m.kernel_backend for m in model.modules() if isinstance(m, CustomOp)})
+    del llm, model
     gc.collect()
     torch.cuda.empty_cache()
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda()
@@ -806,6 +814,7 @@ def end_to_end(model: str | None, new_tokens: int = 32) -> dict:
         "model": str(model_dir.name),
         "prompts": len(prompts),
         "new_tokens": new_tokens,
+        "layer_kernels": ",".join(layer_kernels),
         "identical_sequences": sum(d is None for d in first_diff),
         "first_divergence": str(first_diff),
     }

@@ -255,7 +255,8 @@ class EngineArgs:
             "--attention-backend",
             default=None,
             choices=ATTENTION_BACKENDS,
-            help="attention implementation (default: torch on CPU, triton on GPU)",
+            help="attention implementation, also used by the norm, rotary and activation layers "
+            "(default: torch on CPU, triton on GPU)",
         )
         group.add_argument(
             "--served-model-name",

@@ -68,7 +68,10 @@ def rms_norm(
     rows = x.reshape(-1, hidden)
     out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
     res_rows = rows if residual is None else residual.reshape(-1, hidden)
-    new_residual = torch.empty_like(x) if residual is not None else out
+    # Row-major like `out`, as the kernel writes both (empty_like keeps a permuted x's strides).
+    new_residual = (
+        torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else out
+    )
     if rows.shape[0] and hidden:
         _rms_norm_kernel[(rows.shape[0],)](
             rows,

@@ -28,7 +28,8 @@ class WorkerConfig:
         model_dir: a resolved model folder (config.json, safetensors).
         dtype: parameter, activation and KV cache dtype.
         device: ``cpu``, or ``cuda`` (rank ``r`` then uses ``cuda:r``).
-        attention_backend: ``"torch"`` or ``"triton"``.
+        attention_backend: ``"torch"`` or ``"triton"`` (attention, and the norm, rotary and
+            activation layers).
         block_size: tokens per KV cache block.
         seed: the sampler seed for requests without their own.
         eos_token_ids: token ids that end generation (masked before ``min_tokens``).

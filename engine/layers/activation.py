@@ -3,14 +3,28 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-from torch import nn
+
+from kvpilot.engine.layers.custom_op import CustomOp
+from kvpilot.kernels import reference
 
 
-class SiluAndMul(nn.Module):
-    """``silu(gate) * up`` on the stacked output of a gate/up projection."""
+class SiluAndMul(CustomOp):
+    """``silu(gate) * up`` on the stacked output of a gate/up projection.
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    Args:
+        kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
+    """
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., 2 * d]`` (gate, then up) -> ``[..., d]``, same dtype."""
-        gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        return reference.silu_and_mul(x)
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """As :meth:`forward_native`, in one kernel; ``x`` contiguous in its last dimension.
+
+        Raises:
+            ValueError: from the kernel's input checks (an odd last dimension, a strided one).
+        """
+        from kvpilot.kernels.activation import silu_and_mul
+
+        return silu_and_mul(x)

@@ -5,26 +5,51 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kvpilot.engine.layers.custom_op import CustomOp
+from kvpilot.kernels import reference
 
-class RMSNorm(nn.Module):
-    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension.
+
+class RMSNorm(CustomOp):
+    """``weight * x / sqrt(mean(x^2) + eps)`` over the last dimension, optionally after adding
+    the residual stream (vLLM's ``RMSNorm.forward(x, residual) -> (out, residual)``).
 
     Follows Hugging Face's ``LlamaRMSNorm`` operation for operation (normalise in float32, cast
-    back to the input dtype, then scale) so that 16-bit results round the same way.
+    back to the input dtype, then scale) so that 16-bit results round the same way; the
+    residual sum is rounded to the input dtype, as ``residual + x`` is in Hugging Face's
+    decoder layers. Both paths round alike (the Triton kernel's documented contract).
 
     Args:
         hidden_size: size of the normalised (last) dimension.
         eps: added to the mean square before the reciprocal square root.
+        kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
     """
 
-    def __init__(self, hidden_size: int, eps: float) -> None:
-        super().__init__()
+    def __init__(self, hidden_size: int, eps: float, kernel_backend: str = "torch") -> None:
+        super().__init__(kernel_backend)
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[..., hidden_size]`` -> same shape and dtype."""
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Normalise ``x`` ``[..., hidden_size]``, or ``x + residual`` when ``residual`` (same
+        shape and dtype) is given.
+
+        Returns:
+            ``out`` shaped like ``x`` in ``x``'s dtype (for a weight of that dtype), or
+            ``(out, x + residual)``: the normalised sum and the new residual stream.
+        """
+        return reference.rms_norm(x, self.weight, self.eps, residual)
+
+    def forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`forward_native`, the residual add fused into the norm's kernel.
+
+        Raises:
+            ValueError: from the kernel's input checks (dtype, shape or layout; the message
+                names the argument).
+        """
+        from kvpilot.kernels.rms_norm import rms_norm
+
+        return rms_norm(x, self.weight, self.eps, residual)

@@ -2,17 +2,23 @@
 
 The inverse frequencies come from transformers' ``ROPE_INIT_FUNCTIONS`` (linear, dynamic, yarn,
 longrope, llama3, ...) applied to the model config, so any ``rope_type`` transformers knows works
-here with the same numbers. cos/sin are computed like Hugging Face's rotary modules (float32
-``position * inv_freq``, cast to the activation dtype) and applied in the activation dtype, so
-results match transformers bit for bit in float32 and round the same way in 16-bit.
+here with the same numbers. On the torch path cos/sin are computed like Hugging Face's rotary
+modules (float32 ``position * inv_freq``, cast to the activation dtype) and applied in the
+activation dtype, so results match transformers bit for bit in float32 and round the same way
+in 16-bit. On the Triton path the same float32 cos/sin (attention scaling included) are
+tabulated once per position (vLLM's ``cos_sin_cache``) and the ``rotary_embedding`` kernel
+rotates q and k in place in float32, rounding once.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
-from torch import nn
 from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+from kvpilot.engine.layers.custom_op import CustomOp
 
 
 def _default_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -26,8 +32,29 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables for rotating heads by absolute position (GPT-NeoX / HF Llama layout).
+@dataclass(frozen=True)
+class RotaryPositions:
+    """One forward pass's positions, prepared once by :meth:`RotaryEmbedding.prepare` and
+    rotated with by every layer.
+
+    Attributes:
+        positions: ``[num_tokens]`` int64 absolute positions.
+        cos, sin: ``[num_tokens, 1, rotary_dim]`` in the activation dtype on the torch path
+            (the head axis broadcasts); None on the Triton path, whose kernel reads the layer's
+            ``cos_sin_cache``.
+    """
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None
+    sin: torch.Tensor | None = None
+
+
+class RotaryEmbedding(CustomOp):
+    """Rotates query and key heads by absolute position (GPT-NeoX / HF Llama layout: the two
+    halves of the rotary features turn against each other, HF's ``rotate_half``).
+
+    One instance serves every layer of a model: :meth:`prepare` once per forward pass, then
+    ``self(rope, query, key)`` in each attention layer.
 
     ``rope_type`` ``"dynamic"`` and ``"longrope"`` use their frequencies for the config's
     context length (what transformers uses up to ``original_max_position_embeddings``); they do
@@ -35,15 +62,25 @@ class RotaryEmbedding(nn.Module):
 
     Args:
         config: the model config; ``config.rope_parameters`` (transformers' standardised form of
-            ``rope_theta`` / ``rope_scaling``) selects the frequencies.
+            ``rope_theta`` / ``rope_scaling``) selects the frequencies, and
+            ``config.max_position_embeddings`` bounds the Triton path's positions.
         head_dim: features per head; the first ``2 * len(inv_freq)`` of them are rotated.
+        kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
+
+    Attributes:
+        inv_freq: ``[rotary_dim / 2]`` float32 inverse frequencies, radians per position.
+        attention_scaling: factor on cos and sin (YaRN's and LongRoPE's attention factor; 1
+            otherwise).
+        max_position: rows of the Triton path's ``cos_sin_cache`` (positions must be below).
 
     Raises:
         ValueError: a ``rope_type`` transformers does not know (the message names it).
     """
 
-    def __init__(self, config: PretrainedConfig, head_dim: int) -> None:
-        super().__init__()
+    def __init__(
+        self, config: PretrainedConfig, head_dim: int, kernel_backend: str = "torch"
+    ) -> None:
+        super().__init__(kernel_backend)
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             inv_freq, attention_scaling = _default_inv_freq(config, head_dim)
@@ -59,11 +96,28 @@ class RotaryEmbedding(nn.Module):
         inv_freq = inv_freq.to(torch.get_default_device(), torch.float32)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = float(attention_scaling)
+        self.max_position = int(config.max_position_embeddings)
+        self._cos_sin_cache: torch.Tensor | None = None
 
-    def forward(
+    @property
+    def cos_sin_cache(self) -> torch.Tensor:
+        """``[max_position, rotary_dim]`` float32 on ``inv_freq``'s device: row ``p`` holds
+        ``cos(p * inv_freq)`` then ``sin(p * inv_freq)``, each times ``attention_scaling``
+        (the ``rotary_embedding`` kernel's layout). Built on first use, then kept."""
+        if self._cos_sin_cache is None or self._cos_sin_cache.device != self.inv_freq.device:
+            t = torch.arange(self.max_position, dtype=torch.float32, device=self.inv_freq.device)
+            # The same float32 products and cos/sin as cos_sin(): the two paths see one table.
+            freqs = t[:, None] * self.inv_freq[None, :]
+            self._cos_sin_cache = torch.cat(
+                (freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling),
+                dim=-1,
+            )
+        return self._cos_sin_cache
+
+    def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin of ``positions`` ``[num_tokens]`` (int64), shared by every layer.
+        """cos and sin of ``positions`` ``[num_tokens]`` (int64), as Hugging Face computes them.
 
         Returns:
             ``(cos, sin)``, each ``[num_tokens, 1, rotary_dim]`` in ``dtype`` (the head axis
@@ -75,10 +129,49 @@ class RotaryEmbedding(nn.Module):
         sin = (emb.sin() * self.attention_scaling).to(dtype)
         return cos[:, None, :], sin[:, None, :]
 
+    def prepare(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryPositions:
+        """What every layer of one forward pass rotates with: ``positions`` ``[num_tokens]``
+        (int64), and on the torch path their cos/sin in the activation ``dtype``, computed
+        once rather than per layer."""
+        if self.kernel_backend == "triton":
+            return RotaryPositions(positions)
+        return RotaryPositions(positions, *self.cos_sin(positions, dtype))
+
+    def forward_native(
+        self, rope: RotaryPositions, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate ``query`` ``[num_tokens, num_heads, head_dim]`` and ``key``
+        ``[num_tokens, num_kv_heads, head_dim]`` by ``rope`` from :meth:`prepare`.
+
+        Returns:
+            ``(query, key)`` rotated, new tensors shaped and typed like the inputs.
+        """
+        return apply_rotary_emb(query, rope.cos, rope.sin), apply_rotary_emb(
+            key, rope.cos, rope.sin
+        )
+
+    def forward_triton(
+        self, rope: RotaryPositions, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`forward_native`, in one kernel that rotates ``query`` and ``key`` in place
+        (each contiguous in its last dimension; views of a fused QKV output are fine).
+
+        Returns:
+            ``(query, key)``: the input tensors, rotated.
+
+        Raises:
+            ValueError: from the kernel's input checks (shapes, dtypes, layout, or on the host a
+                position not below ``max_position``).
+        """
+        from kvpilot.kernels.rotary_embedding import rotary_embedding
+
+        rotary_embedding(rope.positions, query, key, self.cos_sin_cache, is_neox=True)
+        return query, key
+
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x`` ``[num_tokens, num_heads, head_dim]`` by ``cos``/``sin`` from
-    :class:`RotaryEmbedding` (its first ``rotary_dim`` features; the rest pass through).
+    :meth:`RotaryEmbedding.cos_sin` (its first ``rotary_dim`` features; the rest pass through).
 
     Returns:
         A new tensor shaped and typed like ``x``.

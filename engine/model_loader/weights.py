@@ -76,7 +76,8 @@ def load_model(
         dtype: parameter and activation dtype (float32, float16 or bfloat16).
         device: where the parameters live.
         attention_backend: name for
-            :func:`~kvpilot.engine.attention.get_attention_backend` (``"torch"``).
+            :func:`~kvpilot.engine.attention.get_attention_backend` (``"torch"`` or
+            ``"triton"``); the norms, activations and rotary embedding run the same path.
 
     Returns:
         The model in eval mode (see ``kvpilot.engine.models`` for its interface).

@@ -33,12 +33,10 @@ from kvpilot.engine.layers.linear import (
     QKVParallelLinear,
     RowParallelLinear,
 )
-from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
+from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding, RotaryPositions
 from kvpilot.engine.layers.weight_loading import CheckpointTensor, copy_weight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
-# (cos, sin), each [num_tokens, 1, rotary_dim]: computed once per forward, used by every layer.
-RopeCosSin = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -86,10 +84,15 @@ class LlamaAttention(nn.Module):
         config: the model config.
         options: biases, q/k norm and sliding window of this layer.
         backend: the attention backend shared by all layers.
+        rotary_emb: the rotary embedding shared by all layers.
     """
 
     def __init__(
-        self, config: PretrainedConfig, options: AttentionOptions, backend: AttentionBackend
+        self,
+        config: PretrainedConfig,
+        options: AttentionOptions,
+        backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -107,13 +110,17 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * self.head_dim, config.hidden_size, options.o_bias
         )
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        kernel_backend = rotary_emb.kernel_backend
+        self.q_norm = self.k_norm = None
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernel_backend)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernel_backend)
+        self.rotary_emb = rotary_emb
         self.backend = backend
 
     def forward(
         self,
-        rope: RopeCosSin,
+        rope: RotaryPositions,
         hidden: torch.Tensor,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
@@ -125,7 +132,7 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary_emb(q, *rope), apply_rotary_emb(k, *rope)
+        q, k = self.rotary_emb(rope, q, k)
         out = self.backend.forward(
             q, k, v, kv_cache, attn_metadata, scale=self.scale, sliding_window=self.sliding_window
         )
@@ -133,16 +140,21 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate/up stacked."""
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate/up stacked.
 
-    def __init__(self, config: PretrainedConfig) -> None:
+    Args:
+        config: the model config.
+        kernel_backend: the activation's implementation, ``"torch"`` or ``"triton"``.
+    """
+
+    def __init__(self, config: PretrainedConfig, kernel_backend: str = "torch") -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         if config.hidden_act != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu'")
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(kernel_backend)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -151,49 +163,92 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))`` (HF's residual order)."""
+    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``.
+
+    The residual stream is carried beside the block's output and added by the next norm
+    (vLLM's ``RMSNorm.forward(x, residual)``), so the Triton path fuses each add into a norm
+    kernel; the sums are the same as HF's ``residual + hidden``, rounded alike.
+
+    Args:
+        config: the model config.
+        options: biases, q/k norm and sliding window of this layer.
+        backend: the attention backend shared by all layers.
+        rotary_emb: the rotary embedding shared by all layers; its ``kernel_backend`` is this
+            layer's norms' and activation's too.
+    """
 
     def __init__(
-        self, config: PretrainedConfig, options: AttentionOptions, backend: AttentionBackend
+        self,
+        config: PretrainedConfig,
+        options: AttentionOptions,
+        backend: AttentionBackend,
+        rotary_emb: RotaryEmbedding,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, options, backend)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        kernel_backend = rotary_emb.kernel_backend
+        self.self_attn = LlamaAttention(config, options, backend, rotary_emb)
+        self.mlp = LlamaMLP(config, kernel_backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel_backend)
+        self.post_attention_layernorm = RMSNorm(
+            config.hidden_size, config.rms_norm_eps, kernel_backend
+        )
 
     def forward(
         self,
-        rope: RopeCosSin,
+        rope: RotaryPositions,
         hidden: torch.Tensor,
+        residual: torch.Tensor | None,
         kv_cache: KVCache,
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """``hidden`` ``[num_tokens, hidden_size]`` -> same shape."""
-        residual = hidden
-        hidden = self.self_attn(rope, self.input_layernorm(hidden), kv_cache, attn_metadata)
-        hidden = residual + hidden
-        residual = hidden
-        hidden = self.mlp(self.post_attention_layernorm(hidden))
-        return residual + hidden
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One block on ``[num_tokens, hidden_size]`` activations.
+
+        Args:
+            rope: this forward pass's positions.
+            hidden: the previous block's output (the embeddings for the first block).
+            residual: the residual stream before ``hidden`` is added to it; None for the first
+                block.
+
+        Returns:
+            ``(hidden, residual)``: this block's MLP output and the residual stream it is still
+            to be added to.
+        """
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's ``model.`` prefix)."""
+    """Embedding, decoder layers and final norm (HF's ``model.`` prefix).
+
+    Args:
+        config: the model config.
+        options: one :class:`AttentionOptions` per layer.
+        backend: the attention backend shared by all layers.
+        kernel_backend: the norms', activations' and rotary embedding's implementation,
+            ``"torch"`` or ``"triton"`` (:class:`~kvpilot.engine.layers.custom_op.CustomOp`).
+    """
 
     def __init__(
         self,
         config: PretrainedConfig,
         options: list[AttentionOptions],
         backend: AttentionBackend,
+        kernel_backend: str = "torch",
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), kernel_backend)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_options, backend) for layer_options in options
+            LlamaDecoderLayer(config, layer_options, backend, self.rotary_emb)
+            for layer_options in options
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel_backend)
 
     def forward(
         self,
@@ -204,10 +259,11 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """``input_ids`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden_size]``."""
         hidden = self.embed_tokens(input_ids)
-        rope = self.rotary_emb(positions, hidden.dtype)
+        rope = self.rotary_emb.prepare(positions, hidden.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            hidden = layer(rope, hidden, kv_cache, attn_metadata)
-        return self.norm(hidden)
+            hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -215,7 +271,9 @@ class LlamaForCausalLM(nn.Module):
 
     Args:
         config: the Hugging Face config of the checkpoint.
-        attention_backend: attention backend name (``"torch"``).
+        attention_backend: attention backend name, ``"torch"`` or ``"triton"``; the norms,
+            activations and rotary embedding run the same path (the Triton kernels with
+            ``"triton"``).
 
     Attributes:
         config: the Hugging Face config.
@@ -242,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = torch.get_default_dtype()
         backend = get_attention_backend(attention_backend)
         options = [self.attention_options(config, i) for i in range(self.num_layers)]
-        self.model = LlamaModel(config, options, backend)
+        self.model = LlamaModel(config, options, backend, kernel_backend=backend.name)
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:

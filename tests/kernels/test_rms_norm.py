@@ -45,6 +45,17 @@ def test_leading_dims_and_promoted_weight() -> None:
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 
+def test_permuted_input_with_residual() -> None:
+    # A dense but permuted x is read row by row; both outputs come back in x's logical order.
+    x = _randn(4, 3, 16, dtype=torch.float32, seed=5).transpose(0, 1)
+    residual = _randn(3, 4, 16, dtype=torch.float32, seed=6)
+    weight = _randn(16, dtype=torch.float32, seed=7)
+    got, got_residual = rms_norm(x, weight, 1e-5, residual)
+    want, want_residual = reference.rms_norm(x, weight, 1e-5, residual)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_residual, want_residual, atol=0, rtol=0)
+
+
 def test_zero_row_is_finite() -> None:
     x = torch.zeros(2, 32)
     torch.testing.assert_close(rms_norm(x, torch.ones(32), 1e-6), torch.zeros(2, 32))

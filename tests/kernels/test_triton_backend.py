@@ -1,5 +1,6 @@
 """The ``"triton"`` attention backend against the ``"torch"`` one: layer outputs and caches on a
-mixed batch, and the whole engine's greedy tokens on a tiny model (interpreter on CPU)."""
+mixed batch, and the whole engine's greedy tokens on a tiny model (interpreter on CPU), where
+the Triton backend also runs the norm, rotary and activation kernels."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.attention.triton_backend import TritonAttentionBackend
+from kvpilot.engine.layers.custom_op import CustomOp
 
 pytestmark = pytest.mark.kernel
 
@@ -74,6 +76,13 @@ def test_engine_greedy_tokens_match_torch_backend(tiny_llama_dir: pathlib.Path) 
             max_num_batched_tokens=16, enable_prefix_caching=False,
         )  # fmt: skip
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        model = llm.llm_engine.model_runner.model
+        # Every norm, activation and the rotary embedding follow the attention backend.
+        ops = [m for m in model.modules() if isinstance(m, CustomOp)]
+        assert len(ops) == 1 + 2 * 3 + 1  # final norm, per layer 2 norms + SiLU, rotary
+        assert {op.kernel_backend for op in ops} == {backend}
+        # The Triton rotary path ran: it built its cos/sin table on first use.
+        assert (model.model.rotary_emb._cos_sin_cache is not None) == (backend == "triton")
         tokens[backend] = [list(o.outputs[0].token_ids) for o in outputs]
         logprobs[backend] = [o.outputs[0].cumulative_logprob for o in outputs]
     assert all(len(t) == 6 for t in tokens["torch"])

@@ -1,0 +1,182 @@
+"""The engine's layers on the Triton path (interpreter on CPU) against their torch path: RMSNorm
+with and without the fused residual add, SiluAndMul, RotaryEmbedding (plain and rope-scaled),
+and a whole Qwen3 forward pass (q/k norms included)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+import transformers
+
+from kvpilot.engine.attention import AttentionMetadata
+from kvpilot.engine.layers.activation import SiluAndMul
+from kvpilot.engine.layers.custom_op import CustomOp
+from kvpilot.engine.layers.layernorm import RMSNorm
+from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding
+from kvpilot.engine.model_loader import load_model
+from kvpilot.engine.model_runner import allocate_kv_caches
+
+pytestmark = pytest.mark.kernel
+
+BACKENDS = ("torch", "triton")
+
+
+def _randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _tolerance(dtype: torch.dtype) -> dict[str, float]:
+    return {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-3, "rtol": 2e-3}
+
+
+def _rope_config(**rope: object) -> transformers.LlamaConfig:
+    return transformers.LlamaConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=2048,
+        rope_theta=500000.0,
+        rope_scaling=rope or None,
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm_paths_agree(dtype: torch.dtype, with_residual: bool) -> None:
+    norms = {name: RMSNorm(72, 1e-5, name) for name in BACKENDS}
+    weight = _randn(72, seed=1).to(dtype)
+    for norm in norms.values():
+        norm.weight.data = weight
+    x = _randn(5, 72, dtype=dtype, seed=0)
+    residual = _randn(5, 72, dtype=dtype, seed=2) if with_residual else None
+    args = (x,) if residual is None else (x, residual)
+    got, want = norms["triton"](*args), norms["torch"](*args)
+    if with_residual:
+        (got, got_residual), (want, want_residual) = got, want
+        # The new residual stream is the plain sum, rounded to the dtype on both paths.
+        torch.testing.assert_close(got_residual, x + residual, atol=0, rtol=0)
+        torch.testing.assert_close(want_residual, x + residual, atol=0, rtol=0)
+    assert got.dtype == want.dtype == dtype
+    torch.testing.assert_close(got, want, **_tolerance(dtype))
+
+
+def test_rms_norm_per_head_view() -> None:
+    # Qwen3's q_norm: [num_tokens, num_heads, head_dim] viewed out of a fused QKV output.
+    qkv = _randn(3, 128, seed=3)
+    q = qkv[:, :64].view(3, 4, 16)
+    weight = _randn(16, seed=4)
+    outs = {}
+    for name in BACKENDS:
+        norm = RMSNorm(16, 1e-6, name)
+        norm.weight.data = weight
+        outs[name] = norm(q)
+    assert outs["triton"].shape == (3, 4, 16)
+    torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_silu_and_mul_paths_agree(dtype: torch.dtype) -> None:
+    x = _randn(2, 3, 2 * 40, dtype=dtype, seed=5)
+    got, want = SiluAndMul("triton")(x), SiluAndMul("torch")(x)
+    assert got.shape == want.shape == (2, 3, 40)
+    torch.testing.assert_close(got, want, **_tolerance(dtype))
+
+
+ROPE_SCALINGS = {
+    "default": {},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
+    # YaRN scales cos and sin by its attention factor (0.1 * ln(factor) + 1).
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512},
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("scaling", list(ROPE_SCALINGS))
+def test_rotary_paths_agree(dtype: torch.dtype, scaling: str) -> None:
+    config = _rope_config(**ROPE_SCALINGS[scaling])
+    ropes = {name: RotaryEmbedding(config, 16, name) for name in BACKENDS}
+    if scaling == "yarn":
+        assert ropes["torch"].attention_scaling > 1.0
+    # q and k as views of one [num_tokens, (4 + 2 + 2) * 16] projection output; positions past
+    # llama3's original context, where its frequencies are rescaled.
+    qkv = _randn(5, 8 * 16, dtype=dtype, seed=6)
+    positions = torch.tensor([0, 1, 63, 700, 2047])
+    outs = {}
+    for name, rope in ropes.items():
+        fused = qkv.clone()
+        q, k = fused[:, :64].view(5, 4, 16), fused[:, 64:96].view(5, 2, 16)
+        outs[name] = rope(rope.prepare(positions, dtype), q, k)
+        if name == "triton":
+            assert outs[name][0].data_ptr() == q.data_ptr()  # rotated in place
+            torch.testing.assert_close(fused[:, 96:], qkv[:, 96:], atol=0, rtol=0)  # V as is
+    assert not torch.equal(outs["torch"][0], qkv[:, :64].view(5, 4, 16))
+    for got, want in zip(outs["triton"], outs["torch"], strict=True):
+        torch.testing.assert_close(got, want, **_tolerance(dtype))
+
+
+def test_cos_sin_cache_holds_the_torch_paths_values() -> None:
+    rope = RotaryEmbedding(_rope_config(**ROPE_SCALINGS["yarn"]), 16, "triton")
+    assert rope._cos_sin_cache is None  # built on first use
+    positions = torch.tensor([0, 5, 2047])
+    cos, sin = rope.cos_sin(positions, torch.float32)
+    half = rope.inv_freq.shape[0]
+    cache = rope.cos_sin_cache
+    assert cache.shape == (2048, 2 * half) and cache.dtype == torch.float32
+    torch.testing.assert_close(cache[positions, :half], cos[:, 0, :half], atol=0, rtol=0)
+    torch.testing.assert_close(cache[positions, half:], sin[:, 0, :half], atol=0, rtol=0)
+    assert rope.cos_sin_cache is cache  # kept
+
+
+def test_position_past_the_cache_is_refused() -> None:
+    rope = RotaryEmbedding(_rope_config(), 16, "triton")
+    q, k = torch.zeros(1, 4, 16), torch.zeros(1, 2, 16)
+    positions = torch.tensor([2048])
+    with pytest.raises(ValueError, match=r"positions entries must lie in \[0, 2048\)"):
+        rope(rope.prepare(positions, torch.float32), q, k)
+
+
+def test_unknown_kernel_backend_is_named() -> None:
+    with pytest.raises(ValueError, match="unknown kernel backend 'cuda'; available: torch, triton"):
+        SiluAndMul("cuda")
+
+
+def _kernel_backends(model: torch.nn.Module) -> set[str]:
+    return {m.kernel_backend for m in model.modules() if isinstance(m, CustomOp)}
+
+
+def test_qwen3_forward_paths_agree(tiny_model_dir: Callable) -> None:
+    # One 6-token prefill and a 3-token chunk over 9 cached tokens, in one batch: the Triton
+    # model runs every layer kernel (q/k norms, fused residual norms, rotary, SiLU-and-mul)
+    # and the attention kernels.
+    folder = tiny_model_dir("qwen3")
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor([0, 1, 2, 3, 4, 5, 17, 18, 19]),
+        query_start_loc=torch.tensor([0, 6, 9], dtype=torch.int32),
+        seq_lens=torch.tensor([6, 12], dtype=torch.int32),
+        block_tables=torch.tensor([[0, 3], [1, 2]], dtype=torch.int32),
+        max_query_len=6,
+        max_seq_len=12,
+    )
+    input_ids = torch.randint(3, 49152, (9,), generator=torch.Generator().manual_seed(7))
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 9, 10, 11])
+    cached = _randn(4, 2, 8, 2, 16, seed=8)  # [num_blocks, k/v, block_size, kv_heads, head_dim]
+    hidden = {}
+    for name in BACKENDS:
+        model = load_model(folder, torch.float32, "cpu", attention_backend=name)
+        assert _kernel_backends(model) == {name}
+        kv_caches = allocate_kv_caches(model, 4, 8, torch.device("cpu"))
+        for k_cache, v_cache in kv_caches:
+            k_cache.copy_(cached[:, 0])
+            v_cache.copy_(cached[:, 1])
+        with torch.inference_mode():
+            hidden[name] = model(input_ids, positions, kv_caches, metadata)
+    torch.testing.assert_close(hidden["triton"], hidden["torch"], atol=1e-5, rtol=1e-5)
