@@ -18,6 +18,7 @@ _LAZY = {
     "LLM": "kvpilot.engine.llm",
     "LLMEngine": "kvpilot.engine.llm_engine",
     "SamplingParams": "kvpilot.engine.sampling_params",
+    "StructuredOutputsParams": "kvpilot.engine.sampling_params",
     "RequestOutput": "kvpilot.engine.outputs",
     "CompletionOutput": "kvpilot.engine.outputs",
 }

@@ -6,7 +6,9 @@ Every engine call (add, step, abort, stats) runs on one dedicated worker thread,
 is never touched by two threads at once and the event loop stays free to serve HTTP while a step
 computes. A request added during a step is queued behind it on that thread and joins the batch
 at the next step (continuous batching). A consumer that stops reading (a client that
-disconnected) aborts its request, which frees its KV blocks before the next step.
+disconnected) aborts its request, which frees its KV blocks before the next step. The one
+exception is compiling a structured-output grammar (thread-safe, seconds for a large schema):
+it runs on another worker thread, so that it neither blocks the loop nor delays a step.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any, Protocol
 from kvpilot.engine.executor.abstract import EngineDeadError
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -113,7 +115,8 @@ class AsyncLLM:
 
     Args:
         engine: an ``LLMEngine`` (contract B: ``add_request``, ``step``, ``abort_request``,
-            ``has_unfinished_requests``, ``get_stats``).
+            ``has_unfinished_requests``, ``get_stats``, and the thread-safe
+            ``compile_grammar``).
         max_waiting_requests: the most requests allowed to wait for their first scheduling;
             ``add_request`` raises ``QueueFullError`` beyond it. None: unbounded.
         stat_loggers: observers of every step (Prometheus metrics).
@@ -231,6 +234,16 @@ class AsyncLLM:
         self._notify_stats()
         self._work.set()
         return RequestStream(self, request_id, tracked)
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a structured-output constraint on a worker thread, neither the event loop
+        nor the engine thread, into the cache where ``add_request`` then finds it (a request
+        added without this compiles on the engine thread and delays the step behind it).
+
+        Raises:
+            ValueError: ``structured_outputs: ...`` naming what is invalid.
+        """
+        await asyncio.to_thread(self.engine.compile_grammar, params)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
         """Register a LoRA adapter on the engine thread (``LLMEngine.add_lora``).

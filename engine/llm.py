@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tqdm.auto import tqdm
@@ -12,6 +12,7 @@ from kvpilot.engine.llm_engine import LLMEngine, PromptType
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.tokenization import ChatMessage, apply_chat_template, parse_chat_messages
 
 
 class LLM:
@@ -40,6 +41,65 @@ class LLM:
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer."""
         return self.llm_engine.tokenizer
+
+    def chat(
+        self,
+        messages: Sequence[ChatMessage] | Sequence[Sequence[ChatMessage]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, each rendered with the model's chat template
+        (vLLM's ``LLM.chat``; the server's chat endpoint renders prompts the same way).
+
+        Args:
+            messages: one conversation (a list of ``{"role", "content"}`` messages, OpenAI's
+                format; content may be a list of ``{"type": "text", "text"}`` parts) or a list
+                of conversations, batched together.
+            sampling_params: as in ``generate``: one for all, or one per conversation.
+            use_tqdm: show a progress bar over finished requests.
+            lora_request: as in ``generate``.
+            chat_template: a Jinja template to use instead of the tokenizer's.
+            add_generation_prompt: end the prompt with the assistant's header, so that the
+                model replies.
+            continue_final_message: let the model continue the last message instead (needs
+                ``add_generation_prompt=False``).
+            chat_template_kwargs: extra variables for the template.
+
+        Returns:
+            One finished ``RequestOutput`` per conversation, in order; ``prompt_token_ids`` are
+            transformers' ``apply_chat_template(conversation, tokenize=True, ...)``.
+
+        Raises:
+            ValueError: naming ``messages`` (malformed messages, no chat template, a template
+                that refuses them), ``continue_final_message``, or as ``generate`` does.
+        """
+        conversations = (
+            [messages]
+            if isinstance(messages, Sequence) and messages and isinstance(messages[0], Mapping)
+            else messages
+        )
+        if isinstance(conversations, str | Mapping) or not conversations:
+            raise ValueError("messages: must be a conversation or a list of conversations")
+        tokenizer = self.get_tokenizer()
+        prompts = [
+            {
+                "prompt_token_ids": apply_chat_template(
+                    tokenizer,
+                    parse_chat_messages(conversation),
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    chat_template_kwargs=chat_template_kwargs,
+                )
+            }
+            for conversation in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def generate(
         self,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -30,10 +31,12 @@ from kvpilot.engine.lora.request import LoRARequest, parse_lora_modules
 from kvpilot.engine.model_spec import ModelSpec, check_tensor_parallel_size
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.engine.request import Request, RequestStatus
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.spec_decode import proposers
 from kvpilot.engine.stats import EngineStats
+from kvpilot.engine.structured_output import StructuredOutputManager
+from kvpilot.engine.tokenization import encode_text
 
 logger = logging.getLogger("kvpilot.engine")
 
@@ -132,6 +135,12 @@ class LLMEngine:
             progress.set_postfix_str("tokenizer")
             self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
             self.eos_token_ids = frozenset(get_eos_token_ids(self.model_dir))
+            # Its own tokenizer, loaded on the first constrained request.
+            self.structured_output_manager = StructuredOutputManager(
+                functools.partial(load_tokenizer, args.tokenizer or self.model_dir),
+                self.model_spec.vocab_size,
+                self.eos_token_ids,
+            )
             self.speculative_config = args.speculative_config
             self.draft_dir = (
                 proposers.resolve_draft_model(
@@ -336,11 +345,15 @@ class LLMEngine:
             lora_request: the LoRA adapter to apply (registered now if its name is new), or
                 None for the base model. Needs ``enable_lora``.
 
+        ``params.structured_outputs`` is compiled here unless ``compile_grammar`` already did
+        (xgrammar's cache); a server compiles it first, on a worker thread.
+
         Raises:
             ValueError: naming the problem: a duplicate id, an empty prompt, a prompt longer than
                 ``max_model_len`` or than the whole KV cache, token ids outside the vocabulary,
-                unsupported parameters, an adapter without ``enable_lora`` or that cannot be
-                loaded (``LoRAAdapterError``). Nothing else is touched.
+                unsupported parameters, an invalid ``structured_outputs`` constraint, an adapter
+                without ``enable_lora`` or that cannot be loaded (``LoRAAdapterError``). Nothing
+                else is touched.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
@@ -357,6 +370,11 @@ class LLMEngine:
         taken = [i for i in [request_id, *ids] if i in self._parents or i in self._sequences]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
+        grammar = (
+            None
+            if params.structured_outputs is None
+            else self.structured_output_manager.compile(params.structured_outputs)
+        )
         lora_digest = self._lora_digest(lora_request)
         arrival_time = time.time() if arrival_time is None else arrival_time
         parent = _ParentRequest(request_id, text, token_ids)
@@ -385,7 +403,18 @@ class LLMEngine:
         self._parents[request_id] = parent
         for seq in parent.sequences:
             self._sequences[seq.request.request_id] = seq
+            if grammar is not None:
+                self.structured_output_manager.add_request(seq.request.request_id, grammar)
             self.scheduler.add_request(seq.request)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a structured-output constraint into xgrammar's cache, where ``add_request``
+        finds it. Thread-safe: the one engine method meant to be called off the engine thread.
+
+        Raises:
+            ValueError: ``structured_outputs: ...`` naming what is invalid.
+        """
+        self.structured_output_manager.compile(params)
 
     def _lora_digest(self, lora_request: LoRARequest | None) -> str | None:
         """Register the request's adapter (if new) and return its weight digest."""
@@ -451,11 +480,7 @@ class LLMEngine:
             raise ValueError(f"prompt must be a string or a dict, got {type(prompt).__name__}")
         if not prompt:
             raise ValueError("prompt is empty")
-        try:
-            prompt.encode("utf-8")
-        except UnicodeEncodeError as exc:  # a lone surrogate: the tokenizer raises TypeError
-            raise ValueError(f"prompt is not valid Unicode text ({exc.reason})") from None
-        return prompt, self._check_prompt(self.tokenizer.encode(prompt))
+        return prompt, self._check_prompt(encode_text(self.tokenizer, prompt, "prompt"))
 
     def _check_prompt(self, token_ids: list[int]) -> list[int]:
         if not token_ids:
@@ -503,6 +528,7 @@ class LLMEngine:
                 continue
             seq_ids = [s.request.request_id for s in parent.sequences]
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
+            self.structured_output_manager.remove_requests(seq_ids)
             for seq_id in seq_ids:
                 self._sequences.pop(seq_id, None)
 
@@ -524,6 +550,7 @@ class LLMEngine:
                 # Lets the workers forget the finished requests' sampler state.
                 self.executor.execute_model(scheduler_output)
             return []
+        self.structured_output_manager.set_grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         num_outputs_before = {
             s.request.request_id: s.request.num_output_tokens for s in scheduler_output.scheduled
@@ -541,6 +568,12 @@ class LLMEngine:
             # Several tokens with speculative decoding: a stop string inside an accepted run
             # ends the output there.
             new_token_ids = request.output_token_ids[start:]
+            if (
+                not self.structured_output_manager.accept_tokens(request.request_id, new_token_ids)
+                and not request.is_finished
+            ):
+                # The grammar is complete (its end token taken under ignore_eos) or stuck.
+                self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
             for i, token_id in enumerate(new_token_ids):
                 self.generation_tokens_total += 1
                 if i < len(logprobs) and seq.logprobs is not None:
@@ -550,12 +583,24 @@ class LLMEngine:
                     break
             touched[seq.parent_id] = self._parents[seq.parent_id]
         if self.proposer is not None:
-            self.proposer.propose(scheduler_output, [r for r in updated if not r.is_finished])
+            # Constrained requests are not speculated: drafts would need their grammar too.
+            self.proposer.propose(
+                scheduler_output,
+                [
+                    r
+                    for r in updated
+                    if not r.is_finished
+                    and not self.structured_output_manager.has_request(r.request_id)
+                ],
+            )
         outputs = []
         for parent_id, parent in touched.items():
             outputs.append(parent.to_output())
             if parent.finished:
                 del self._parents[parent_id]
+                self.structured_output_manager.remove_requests(
+                    s.request.request_id for s in parent.sequences
+                )
                 for seq in parent.sequences:
                     self._sequences.pop(seq.request.request_id, None)
         return outputs

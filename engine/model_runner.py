@@ -7,6 +7,7 @@ sequence's context through its block table (PagedAttention).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -16,6 +17,7 @@ from kvpilot.engine.attention.metadata import AttentionMetadata
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.engine.spec_decode.rejection_sampler import RejectionSampler
+from kvpilot.engine.structured_output import apply_grammar_bitmask
 
 if TYPE_CHECKING:
     from kvpilot.engine.lora.manager import LoRAManager
@@ -75,7 +77,8 @@ class ModelRunner:
 
         A partial prefill chunk (``sample`` False) only fills the cache; its logits are never
         computed. Requests with draft tokens get logits at every draft position and after the
-        last one, and the rejection sampler decides how many drafts they keep.
+        last one, and the rejection sampler decides how many drafts they keep. Constrained
+        requests (structured outputs) get their grammar's bitmask applied before sampling.
         """
         self.sampler.remove_requests(scheduler_output.finished_request_ids)
         scheduled = scheduler_output.scheduled
@@ -94,6 +97,7 @@ class ModelRunner:
         spec_token_ids = [scheduled[i].spec_token_ids for i in rows]
         if not any(spec_token_ids):
             logits = self.model.compute_logits(hidden[last_token[rows]]).float()
+            _apply_grammar_bitmask(logits, scheduler_output, ids, [1] * len(ids))
             out = self.sampler(logits, requests)
             token_ids = [[t] for t in out.token_ids]
             logprobs = [None if lp is None else [lp] for lp in out.logprobs]
@@ -106,6 +110,9 @@ class ModelRunner:
                 ]
             ).to(hidden.device)
             logits = self.model.compute_logits(hidden[scored]).float()
+            _apply_grammar_bitmask(
+                logits, scheduler_output, ids, [len(d) + 1 for d in spec_token_ids]
+            )
             spec_out = self.rejection_sampler(logits, requests, spec_token_ids)
             token_ids, logprobs = spec_out.token_ids, spec_out.logprobs
         return ModelRunnerOutput(
@@ -170,6 +177,30 @@ class ModelRunner:
         self.model.compute_logits(hidden[query_start_loc[1:].long().to(self.device) - 1])
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
+
+
+def _apply_grammar_bitmask(
+    logits: torch.Tensor,
+    scheduler_output: SchedulerOutput,
+    request_ids: list[str],
+    num_rows: list[int],
+) -> None:
+    """Mask the logits of the step's constrained requests by their grammars' bitmask.
+
+    Args:
+        logits: ``[sum(num_rows), vocab_size]`` float32, request by request.
+        scheduler_output: carries the bitmask and the constrained requests' ids.
+        request_ids: the sampled requests, in logits order.
+        num_rows: each request's logits rows (drafts + 1); the bitmask applies to the last,
+            which is a constrained request's only row (the engine never drafts for them).
+    """
+    if scheduler_output.grammar_bitmask is None:
+        return
+    last_row = dict(
+        zip(request_ids, (end - 1 for end in itertools.accumulate(num_rows)), strict=True)
+    )
+    rows = [last_row[request_id] for request_id in scheduler_output.structured_output_request_ids]
+    apply_grammar_bitmask(logits, scheduler_output.grammar_bitmask, rows)
 
 
 def build_model_inputs(

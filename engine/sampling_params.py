@@ -3,8 +3,70 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 _GREEDY_EPS = 1e-5
+
+
+@dataclass
+class StructuredOutputsParams:
+    """The constraint a request's output must satisfy (vLLM's ``StructuredOutputsParams``);
+    set exactly one of the constraint fields.
+
+    Attributes:
+        json: a JSON Schema (a dict or its JSON text): the output is one JSON value valid
+            against it (OpenAI's ``response_format`` ``json_schema``).
+        regex: a regular expression the whole output matches.
+        choice: the output is exactly one of these strings.
+        grammar: a context-free grammar in EBNF (GBNF), whose ``root`` rule the output matches.
+        json_object: the output is a JSON object (OpenAI's ``response_format`` ``json_object``).
+        disable_any_whitespace: JSON without optional whitespace (no newlines or indentation
+            between tokens); some models otherwise emit whitespace without end.
+
+    Raises:
+        ValueError: ``structured_outputs: ...`` when none or several constraints are set, or a
+            field has the wrong type. Whether a schema, regex or grammar is valid is checked
+            when it is compiled (``LLMEngine.add_request``).
+    """
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        kinds = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            kinds.append("json_object")
+        if len(kinds) != 1:
+            raise ValueError(
+                "structured_outputs: set exactly one of json, regex, choice, grammar, "
+                f"json_object; got {kinds or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, str | dict):
+            raise ValueError("structured_outputs: json must be a JSON Schema (dict or string)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs: {name} must be a non-empty string")
+        if self.choice is not None and (
+            not isinstance(self.choice, list | tuple)
+            or not self.choice
+            or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs: choice must be a list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        """Which constraint is set: ``json``, ``regex``, ``choice``, ``grammar`` or
+        ``json_object``."""
+        if self.json_object:
+            return "json_object"
+        return next(
+            k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None
+        )
 
 
 @dataclass
@@ -39,6 +101,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    # None: unconstrained. With speculative decoding, constrained requests are not speculated.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -83,6 +147,10 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
+        if self.structured_outputs is not None and not isinstance(
+            self.structured_outputs, StructuredOutputsParams
+        ):
+            bad("structured_outputs", "must be a StructuredOutputsParams")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
                 if not -100.0 <= float(bias) <= 100.0:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from kvpilot.engine.request import Request
 
 
@@ -43,12 +45,19 @@ class SchedulerOutput:
         preempted_request_ids: requests preempted while building this step.
         finished_request_ids: requests that finished or were aborted since the last step
             (the model runner drops their per-request state).
+        structured_output_request_ids: the constrained requests that sample this step, in the
+            order of ``grammar_bitmask``'s rows (structured outputs; never speculated).
+        grammar_bitmask: ``[len(structured_output_request_ids), ceil(vocab_size / 32)]`` int32
+            on the CPU, bit ``j % 32`` of word ``j // 32`` set when token ``j`` is allowed next;
+            None when no constrained request samples.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    structured_output_request_ids: list[str] = field(default_factory=list)
+    grammar_bitmask: torch.Tensor | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -74,14 +74,11 @@ def run(args: argparse.Namespace) -> int:
         )
         engine_args = EngineArgs.from_cli_args(args)
         llm = LLM(show_progress=True, **{k: v for k, v in vars(engine_args).items()})
-        tokenizer = llm.get_tokenizer()
-        prompts = [
-            {"prompt_token_ids": _chat_tokens(tokenizer, p)}
-            if args.chat_template and tokenizer.chat_template
-            else p
-            for p in args.prompt
-        ]
-        outputs = llm.generate(prompts, params)
+        if args.chat_template and llm.get_tokenizer().chat_template:
+            conversations = [[{"role": "user", "content": p}] for p in args.prompt]
+            outputs = llm.chat(conversations, params)
+        else:
+            outputs = llm.generate(args.prompt, params)
     except ValueError as exc:
         print(f"kvpilot generate: error: {exc}", file=sys.stderr)
         return 2
@@ -94,10 +91,3 @@ def run(args: argparse.Namespace) -> int:
             )
             print(completion.text)
     return 0
-
-
-def _chat_tokens(tokenizer, prompt: str) -> list[int]:
-    encoded = tokenizer.apply_chat_template(
-        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
-    )
-    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)

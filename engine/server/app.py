@@ -25,6 +25,7 @@ from kvpilot import __version__
 from kvpilot.engine.async_llm import AsyncLLM
 from kvpilot.engine.executor.abstract import EngineDeadError
 from kvpilot.engine.metrics import PrometheusStatLogger
+from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.errors import OpenAIError, install_error_handlers
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
@@ -59,6 +60,7 @@ class ServerConfig:
 @dataclass
 class _State:
     engine: AsyncLLM | None = None
+    tokenizer: AsyncTokenizer | None = None
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
     models: OpenAIServingModels | None = None
@@ -103,6 +105,8 @@ def create_app(
             loader.cancel()
             if state.engine is not None:
                 await state.engine.shutdown()
+            if state.tokenizer is not None:
+                state.tokenizer.shutdown()
 
     app = FastAPI(title="kvpilot", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
@@ -197,7 +201,8 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     async_llm = AsyncLLM(engine, config.max_waiting_requests, stat_loggers=[stat_logger])
     stat_logger.record_stats(async_llm.stats)
     async_llm.start()
-    tokenizer = copy.deepcopy(engine.tokenizer)
+    # A copy of its own: the engine's tokenizer is busy on the engine thread.
+    tokenizer = AsyncTokenizer(copy.deepcopy(engine.tokenizer))
     models = OpenAIServingModels(
         async_llm, config.served_model_names, max_model_len, engine.list_loras()
     )
@@ -212,6 +217,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     state.completion = OpenAIServingCompletion(*args)
     state.chat = OpenAIServingChat(*args)
     state.models = models
+    state.tokenizer = tokenizer
     state.max_model_len = max_model_len
     state.engine = async_llm
 

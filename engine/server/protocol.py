@@ -3,8 +3,8 @@
 Field names are OpenAI's (https://platform.openai.com/docs/api-reference); where OpenAI has no
 name for an engine feature, vLLM's extension name is used (``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``, ``ignore_eos``,
-``min_tokens``, ``skip_special_tokens``, ``spaces_between_special_tokens``). Unknown fields are
-accepted and ignored, as OpenAI and vLLM do.
+``min_tokens``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
+``structured_outputs``). Unknown fields are accepted and ignored, as OpenAI and vLLM do.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 # vLLM's default --max-logprobs: the most top logprobs one request may ask for.
 MAX_LOGPROBS = 20
@@ -28,6 +28,33 @@ class OpenAIModel(BaseModel):
 
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
+
+
+class JsonSchemaResponseFormat(OpenAIModel):
+    """``response_format.json_schema``: OpenAI's named JSON Schema (``schema`` in JSON)."""
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(OpenAIModel):
+    """OpenAI's ``response_format``: free ``text``, any JSON object, or JSON valid against a
+    schema (structured outputs)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaResponseFormat | None = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> ResponseFormat:
+        if self.type == "json_schema" and (
+            self.json_schema is None or self.json_schema.json_schema is None
+        ):
+            raise ValueError(
+                "response_format: type 'json_schema' needs json_schema.schema (a JSON Schema)"
+            )
+        return self
 
 
 class _SamplingFields(OpenAIModel):
@@ -55,6 +82,9 @@ class _SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    response_format: ResponseFormat | None = None
+    # vLLM's extension: json, regex, choice, grammar or json_object.
+    structured_outputs: StructuredOutputsParams | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingFields:
@@ -63,6 +93,16 @@ class _SamplingFields(OpenAIModel):
         # Sequence i of n samples with seed + i.
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             raise ValueError(f"seed: seed + n - 1 must be at most {SEED_MAX}")
+        return self
+
+    @model_validator(mode="after")
+    def _check_structured_outputs(self) -> _SamplingFields:
+        if (
+            self.structured_outputs is not None
+            and self.response_format is not None
+            and self.response_format.type != "text"
+        ):
+            raise ValueError("structured_outputs: cannot be combined with response_format")
         return self
 
     def to_sampling_params(
@@ -113,7 +153,25 @@ class _SamplingFields(OpenAIModel):
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The output constraint: ``structured_outputs`` as given, or ``response_format``'s
+        (``json_object``: any JSON object; ``json_schema``: its schema); None for free text."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs
+        response_format = self.response_format
+        if response_format is None or response_format.type == "text":
+            return None
+        if response_format.type == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        return StructuredOutputsParams(json=response_format.json_schema.json_schema)
+
+    @property
+    def structured_outputs_param(self) -> str:
+        """The parameter that carries the constraint (named in errors)."""
+        return "response_format" if self.structured_outputs is None else "structured_outputs"
 
 
 def _default(value: Any, default: Any) -> Any:
@@ -210,9 +268,8 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # Accepted only in their no-op forms: silently ignoring JSON mode or tools would hand the
-    # client free text where it expects JSON or a tool call.
-    response_format: dict[str, Any] | None = None
+    # Accepted only in their no-op forms: silently ignoring tools would hand the client free
+    # text where it expects a tool call.
     tools: list[Any] | None = None
     tool_choice: Any = None
 
@@ -220,12 +277,6 @@ class ChatCompletionRequest(_SamplingFields):
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        kind = (self.response_format or {}).get("type", "text")
-        if kind != "text":
-            raise ValueError(
-                f"response_format: type {kind!r} is not supported (structured output is not "
-                "implemented); only 'text' is"
-            )
         if self.tools and self.tool_choice != "none":
             raise ValueError(
                 "tools: tool calling is not supported; send no tools or tool_choice 'none'"

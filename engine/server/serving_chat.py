@@ -33,9 +33,8 @@ ASSISTANT = "assistant"
 
 
 class OpenAIServingChat(OpenAIServing):
-    """Handles chat completions: ``tokenizer.apply_chat_template(messages,
-    add_generation_prompt=True)`` renders the prompt, which is tokenized without adding special
-    tokens again (the template holds them), as vLLM does."""
+    """Handles chat completions: the model's chat template renders the prompt
+    (``tokenization.apply_chat_template``, on the tokenizer thread), as vLLM does."""
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, arrival_time: float
@@ -50,11 +49,12 @@ class OpenAIServingChat(OpenAIServing):
                 refuses them), 404 for an unknown model, 503 when the waiting queue is full.
         """
         lora_request = self.check_model(request.model)
-        prompt_token_ids = self._render(request)
+        prompt_token_ids = await self._render(request)
         max_tokens = self.max_tokens_for(
             len(prompt_token_ids), request.requested_max_tokens(), "messages"
         )
         params = self.sampling_params(request, max_tokens, request.num_logprobs())
+        await self.compile_grammar(request, params)
         request_id = new_request_id("chatcmpl")
         stream = await self.add(
             request_id, prompt_token_ids, params, arrival_time, request.cache_salt, lora_request
@@ -87,31 +87,22 @@ class OpenAIServingChat(OpenAIServing):
             ),
         )
 
-    def _render(self, request: ChatCompletionRequest) -> list[int]:
+    async def _render(self, request: ChatCompletionRequest) -> list[int]:
         conversation = []
         for message in request.messages:
             entry = {"role": message.role, "content": message.text()}
             if message.name is not None:
                 entry["name"] = message.name
             conversation.append(entry)
-        if getattr(self.tokenizer, "chat_template", None) is None:
-            raise bad_request("messages: the model has no chat template", "messages")
         try:
-            text = self.tokenizer.apply_chat_template(
+            return await self.tokenizer.apply_chat_template(
                 conversation,
-                tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                **(request.chat_template_kwargs or {}),
+                chat_template_kwargs=request.chat_template_kwargs,
             )
-        except Exception as exc:  # jinja2 errors from the template itself: the input's fault
-            raise bad_request(
-                f"messages: the chat template refused them: {exc}", "messages"
-            ) from None
-        token_ids = self.encode(text, "messages", add_special_tokens=False)
-        if not token_ids:
-            raise bad_request("messages: the rendered prompt is empty", "messages")
-        return token_ids
+        except ValueError as exc:
+            raise bad_request(exc) from None
 
     @staticmethod
     def _echo_text(request: ChatCompletionRequest) -> str:

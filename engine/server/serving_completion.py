@@ -54,7 +54,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise bad_request(
                 "echo: prompt logprobs (echo with logprobs) are not supported", "echo"
             )
-        prompts = [self._encode(p) for p in request.prompts()]
+        prompts = [await self._encode(p) for p in request.prompts()]
         params = [
             self.sampling_params(
                 request,
@@ -63,6 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
             )
             for p in prompts
         ]
+        await self.compile_grammar(request, params[0])
         request_id = new_request_id("cmpl")
         streams: list[RequestStream] = []
         try:
@@ -90,15 +91,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 stream.close()
         return self._response(request, request_id, prompts, finals, lora_request)
 
-    def _encode(self, prompt: str | list[int]) -> _Prompt:
+    async def _encode(self, prompt: str | list[int]) -> _Prompt:
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt: must not be empty", "prompt")
-            return _Prompt(prompt, self.encode(prompt, "prompt"))
+            return _Prompt(prompt, await self.encode(prompt, "prompt"))
         if not prompt:
             raise bad_request("prompt: a token id list must not be empty", "prompt")
         self.check_token_ids(prompt, "prompt")
-        return _Prompt(self.tokenizer.decode(prompt), list(prompt))
+        return _Prompt(await self.tokenizer.decode(prompt), list(prompt))
 
     def _response(
         self,

@@ -18,6 +18,7 @@ from kvpilot.engine.async_llm import AsyncLLM, EngineError, QueueFullError, Requ
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import Logprob, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.errors import OpenAIError, bad_request
 from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
 from kvpilot.engine.server.serving_models import OpenAIServingModels
@@ -33,9 +34,10 @@ class OpenAIServing:
 
     Args:
         engine: the running ``AsyncLLM``.
-        tokenizer: the model's tokenizer for this (event loop) thread. Not the engine's own
-            object: the engine detokenizes on its worker thread, and a Rust tokenizer used from
-            two threads at once can fail with "Already borrowed".
+        tokenizer: the model's tokenizer behind its own worker thread, so that tokenizing a
+            long prompt never blocks the event loop. Not the engine's own object: the engine
+            detokenizes on its worker thread, and a Rust tokenizer used from two threads at once
+            can fail with "Already borrowed".
         served_model_names: names ``model`` may take; the first is reported in responses.
         max_model_len: longest prompt + output in tokens.
         vocab_size: the model's vocabulary size (bounds for token ids).
@@ -45,7 +47,7 @@ class OpenAIServing:
     def __init__(
         self,
         engine: AsyncLLM,
-        tokenizer: Any,
+        tokenizer: AsyncTokenizer,
         served_model_names: list[str],
         max_model_len: int,
         vocab_size: int,
@@ -57,7 +59,6 @@ class OpenAIServing:
         self.served_model_names = served_model_names
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
-        self._token_text: dict[int, str] = {}
 
     @property
     def model_name(self) -> str:
@@ -84,21 +85,17 @@ class OpenAIServing:
                 param,
             )
 
-    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """Tokenize ``text`` from the request.
+    async def encode(self, text: str, param: str) -> list[int]:
+        """Tokenize ``text`` from the request on the tokenizer thread.
 
         Raises:
             OpenAIError: 400 naming ``param`` when ``text`` is not valid Unicode (a lone
                 surrogate such as ``"\\ud800"``, which JSON allows and the tokenizer refuses).
         """
         try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise bad_request(
-                f"{param}: the text is not valid Unicode ({exc.reason})",
-                param,
-            ) from None
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return await self.tokenizer.encode(text, param)
+        except ValueError as exc:
+            raise bad_request(exc, param) from None
 
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
         """The output limit: ``requested`` or all room left, checked against ``max_model_len``.
@@ -127,6 +124,23 @@ class OpenAIServing:
             return request.to_sampling_params(max_tokens, logprobs, self.vocab_size)
         except ValueError as exc:
             raise bad_request(exc) from None
+
+    async def compile_grammar(self, request: Any, params: SamplingParams) -> None:
+        """Compile the request's structured-output constraint before it reaches the engine
+        (off the event loop and the engine thread; xgrammar caches it for the engine).
+
+        Raises:
+            OpenAIError: 400 naming ``response_format`` (or ``structured_outputs``) when the
+                schema, regex or grammar is invalid.
+        """
+        if params.structured_outputs is None:
+            return
+        try:
+            await self.engine.compile_grammar(params.structured_outputs)
+        except ValueError as exc:
+            param = request.structured_outputs_param
+            reason = str(exc).removeprefix("structured_outputs: ")
+            raise bad_request(f"{param}: {reason}", param) from None
 
     async def add(
         self,
@@ -171,15 +185,13 @@ class OpenAIServing:
             raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the request ended unfinished")
         return final
 
-    def token_text(self, token_id: int, logprob: Logprob | None = None) -> str:
-        """The text of one token on its own (as logprobs report it)."""
+    @staticmethod
+    def token_text(token_id: int, logprob: Logprob | None) -> str:
+        """The text of one token on its own, as logprobs report it: decoded by the engine, or
+        vLLM's ``token_id:<id>`` when it was not decoded (the event loop never tokenizes)."""
         if logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text
+        return f"token_id:{token_id}"
 
     @staticmethod
     def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:

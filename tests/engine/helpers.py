@@ -1,8 +1,12 @@
-"""Helpers shared by the engine tests: prompts, greedy parameters, token ids, the leak check."""
+"""Helpers shared by the engine tests: prompts, greedy parameters, token ids, transformers'
+greedy reference, the leak check."""
 
 from __future__ import annotations
 
+import pathlib
+
 import torch
+import transformers
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.llm_engine import LLMEngine
@@ -34,3 +38,24 @@ def assert_no_leak(engine: LLMEngine) -> None:
     assert pool.get_num_free_blocks() == pool.num_blocks
     assert all(block.ref_cnt == 0 for block in pool.blocks)
     assert engine.get_stats().kv_cache_usage == 0.0
+
+
+def hf_greedy(
+    model_dir: pathlib.Path, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """transformers' greedy ``generate()``, one prompt at a time, EOS ignored.
+
+    The attention mask is passed explicitly: without one, ``generate`` masks every token equal
+    to ``pad_token_id``, and SmolLM2's pad token is ``<|im_end|>``, which chat prompts contain.
+    """
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return [
+        model.generate(
+            torch.tensor([p]),
+            attention_mask=torch.ones(1, len(p), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=None,
+        )[0, len(p) :].tolist()
+        for p in prompts
+    ]

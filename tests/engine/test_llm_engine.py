@@ -10,10 +10,9 @@ import shutil
 
 import pytest
 import torch
-import transformers
 
 from kvpilot.engine import LLM, SamplingParams
-from tests.engine.helpers import NEW_TOKENS, assert_no_leak, generate_ids, greedy
+from tests.engine.helpers import NEW_TOKENS, assert_no_leak, generate_ids, greedy, hf_greedy
 
 # K and V of the tiny test models: 2 layers x 2 KV heads x head_dim 16, float32.
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 16 * 4
@@ -24,27 +23,6 @@ PROMPT_LENS = [1, 7, 8, 9, 16, 17, 33, 50]
 def random_prompts(lengths: list[int], seed: int = 0) -> list[list[int]]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(3, 49152, (n,), generator=generator).tolist() for n in lengths]
-
-
-def hf_greedy(
-    model_dir: pathlib.Path, prompts: list[list[int]], max_new_tokens: int
-) -> list[list[int]]:
-    """transformers' greedy ``generate()``, one prompt at a time, EOS ignored.
-
-    The attention mask is passed explicitly: without one, ``generate`` masks every token equal
-    to ``pad_token_id``, and SmolLM2's pad token is ``<|im_end|>``, which chat prompts contain.
-    """
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return [
-        model.generate(
-            torch.tensor([p]),
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-        )[0, len(p) :].tolist()
-        for p in prompts
-    ]
 
 
 @pytest.fixture(scope="module")

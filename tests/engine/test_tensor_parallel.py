@@ -15,6 +15,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import re
 import signal
 
 import pytest
@@ -26,6 +27,7 @@ from kvpilot.engine.distributed import parallel_state
 from kvpilot.engine.executor import EngineDeadError, MultiprocExecutor, WorkerConfig
 from kvpilot.engine.model_loader import load_model
 from kvpilot.engine.model_spec import ModelSpec, check_tensor_parallel_size
+from kvpilot.engine.sampling_params import StructuredOutputsParams
 
 BLOCK_SIZE = 4
 LOGPROB_ATOL = 1e-4
@@ -163,6 +165,25 @@ def test_two_ranks_match_one_under_batching_and_preemption(tiny_model_dir, overr
         assert executor.collective_rpc("kv_cache_bytes") == [num_blocks * kv_block_bytes] * 2
     finally:
         llm.llm_engine.shutdown()
+
+
+def test_structured_outputs_reach_every_rank(tiny_model_dir):
+    # The grammar bitmask travels to the workers inside the SchedulerOutput.
+    model_dir = tiny_model_dir("llama")
+    constraint = StructuredOutputsParams(regex="[a-z]+( [0-9]+)?")
+    params = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, structured_outputs=constraint
+    )
+    prompts = random_prompts([3, 9])
+    expected = make_llm(model_dir, 1, 64).generate(prompts, params, use_tqdm=False)
+    llm = make_llm(model_dir, 2, 64)
+    try:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    # A prefix of the language when max_tokens cuts it.
+    assert all(re.fullmatch("[a-z]+( [0-9]*)?", o.outputs[0].text) for o in outputs)
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import random
+import select
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -87,7 +91,20 @@ CHAT = "/v1/chat/completions"
         (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
         (CHAT, chat(messages=[{"role": "user", "content": "hi " * 300}]), "messages"),
         (CHAT, chat(max_completion_tokens=-1), "max_completion_tokens"),
-        (CHAT, chat(response_format={"type": "json_object"}), "response_format"),
+        (CHAT, chat(response_format={"type": "xml"}), "response_format"),
+        (CHAT, chat(response_format={"type": "json_schema"}), "response_format"),
+        (
+            CHAT,
+            chat(response_format={"type": "json_schema", "json_schema": {"schema": {"type": 1}}}),
+            "response_format",
+        ),
+        (COMPLETIONS, completion(structured_outputs={"regex": "(a"}), "structured_outputs"),
+        (COMPLETIONS, completion(structured_outputs={"choice": []}), "structured_outputs"),
+        (
+            COMPLETIONS,
+            completion(structured_outputs={"regex": "a"}, response_format={"type": "json_object"}),
+            "structured_outputs",
+        ),
         (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
     ],
 )
@@ -144,6 +161,55 @@ def test_unsupported_content_part_is_named(http):
     response = http.post(CHAT, json=chat(messages=[{"role": "user", "content": parts}]))
     assert response.status_code == 400, response.text
     assert "'image_url' is not supported" in response.json()["error"]["message"]
+
+
+def huge_text(num_words: int, seed: int = 0) -> str:
+    """Text of random made-up words (about 5.5 characters each with the space): no word repeats
+    often enough for the tokenizer's word cache to make tokenizing it cheap."""
+    rng = random.Random(seed)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choices(letters, k=rng.randint(2, 9))) for _ in range(50_000)]
+    return " ".join(rng.choices(words, k=num_words))
+
+
+def raw_post(server, api_key: str, path: str, body: dict) -> socket.socket:
+    """Send a whole POST request on a socket of its own and return the socket unread: once
+    ``sendall`` returns, the server has received (nearly) all of the body."""
+    data = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
+        "Connection: close\r\n\r\n"
+    )
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=120)
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict]:
+    """Status and JSON body of the response on ``sock`` (read until the server closes)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    sock.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_health_answers_while_a_huge_prompt_is_tokenized(server, api_key, http):
+    # ~4 MB of text takes seconds to tokenize; it runs on the server's tokenizer thread, so
+    # the event loop answers /health meanwhile. On the event loop, /health would wait for the
+    # tokenization and the 400 that follows it.
+    sock = raw_post(server, api_key, COMPLETIONS, completion(prompt=huge_text(700_000)))
+    time.sleep(0.5)  # the server parses the body and starts tokenizing
+    assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+    readable, _, _ = select.select([sock], [], [], 0)
+    assert not readable, "the huge prompt was answered before /health: tokenized on the loop?"
+    status, body = read_response(sock)
+    assert status == 400
+    assert body["error"]["param"] == "prompt"
+    assert "maximum context length is 256 tokens" in body["error"]["message"]
+    assert_still_serving(http)
 
 
 def test_openai_client_sees_bad_request_and_not_found(server, api_key, http):

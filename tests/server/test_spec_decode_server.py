@@ -67,3 +67,30 @@ def test_bad_speculative_config_is_refused_at_start_up():
     )
     assert result.returncode != 0
     assert "num_speculative_tokens must be an integer >= 1, got 0" in result.stdout + result.stderr
+
+
+def test_response_format_is_served_without_speculation(servers, api_key):
+    # Constrained requests are decoded one token a step on a speculative server: the same
+    # greedy JSON as without speculation.
+    schema = {
+        "type": "object",
+        "properties": {"fruit": {"type": "string"}, "kg": {"type": "integer"}},
+        "required": ["fruit", "kg"],
+    }
+    texts = []
+    for server in servers:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=api_key, max_retries=0)
+        completion = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": PROMPT + "Give the first item as JSON."}],
+            temperature=0,
+            max_tokens=48,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "item", "schema": schema},
+            },
+        )
+        texts.append(completion.choices[0].message.content)
+    assert texts[0] == texts[1]
+    item = json.loads(texts[1])
+    assert set(item) == {"fruit", "kg"} and isinstance(item["kg"], int)

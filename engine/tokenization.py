@@ -1,0 +1,146 @@
+"""User text and chat messages to prompt token ids, shared by the offline ``LLM`` and the server.
+
+Chat prompts are rendered as vLLM renders them: the tokenizer's chat template
+(transformers' ``apply_chat_template``) turns the conversation into text, which is tokenized
+without adding special tokens again (the template already holds them, e.g. a BOS).
+
+Every function here uses the tokenizer it is given from the calling thread: a Rust (fast)
+tokenizer must not be used by two threads at once, so callers own one tokenizer per thread
+(the server runs these on its tokenizer thread, see ``server/async_tokenizer.py``).
+
+Errors are ``ValueError`` whose message starts with the parameter at fault (``prompt``,
+``messages``, ``continue_final_message``), which the server turns into a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+ChatMessage = Mapping[str, Any]
+"""An OpenAI-style message: ``{"role": str, "content": str | [{"type": "text", "text": str}] |
+None, "name": str (optional)}``."""
+
+
+def encode_text(
+    tokenizer: Any, text: str, param: str, add_special_tokens: bool = True
+) -> list[int]:
+    """Tokenize user text.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        text: the text; JSON can carry lone surrogates (``"\\ud800"``) that are not Unicode.
+        param: the request parameter the text came from (named in errors).
+        add_special_tokens: add the tokenizer's BOS/EOS as configured (False for rendered chat
+            templates).
+
+    Returns:
+        ``[num_tokens]`` token ids.
+
+    Raises:
+        ValueError: ``"{param}: the text is not valid Unicode (...)"`` for a lone surrogate,
+            which the tokenizer would refuse with a ``TypeError``.
+    """
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{param}: the text is not valid Unicode ({exc.reason})") from None
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+
+def parse_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Check OpenAI-style messages and flatten them into what chat templates read.
+
+    Args:
+        messages: the conversation, oldest first; content is a string, None, or a list of
+            ``{"type": "text", "text": ...}`` parts (joined).
+
+    Returns:
+        ``[{"role", "content"(, "name")}]`` with string contents.
+
+    Raises:
+        ValueError: ``messages: ...`` for an empty conversation, a message that is not a mapping,
+            a missing or non-string role, or content that is not text.
+    """
+    if isinstance(messages, str | bytes | Mapping) or not messages:
+        raise ValueError("messages: must be a non-empty list of messages")
+    conversation = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ValueError(f"messages: message {i} must be a dict, got {type(message).__name__}")
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise ValueError(f"messages: message {i} needs a string 'role'")
+        entry = {"role": role, "content": _content_text(message.get("content"), i)}
+        if message.get("name") is not None:
+            entry["name"] = str(message["name"])
+        conversation.append(entry)
+    return conversation
+
+
+def _content_text(content: Any, index: int) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list) and all(
+        isinstance(part, Mapping)
+        and part.get("type") == "text"
+        and isinstance(part.get("text"), str)
+        for part in content
+    ):
+        return "".join(part["text"] for part in content)
+    raise ValueError(
+        f"messages: message {index} content must be a string or a list of text parts "
+        "({'type': 'text', 'text': ...})"
+    )
+
+
+def apply_chat_template(
+    tokenizer: Any,
+    conversation: list[dict[str, str]],
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> list[int]:
+    """Render a conversation with the chat template and tokenize it.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        conversation: messages as ``parse_chat_messages`` returns them.
+        chat_template: a Jinja template to use instead of the tokenizer's own.
+        add_generation_prompt: end with the header of an assistant reply (what a model needs
+            to answer).
+        continue_final_message: leave the last message open, so that the model continues it
+            (excludes ``add_generation_prompt``).
+        chat_template_kwargs: extra variables for the template (e.g. ``enable_thinking``).
+
+    Returns:
+        ``[num_tokens]`` prompt token ids, equal to transformers'
+        ``apply_chat_template(conversation, tokenize=True, ...)``.
+
+    Raises:
+        ValueError: ``messages: ...`` when the model has no chat template, the template refuses
+            the conversation (a Jinja error, e.g. roles that do not alternate), the text is not
+            valid Unicode or renders to nothing; ``continue_final_message: ...`` together with
+            ``add_generation_prompt``.
+    """
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
+    if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("messages: the model has no chat template")
+    try:
+        text = tokenizer.apply_chat_template(
+            conversation,
+            chat_template=chat_template,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            **(chat_template_kwargs or {}),
+        )
+    except Exception as exc:  # jinja2 errors from the template itself: the input's fault
+        raise ValueError(f"messages: the chat template refused them: {exc}") from None
+    token_ids = encode_text(tokenizer, text, "messages", add_special_tokens=False)
+    if not token_ids:
+        raise ValueError("messages: the rendered prompt is empty")
+    return token_ids

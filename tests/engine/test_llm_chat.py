@@ -1,0 +1,111 @@
+"""``LLM.chat``: conversations through the model's chat template, as vLLM's ``LLM.chat``.
+
+The prompt must be exactly transformers' ``apply_chat_template(..., tokenize=True)`` and the
+greedy reply exactly transformers' ``generate()`` on those ids.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from kvpilot.engine import LLM
+from tests.engine.helpers import assert_no_leak, greedy, hf_greedy
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [
+        {"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Name a prime number."},
+        {"role": "assistant", "content": "7"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Another "}, {"type": "text", "text": "one?"}],
+        },
+    ],
+]
+
+
+def hf_chat_ids(tokenizer, conversation, **kwargs) -> list[int]:
+    """transformers' own rendering of a conversation (text parts joined, as OpenAI's)."""
+    flat = [
+        {
+            **m,
+            "content": m["content"]
+            if isinstance(m["content"], str)
+            else "".join(p["text"] for p in m["content"]),
+        }
+        for m in conversation
+    ]
+    return list(tokenizer.apply_chat_template(flat, tokenize=True, **kwargs)["input_ids"])
+
+
+@pytest.fixture(scope="module")
+def tiny_llm(tiny_model_dir) -> LLM:
+    return LLM(str(tiny_model_dir("llama")), max_model_len=256)
+
+
+@pytest.mark.slow
+def test_default_model_chat_matches_transformers(default_model_dir):
+    llm = LLM(max_model_len=512)
+    tokenizer = llm.get_tokenizer()
+    outputs = llm.chat(CONVERSATIONS, greedy(max_tokens=24), use_tqdm=False)
+    expected_prompts = [
+        hf_chat_ids(tokenizer, c, add_generation_prompt=True) for c in CONVERSATIONS
+    ]
+    assert [o.prompt_token_ids for o in outputs] == expected_prompts
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(
+        default_model_dir, expected_prompts, 24
+    )
+    # One conversation alone gives the same as in the batch.
+    [alone] = llm.chat(CONVERSATIONS[1], greedy(max_tokens=24), use_tqdm=False)
+    assert alone.outputs[0].token_ids == outputs[1].outputs[0].token_ids
+    assert_no_leak(llm.llm_engine)
+
+
+def test_template_options_match_transformers(tiny_llm):
+    tokenizer = tiny_llm.get_tokenizer()
+    open_reply = [*CONVERSATIONS[0], {"role": "assistant", "content": "The capital is"}]
+    [continued] = tiny_llm.chat(
+        open_reply,
+        greedy(max_tokens=2),
+        add_generation_prompt=False,
+        continue_final_message=True,
+        use_tqdm=False,
+    )
+    assert continued.prompt_token_ids == hf_chat_ids(
+        tokenizer, open_reply, continue_final_message=True
+    )
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}"
+    [custom] = tiny_llm.chat(
+        CONVERSATIONS[0], greedy(max_tokens=2), chat_template=template, use_tqdm=False
+    )
+    assert custom.prompt_token_ids == tokenizer.encode(
+        "[user] What is the capital of France?\n", add_special_tokens=False
+    )
+    batch = tiny_llm.chat(
+        CONVERSATIONS, [greedy(max_tokens=1), greedy(max_tokens=3)], use_tqdm=False
+    )
+    assert [len(o.outputs[0].token_ids) for o in batch] == [1, 3]
+
+
+def test_a_model_without_chat_template_is_refused(tiny_llm, monkeypatch):
+    monkeypatch.setattr(tiny_llm.get_tokenizer(), "chat_template", None)
+    with pytest.raises(ValueError, match="messages: the model has no chat template"):
+        tiny_llm.chat(CONVERSATIONS[0], use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("messages", "kwargs", "message"),
+    [
+        ([], {}, "messages: must be a conversation"),
+        ([{"content": "no role"}], {}, "messages: message 0 needs a string 'role'"),
+        ([{"role": "user", "content": [{"type": "image_url"}]}], {}, "messages: message 0 content"),
+        (CONVERSATIONS[0], {"continue_final_message": True}, "continue_final_message"),
+        (CONVERSATIONS[0], {"chat_template": "{{ raise_exception('no') }}"}, "refused them: no"),
+        ([{"role": "user", "content": "\ud800"}], {}, "messages: the text is not valid Unicode"),
+    ],
+)
+def test_bad_conversations_are_refused_by_name(tiny_llm, messages, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_llm.chat(messages, greedy(max_tokens=1), use_tqdm=False, **kwargs)
+    assert_no_leak(tiny_llm.llm_engine)
