@@ -32,6 +32,13 @@ How it decides, in order (docs/autoscaling.md explains each rule):
    least ``LONG_CONTEXT_SHARE`` of a replica's KV cache, the cache is above target, and requests
    wait or get preempted), a larger shape from the planner is chosen instead of more replicas,
    unless the user fixed ``tensorParallelSize``.
+9. **Recurring bursts** (``predictiveScaling``, :mod:`kvpilot.operator.forecast`): the load of
+   each scrape interval goes into a history; when it shows bursts that recur with a period,
+   the replicas the last period needed one pod start-up time (plus a tick) ahead are asked
+   for now, not rate-limited, so they are ready when the burst comes. While the forecast
+   holds, it replaces the scale-down stabilization: replicas follow the latest interval's
+   load down to what the forecast needs within a start-up time. Without a period: rules 1-8
+   unchanged.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
+from kvpilot.operator.forecast import BUCKET_SECONDS, DemandHistory, predict
 from kvpilot.operator.signals import MetricSample, Signals, summarize
 from kvpilot.operator.spec import AutoscalingSpec, LLMDeploymentSpec, SpecError
 
@@ -59,7 +67,8 @@ LONG_CONTEXT_SHARE = 0.25
 
 @dataclass(frozen=True)
 class AutoscalingPolicy:
-    """The ``spec.autoscaling`` knobs the decision reads (units: replicas, seconds, ratios).
+    """The ``spec.autoscaling`` knobs the decision reads (units: replicas, seconds, ratios;
+    ``predictive_scaling`` turns rule 9 on).
 
     Raises:
         ValueError: from ``__post_init__``, naming the first field out of range.
@@ -77,6 +86,7 @@ class AutoscalingPolicy:
     max_scale_up_rate: float = 2.0
     max_scale_down_rate: float = 2.0
     gpu_budget: int | None = None
+    predictive_scaling: bool = True
 
     def __post_init__(self) -> None:
         checks = [
@@ -176,7 +186,8 @@ class FleetState:
         larger_shape: the planner's next bigger shape (more KV capacity per replica), or None.
         max_num_seqs: the engine's sequence slots per replica (the plan's), or None.
         startup_seconds: how long a new replica takes from being asked for to ready; the
-            token rate's rise over that time is provisioned ahead (0: react only).
+            token rate's rise over that time, and a recurring burst due within it (plus a
+            tick), are provisioned ahead (0: unknown; the forecast looks one tick ahead).
         wake_requested_at: time (seconds) of the newest wake request, or None.
     """
 
@@ -207,6 +218,8 @@ class AutoscalerMemory:
         first_decision: time of the first decision; until a scale-down stabilization window
             has passed since, replicas are not lowered (after an operator restart the history
             that would justify it is gone).
+        demand: the replicas each scrape interval's load needed, downsampled and bounded
+            (:class:`~kvpilot.operator.forecast.DemandHistory`), for the burst forecast.
     """
 
     recommendations: tuple[tuple[float, int], ...] = ()
@@ -216,6 +229,7 @@ class AutoscalerMemory:
     last_replan_time: float | None = None
     replica_tokens_per_second: float | None = None
     first_decision: float | None = None
+    demand: DemandHistory = field(default_factory=DemandHistory)
 
 
 @dataclass(frozen=True)
@@ -226,7 +240,8 @@ class Decision:
         desired_replicas: what ``spec.replicas`` should be.
         reason: CamelCase reason for status and the Event (``ScaleUp``, ``ScaleDown``,
             ``Panic``, ``Stable``, ``PendingPods``, ``ScaleToZero``, ``WakeFromZero``, ``Idle``,
-            ``NoMetrics``, ``BelowMinimum``, ``AboveMaximum``, ``GPUBudget``, ``LongContext``).
+            ``NoMetrics``, ``BelowMinimum``, ``AboveMaximum``, ``GPUBudget``, ``LongContext``,
+            ``PredictedBurst``).
         message: one human sentence with the numbers behind the reason.
         signals: the stable window's signals, or None without metrics.
         replan: the larger shape to roll out instead of adding replicas, or None.
@@ -298,6 +313,13 @@ def _rise(samples: Sequence[MetricSample], policy: AutoscalingPolicy, now: float
     if early is None or late is None or early.num_rounds < 2 or late.num_rounds < 2:
         return 0.0
     return max(0.0, (late.tokens_per_second - early.tokens_per_second) / half)
+
+
+def _latest_interval(samples: Sequence[MetricSample], now: float) -> Signals | None:
+    """The signals of the last two scrape rounds up to ``now``: the load as it is now, which
+    the demand history records (the stable window would lag a burst by its length)."""
+    rounds = sorted({s.timestamp for s in samples if s.timestamp <= now})
+    return summarize(samples, start=rounds[-2], end=now + 1e-9) if len(rounds) >= 2 else None
 
 
 def is_saturated(signals: Signals, policy: AutoscalingPolicy, max_num_seqs: int | None) -> bool:
@@ -380,6 +402,20 @@ def decide(
         if panic
         else raw
     )
+    load_now = replicas_for_load(
+        _latest_interval(samples, now) or stable,
+        policy,
+        fleet.ready_replicas,
+        fleet.max_num_seqs,
+        capacity,
+    )
+    memory = replace(memory, demand=memory.demand.record(now, min(load_now, policy.max_replicas)))
+    prediction = (
+        predict(memory.demand, now, fleet.startup_seconds + BUCKET_SECONDS)
+        if policy.predictive_scaling
+        else None
+    )
+    predicted = math.ceil(prediction.replicas - 1e-9) if prediction else 0
     panicking = memory.panic_until is not None and now < memory.panic_until
     if panic_raw >= PANIC_THRESHOLD * fleet.ready_replicas:
         memory = replace(memory, panic_until=now + policy.stable_window_seconds)
@@ -398,7 +434,12 @@ def decide(
         message = f"panic: the last {policy.panic_window_seconds:g}s ask for {panic_raw} replicas"
     else:
         up = min(r for t, r in history if t >= now - policy.scale_up_stabilization_seconds)
-        down = max(r for t, r in history if t >= now - policy.scale_down_stabilization_seconds)
+        if prediction is None:
+            down = max(r for t, r in history if t >= now - policy.scale_down_stabilization_seconds)
+        else:
+            # The forecast covers what stabilization guards against (load that comes back
+            # before a new pod could start), so scale down to the load of the last interval.
+            down = max(up, load_now, predicted)
         if now - first < policy.scale_down_stabilization_seconds:
             down = max(down, current)
         if memory.replica_tokens_per_second is None:
@@ -414,6 +455,12 @@ def decide(
             f"KV load {stable.kv_load:.2f} replicas at target {policy.target_kv_cache_usage:g}, "
             f"{stable.num_requests_waiting:.1f} waiting: {raw} replicas needed"
         )
+        if prediction is not None:
+            message += (
+                f"; recurring bursts every {prediction.period_seconds:.0f}s: "
+                f"{predicted} replicas forecast for the next "
+                f"{fleet.startup_seconds + BUCKET_SECONDS:.0f}s"
+            )
 
     up_limit = math.ceil(policy.max_scale_up_rate * max(current, 1))
     down_limit = math.floor(current / policy.max_scale_down_rate)
@@ -423,6 +470,15 @@ def decide(
     if desired < down_limit:
         desired = down_limit
         message += f", limited to {down_limit} by maxScaleDownRate"
+
+    if prediction is not None and predicted > desired:
+        # Not rate-limited: the limits damp a reaction to a noisy window, and a pod asked for
+        # later than now is not ready for the burst.
+        desired, reason = predicted, "PredictedBurst"
+        message = (
+            f"predicted recurring burst in {prediction.eta_seconds:.0f}s "
+            f"(period {prediction.period_seconds:.0f}s): {desired} replicas"
+        )
 
     # Only the idle rule below may take the last replica away.
     desired = max(desired, 1)

@@ -167,6 +167,7 @@ class AutoscalingSpec:
     max_scale_up_rate: float | None = None
     max_scale_down_rate: float | None = None
     gpu_budget: int | None = None
+    predictive_scaling: bool | None = None
     tune_engine: bool = False
     allowed_gpu_types: tuple[str, ...] = ()
 
@@ -426,6 +427,7 @@ def _autoscaling(r: _Reader | None) -> AutoscalingSpec | None:
         "maxScaleUpRate",
         "maxScaleDownRate",
         "gpuBudget",
+        "predictiveScaling",
         "tuneEngine",
         "allowedGpuTypes",
     )
@@ -459,6 +461,7 @@ def _autoscaling(r: _Reader | None) -> AutoscalingSpec | None:
         max_scale_up_rate=r.number("maxScaleUpRate", exclusive_minimum=1),
         max_scale_down_rate=r.number("maxScaleDownRate", exclusive_minimum=1),
         gpu_budget=r.int("gpuBudget", minimum=0),
+        predictive_scaling=r.bool("predictiveScaling"),
         tune_engine=bool(r.bool("tuneEngine")),
         allowed_gpu_types=tuple(dict.fromkeys(allowed)),
     )

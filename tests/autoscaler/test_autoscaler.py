@@ -66,12 +66,14 @@ class Fleet:
         del self.pods[desired:]
 
 
-async def drive(demand, policy, *, minutes, replicas=1, tick=5.0, startup=30.0, room=None, **fleet):
+async def drive(
+    demand, policy, *, minutes, replicas=1, tick=5.0, startup=30.0, room=None, memory=None, **fleet
+):
     """Run the control loop against ``demand(t)`` on the loop's (fast-forwarded) clock."""
     loop = asyncio.get_running_loop()
     start = loop.time()
     cluster = Fleet(replicas, startup, room, **fleet)
-    memory = AutoscalerMemory()
+    memory = memory or AutoscalerMemory()
     window, history, served = [], [], 0.0
     while loop.time() - start < minutes * 60:
         now = loop.time() - start
@@ -368,3 +370,85 @@ def test_policy_from_a_parsed_spec_keeps_defaults_for_unset_knobs():
         gpu_budget=8,
     )  # fmt: skip
     assert policy.scale_down_stabilization_seconds == 300.0
+
+
+def recurring_bursts(t):
+    """6 replicas of KV for 60 s every 5 minutes from 240 s, 1 otherwise (the bursty trace)."""
+    return 6.0 if t >= 240 and (t - 240) % 300 < 60 else 1.0
+
+
+BURST_REPLICAS = math.ceil(6.0 / 0.7)
+STARTUP = dict(tick=15.0, startup=120.0, startup_seconds=120.0)
+# A replica's capacity known (no probing down), and far above the toy's token counters: the
+# toy's load is KV-cache load only.
+LEARNED = AutoscalerMemory(replica_tokens_per_second=1e12)
+
+
+@pytest.mark.looptime
+async def test_recurring_bursts_get_their_replicas_one_startup_time_ahead():
+    policy = AutoscalingPolicy(max_replicas=20)
+    history = await drive(
+        recurring_bursts, policy, minutes=30, replicas=2, memory=LEARNED, **STARTUP
+    )
+    predicted = [when for when, d in history if d.reason == "PredictedBurst"]
+    # Two bursts (240 s, 540 s) teach the period; from the third on, pods are asked for a
+    # start-up time (plus a tick) ahead, so they are ready when the burst comes.
+    assert predicted and 600 <= predicted[0] < 840 - 120
+    for burst in (1140, 1440, 1740):
+        asked = [when for when in predicted if burst - 150 <= when <= burst - 120]
+        assert asked, f"no pre-scale for the burst at {burst} s: {predicted}"
+        assert replicas_at(history, burst - 120) >= BURST_REPLICAS
+        # After the previous burst the fleet went back down instead of holding a period.
+        assert replicas_at(history, burst - 160) <= 3
+    message = next(d.message for when, d in history if d.reason == "PredictedBurst")
+    assert "predicted recurring burst in" in message and "(period 300s)" in message
+
+
+@pytest.mark.looptime
+async def test_predicted_bursts_stay_within_max_replicas_and_the_gpu_budget():
+    capped = AutoscalingPolicy(max_replicas=6)
+    history = await drive(
+        recurring_bursts, capped, minutes=20, replicas=2, memory=LEARNED, **STARTUP
+    )
+    assert any(d.reason == "PredictedBurst" for _, d in history)
+    assert max(d.desired_replicas for _, d in history) == 6
+    budget = AutoscalingPolicy(max_replicas=20, gpu_budget=10)
+    history = await drive(
+        recurring_bursts, budget, minutes=20, replicas=2, memory=LEARNED,
+        gpus_per_replica=2, **STARTUP,
+    )  # fmt: skip
+    assert max(d.desired_replicas for _, d in history) == 5
+    assert {d.reason for _, d in history} >= {"GPUBudget"}
+
+
+NOISE = random.Random(11)
+NOISE_AT: dict[float, float] = {}
+
+
+def noisy(t):
+    """3 replicas of KV +-15%, the same value at the same time in every run."""
+    return NOISE_AT.setdefault(t, 3.0 * (1 + NOISE.uniform(-0.15, 0.15)))
+
+
+@pytest.mark.looptime
+@pytest.mark.parametrize(
+    "demand",
+    [noisy, lambda t: 1.0 + t / 120.0, lambda t: 4.0 if t < 300 else 1.0],
+    ids=["noise", "ramp", "dip"],
+)
+async def test_without_recurring_bursts_nothing_changes(demand):
+    on = await drive(demand, POLICY, minutes=20, replicas=3, memory=LEARNED, **STARTUP)
+    off = await drive(
+        demand, replace(POLICY, predictive_scaling=False), minutes=20, replicas=3,
+        memory=LEARNED, **STARTUP,
+    )  # fmt: skip
+    assert [(w, d.desired_replicas, d.reason, d.message) for w, d in on] == [
+        (w, d.desired_replicas, d.reason, d.message) for w, d in off
+    ]
+
+
+def test_predictive_scaling_is_a_spec_knob_on_by_default():
+    spec = parse_spec({"autoscaling": {"maxReplicas": 4}})
+    assert AutoscalingPolicy.from_spec(spec.autoscaling).predictive_scaling is True
+    spec = parse_spec({"autoscaling": {"maxReplicas": 4, "predictiveScaling": False}})
+    assert AutoscalingPolicy.from_spec(spec.autoscaling).predictive_scaling is False

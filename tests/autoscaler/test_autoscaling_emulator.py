@@ -52,6 +52,7 @@ SCALING_REASONS = {
     "AboveMaximum",
     "GPUBudget",
     "LongContext",
+    "PredictedBurst",
 }
 
 

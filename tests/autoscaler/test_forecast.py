@@ -1,0 +1,147 @@
+"""The burst forecast with plain values: history, onsets, period detection, seasonal naive."""
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from kvpilot.operator.forecast import (
+    BUCKET_SECONDS,
+    HISTORY_SECONDS,
+    DemandHistory,
+    detect_period,
+    onset_strength,
+    predict,
+    seasonal_naive_peak,
+)
+
+PERIOD = 300.0
+BURST = 60.0
+
+
+def bursts(t, base=2.0, peak=13.0, first=240.0):
+    """The bursty trace's shape in replicas: ``peak`` for 60 s every 5 minutes from ``first``."""
+    return peak if t >= first and (t - first) % PERIOD < BURST else base
+
+
+def history_of(demand, until, *, tick=BUCKET_SECONDS, start=0.0):
+    history = DemandHistory()
+    t = start
+    while t <= until:
+        history = history.record(t, demand(t))
+        t += tick
+    return history
+
+
+def test_a_bucket_keeps_its_largest_demand_and_skipped_buckets_hold_the_last():
+    history = DemandHistory().record(100.0, 3).record(105.0, 5).record(110.0, 4)
+    assert (history.start, history.values) == (100.0, (5,))
+    # Nothing decided in the next two buckets: they hold 5; the third gets the new value.
+    history = history.record(100.0 + 3 * BUCKET_SECONDS, 1)
+    assert history.values == (5, 5, 5, 1)
+    # A clock that stepped back counts in the last bucket.
+    assert history.record(90.0, 7).values == (5, 5, 5, 7)
+
+
+def test_a_long_gap_starts_afresh_and_bad_demand_is_refused():
+    history = DemandHistory().record(0.0, 3).record(15.0, 4)
+    assert history.record(15.0 + 300.0, 2) == DemandHistory(315.0, (2,))
+    with pytest.raises(ValueError, match="demand"):
+        history.record(30.0, -1)
+    with pytest.raises(ValueError, match="demand"):
+        history.record(30.0, math.nan)
+
+
+def test_memory_stays_bounded():
+    history = history_of(lambda t: t // 60 % 7, 3 * 3600.0, tick=5.0)
+    assert len(history.values) == HISTORY_SECONDS / BUCKET_SECONDS == 240
+    # The newest bucket is the last decision's; the window slid forward.
+    assert history.end == pytest.approx(3 * 3600.0 + BUCKET_SECONDS)
+    assert history.start == pytest.approx(3 * 3600.0 + BUCKET_SECONDS - HISTORY_SECONDS)
+
+
+def test_onsets_are_the_rises_summed_over_three_buckets():
+    onsets = onset_strength([2, 2, 6, 9, 9, 3, 3, 4])
+    # rises: 0, 4, 3, 0, 0, 0, 1 -> sums over 3: 7, 7, 3, 0, 1
+    assert onsets.tolist() == [7, 7, 3, 0, 1]
+    assert onset_strength([1, 2, 3]).size == 0
+
+
+def test_periodic_bursts_are_found_with_their_period():
+    rng = random.Random(3)
+    values = [bursts(i * 15.0) + rng.choice((-1, 0, 0, 1)) for i in range(60)]
+    lag, r = detect_period(onset_strength(values), 8)
+    assert lag * BUCKET_SECONDS == PERIOD
+    assert r > 0.8
+
+
+@pytest.mark.parametrize(
+    "name, values",
+    [
+        ("constant", [4.0] * 120),
+        ("white noise", [4 + random.Random(5).gauss(0, 1) for _ in range(120)]),
+        ("integer noise", [random.Random(6).choice((3, 4, 4, 5)) for _ in range(120)]),
+        ("a rise then a fall", [min(i, 120 - i) / 6 for i in range(120)]),
+        ("too short for two periods", [bursts(i * 15.0) for i in range(38)]),
+    ],
+)
+def test_aperiodic_series_have_no_period(name, values):
+    assert detect_period(onset_strength(values), 8) is None, name
+
+
+def test_a_ramp_in_regular_steps_is_no_burst():
+    # +1 replica every 3 minutes: the rises recur exactly, but nothing bursts.
+    steps = DemandHistory(0.0, tuple(2 + i // 12 for i in range(120)))
+    assert detect_period(onset_strength(steps.values), 8) is not None
+    assert predict(steps, steps.end, 135.0) is None
+
+
+def test_detect_period_refuses_a_zero_lag():
+    with pytest.raises(ValueError, match="min_lag"):
+        detect_period([1.0, 2.0], 0)
+
+
+def test_the_next_burst_is_forecast_one_startup_time_ahead():
+    # Bursts at 240, 540, 840, ...; a pod takes 120 s to start; decisions every 15 s.
+    startup, horizon = 120.0, 120.0 + BUCKET_SECONDS
+    history, t, first = DemandHistory(), 0.0, None
+    while first is None and t < 840.0:
+        history = history.record(t, bursts(t))
+        prediction = predict(history, t, horizon)
+        if prediction is not None and prediction.replicas >= 13.0:
+            first = t, prediction
+        t += BUCKET_SECONDS
+    when, prediction = first
+    # Asked for one start-up time (plus a tick and a bucket of slack) before the burst: the
+    # pods are ready when it comes, not a period early.
+    assert 840.0 - startup - 2 * BUCKET_SECONDS <= when <= 840.0 - startup
+    assert prediction.period_seconds == PERIOD
+    assert 840.0 - 2 * BUCKET_SECONDS <= when + prediction.eta_seconds <= 840.0
+    assert prediction.autocorrelation >= 0.6
+    # Between bursts the forecast is the base load.
+    assert predict(history, 660.0, horizon).replicas == 2.0
+
+
+def test_seasonal_naive_reads_one_period_back_with_a_bucket_of_slack():
+    history = DemandHistory(0.0, (1, 1, 1, 8, 1, 1, 1, 1, 1, 1))
+    period = 4 * BUCKET_SECONDS  # the 8 sat at 45..60 s, so it is due at 105..120 s
+    assert seasonal_naive_peak(history, period, 150.0, 165.0) == (1, 150.0)
+    # Due at 105 s; with a bucket of slack either side, forecast from 90 s.
+    assert seasonal_naive_peak(history, period, 60.0, 120.0) == (8, 90.0)
+    # No time of the horizon has a period-ago bucket in the history.
+    assert seasonal_naive_peak(history, period, 500.0, 520.0) is None
+
+
+def test_a_negative_horizon_is_refused():
+    with pytest.raises(ValueError, match="horizon"):
+        predict(DemandHistory(), 0.0, -1.0)
+
+
+def test_numpy_and_the_docstring_formula_agree():
+    values = np.array([bursts(i * 15.0) for i in range(80)])
+    x = onset_strength(values)
+    lag, r = detect_period(x, 8)
+    d = x - x.mean()
+    expected = (d[:-lag] @ d[lag:]) / (len(x) - lag) / (d @ d / len(x))
+    assert r == pytest.approx(expected)
