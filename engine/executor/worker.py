@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kvpilot.engine.distributed import init_distributed_environment
+from kvpilot.engine.layers.linear import prepack_linear_weights
 from kvpilot.engine.model_loader import load_model
 from kvpilot.engine.model_runner import ModelRunner, ModelRunnerOutput
 from kvpilot.engine.sampler import Sampler
@@ -90,12 +91,14 @@ class Worker:
         self.model = load_model(
             config.model_dir, config.dtype, self.device, attention_backend=config.attention_backend
         )
+        self._weight_bytes = sum(p.nbytes for p in self.model.parameters())
+        prepack_linear_weights(self.model)
         self.sampler = Sampler(config.seed, self.device, set(config.eos_token_ids))
         self.model_runner: ModelRunner | None = None
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied table counted once)."""
-        return sum(p.nbytes for p in self.model.parameters())
+        return self._weight_bytes
 
     def kv_cache_bytes(self) -> int:
         """Bytes of this rank's KV cache (0 before ``initialize_cache``)."""

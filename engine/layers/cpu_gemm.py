@@ -7,9 +7,11 @@ widest vector units, and with the weight reordered once into oneDNN's blocked la
 CPU backend packs its linear weights for oneDNN for the same reason. Both compute in float32
 (no reduced-precision math mode), only the order of the additions differs.
 
-The packed copy is kept on the weight tensor and rebuilt when the weight changes (another data
-pointer or an in-place update, seen through ``Tensor._version``); it doubles the memory of the
-linear weights. Other dtypes and devices go to ``F.linear`` unchanged.
+Once the weights are loaded, the engine replaces each linear layer's weight by its packed copy
+(:func:`prepack`), so the packed layout is the only copy in memory. A weight that also serves
+as something else (the input embedding table tied to the LM head) stays dense; its packed copy
+is kept on the tensor and rebuilt when it changes (another data pointer or an in-place update,
+seen through ``Tensor._version``). Other dtypes and devices go to ``F.linear`` unchanged.
 """
 
 from __future__ import annotations
@@ -20,6 +22,30 @@ import torch.nn.functional as F
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_reorder_linear_weight"
 )
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        _ONEDNN
+        and x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The oneDNN-packed copy of a float32 CPU ``weight``, or None where oneDNN is not used.
+
+    The result is an opaque ``torch._mkldnn`` tensor of the same shape and dtype (no strides,
+    no storage): only :func:`linear` reads it, so the caller drops the dense weight for it.
+
+    Args:
+        weight: ``[out_features, in_features]``.
+    """
+    if not (_ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32):
+        return None
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
@@ -38,20 +64,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
     Args:
         x: ``[..., in_features]``.
-        weight: ``[out_features, in_features]``, same dtype and device as ``x``.
+        weight: ``[out_features, in_features]``, same dtype and device as ``x``; dense, or
+            already packed by :func:`prepack` (then ``x`` must be float32 on the CPU).
         bias: ``[out_features]`` or None.
 
     Returns:
         ``[..., out_features]`` in ``x``'s dtype.
     """
-    if not (
-        _ONEDNN
-        and x.device.type == "cpu"
-        and x.dtype == weight.dtype == torch.float32
-        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-    ):
+    if weight.is_mkldnn:
+        packed = weight
+    elif _eligible(x, weight):
+        packed = _packed(weight)
+    else:
         return F.linear(x, weight, bias)
     out = torch.ops.mkldnn._linear_pointwise(
-        x.reshape(-1, x.shape[-1]), _packed(weight), bias, "none", [], ""
+        x.reshape(-1, x.shape[-1]), packed, bias, "none", [], ""
     )
     return out.view(*x.shape[:-1], weight.shape[0])

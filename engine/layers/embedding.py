@@ -79,6 +79,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     """The output head: hidden states -> logits over the vocabulary, rows split like the
     embedding (so a tied head shares the embedding's shard)."""
 
+    # Its weight only multiplies (see ``prepack_linear_weights``); a tied one is shared.
+    matmul_only_weight = True
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]``, hidden's dtype.
 

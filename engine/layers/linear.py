@@ -16,6 +16,8 @@ every layer is an ordinary matmul over the whole weight
 
 from __future__ import annotations
 
+from collections import Counter
+
 import torch
 from torch import nn
 
@@ -25,7 +27,7 @@ from kvpilot.engine.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from kvpilot.engine.layers.cpu_gemm import linear
+from kvpilot.engine.layers.cpu_gemm import linear, prepack
 from kvpilot.engine.layers.weight_loading import CheckpointTensor, copy_weight, load_shard
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "QKVParallelLinear",
     "RowParallelLinear",
     "copy_weight",
+    "prepack_linear_weights",
 ]
 
 # Where one checkpoint tensor (or one stacked shard of it) goes: the parameter region to fill,
@@ -295,3 +298,35 @@ class RowParallelLinear(Linear):
             return linear(x, self.weight, self.bias)
         out = tensor_model_parallel_all_reduce(linear(x, self.weight))
         return out if self.bias is None else out + self.bias
+
+
+def prepack_linear_weights(model: nn.Module) -> int:
+    """Replace the weight of every matmul-only layer by its oneDNN-packed copy, in place.
+
+    A float32 model on the CPU otherwise holds each linear weight twice: the dense parameter
+    and the packed copy :func:`~kvpilot.engine.layers.cpu_gemm.linear` multiplies with. After
+    this only the packed one is left; it cannot be loaded into again, so call it once the
+    weights are loaded. A weight held by more than one module (an LM head tied to the input
+    embedding, which also serves lookups) stays dense. Other dtypes and devices: no change.
+
+    Args:
+        model: the loaded model; its ``weight`` parameters of ``[out_features, in_features]``
+            on :class:`Linear` layers and on modules whose ``forward`` is only a matmul
+            (those with ``matmul_only_weight = True``, the untied LM head) are replaced.
+
+    Returns:
+        Bytes of dense weights released (0 where nothing was packed).
+    """
+    holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
+    released = 0
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if not (isinstance(module, Linear) or getattr(module, "matmul_only_weight", False)):
+            continue
+        if weight is None or weight.is_mkldnn or holders[id(weight)] > 1:
+            continue
+        packed = prepack(weight)
+        if packed is not None:
+            released += weight.nbytes
+            module.weight = nn.Parameter(packed, requires_grad=False)
+    return released

@@ -268,3 +268,25 @@ def test_cpu_gemm_linear_matches_float64_and_follows_weight_updates():
     # Other dtypes are F.linear's business, bit for bit.
     x16, w16 = x.bfloat16(), weight.detach().bfloat16()
     assert torch.equal(linear(x16, w16), torch.nn.functional.linear(x16, w16))
+
+
+@pytest.mark.parametrize("tie_word_embeddings", [True, False])
+def test_prepacked_linear_weights_keep_one_copy_and_the_same_logits(
+    tiny_model_dir, tie_word_embeddings
+):
+    from kvpilot.engine.layers.linear import Linear, prepack_linear_weights
+
+    model, hf = load_both(tiny_model_dir("llama", tie_word_embeddings=tie_word_embeddings))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    dense_bytes = sum(m.weight.nbytes for m in linears)
+    if not tie_word_embeddings:
+        dense_bytes += model.lm_head.weight.nbytes
+
+    assert prepack_linear_weights(model) == dense_bytes
+    assert all(m.weight.is_mkldnn for m in linears)
+    # A tied head shares the embedding table, which lookups need dense.
+    assert model.lm_head.weight.is_mkldnn is not tie_word_embeddings
+    assert not model.model.embed_tokens.weight.is_mkldnn
+    assert prepack_linear_weights(model) == 0  # nothing left to pack
+    logits = PagedBatch(model).forward(model, [("a", PROMPT_A)])
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPT_A), atol=ATOL, rtol=ATOL)
