@@ -40,22 +40,24 @@ def assert_no_leak(engine: LLMEngine) -> None:
     assert engine.get_stats().kv_cache_usage == 0.0
 
 
-def hf_greedy(
-    model_dir: pathlib.Path, prompts: list[list[int]], max_new_tokens: int
-) -> list[list[int]]:
-    """transformers' greedy ``generate()``, one prompt at a time, EOS ignored.
+def hf_generate(model: torch.nn.Module, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate()`` of one prompt, EOS ignored: the new token ids.
 
     The attention mask is passed explicitly: without one, ``generate`` masks every token equal
     to ``pad_token_id``, and SmolLM2's pad token is ``<|im_end|>``, which chat prompts contain.
     """
+    return model.generate(
+        torch.tensor([prompt]),
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        eos_token_id=None,
+    )[0, len(prompt) :].tolist()
+
+
+def hf_greedy(
+    model_dir: pathlib.Path, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
+    """:func:`hf_generate` of each prompt with the float32 model of ``model_dir``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return [
-        model.generate(
-            torch.tensor([p]),
-            attention_mask=torch.ones(1, len(p), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-        )[0, len(p) :].tolist()
-        for p in prompts
-    ]
+    return [hf_generate(model, p, max_new_tokens) for p in prompts]

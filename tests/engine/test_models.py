@@ -16,6 +16,7 @@ import transformers
 
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.model_loader import load_model, load_tokenizer
+from tests.engine.helpers import hf_generate
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -238,16 +239,7 @@ def test_default_model_greedy_tokens_match_transformers_generate(default_model_d
             chunks.append((str(i), ours_tokens[i][-1:]))
         last = batch.forward(ours, chunks)
     for prompt, tokens in zip(prompts, ours_tokens, strict=True):
-        # An explicit mask: otherwise generate() masks prompt tokens equal to pad_token_id
-        # (SmolLM2's pad is <|im_end|>, present in every chat prompt) once EOS is disabled.
-        expected = theirs.generate(
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-        )[0, len(prompt) :].tolist()
-        assert tokens == expected
+        assert tokens == hf_generate(theirs, prompt, max_new_tokens)
 
 
 def test_cpu_gemm_linear_matches_float64_and_follows_weight_updates():
