@@ -74,12 +74,15 @@ class KVCacheManager:
         """The longest chain of cached blocks that prefixes the request's tokens.
 
         At least one token is always left to compute (its logits give the next token), so a
-        fully cached prompt reuses all its blocks but the last.
+        fully cached prompt reuses all its blocks but the last. A request that still needs its
+        prompt logprobs reads nothing, as in vLLM: cached tokens have no logits. It still
+        writes its blocks to the cache for others.
 
         Returns:
-            ``(blocks, num_computed_tokens)``; ``([], 0)`` when caching is off.
+            ``(blocks, num_computed_tokens)``; ``([], 0)`` when caching is off or the request
+            needs its prompt logprobs.
         """
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return [], 0
         hashes = self.update_block_hashes(request)
         max_blocks = (request.num_tokens - 1) // self.block_size

@@ -27,12 +27,14 @@ from kvpilot.engine.config import (
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.executor import WorkerConfig, create_executor
 from kvpilot.engine.kv_cache_manager import KVCacheManager
+from kvpilot.engine.logits_processors import TokenLogprobs
 from kvpilot.engine.lora.request import LoRARequest, parse_lora_modules
 from kvpilot.engine.model_spec import ModelSpec, check_tensor_parallel_size
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.engine.request import Request, RequestStatus
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.scheduler import Scheduler
+from kvpilot.engine.scheduler_output import ScheduledRequest
 from kvpilot.engine.spec_decode import proposers
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.structured_output import StructuredOutputManager
@@ -69,16 +71,28 @@ class _Sequence:
 
 @dataclass
 class _ParentRequest:
-    """A user request: its ``n`` sequences share the prompt (and, cached, its blocks)."""
+    """A user request: its ``n`` sequences share the prompt (and, cached, its blocks).
+
+    ``prompt_logprobs`` (when asked) grows chunk by chunk as the first sequence's prefill
+    scores the prompt: ``[None]`` for the first token, then one dict per scored token.
+    """
 
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     sequences: list[_Sequence] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
         return all(s.request.is_finished for s in self.sequences)
+
+    @property
+    def prompt_logprobs_ready(self) -> bool:
+        """Whether the prompt logprobs, if asked, cover every prompt token."""
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) == len(
+            self.prompt_token_ids
+        )
 
     def to_output(self) -> RequestOutput:
         first = self.sequences[0].request
@@ -89,6 +103,7 @@ class _ParentRequest:
             prompt_token_ids=self.prompt_token_ids,
             outputs=[s.to_output() for s in self.sequences],
             finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=RequestMetrics(**vars(times)),
         )
@@ -208,6 +223,8 @@ class LLMEngine:
         )
         self._parents: dict[str, _ParentRequest] = {}
         self._sequences: dict[str, _Sequence] = {}
+        # Token id -> its text on its own, for logprobs (at most the vocabulary).
+        self._token_texts: dict[int, str] = {}
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         capacity = self.cache_config.capacity_tokens
@@ -351,17 +368,22 @@ class LLMEngine:
         Raises:
             ValueError: naming the problem: a duplicate id, an empty prompt, a prompt longer than
                 ``max_model_len`` or than the whole KV cache, token ids outside the vocabulary,
-                unsupported parameters, an invalid ``structured_outputs`` constraint, an adapter
-                without ``enable_lora`` or that cannot be loaded (``LoRAAdapterError``). Nothing
-                else is touched.
+                ``logprobs`` or ``prompt_logprobs`` above the vocabulary size, an invalid
+                ``structured_outputs`` constraint, an adapter without ``enable_lora`` or that
+                cannot be loaded (``LoRAAdapterError``). Nothing else is touched.
         """
         params = params if params is not None else SamplingParams()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported by this engine")
+        vocab_size = self.model_spec.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab_size:
+                raise ValueError(
+                    f"{name} must be at most the vocabulary size ({vocab_size}), got "
+                    f"{getattr(params, name)}"
+                )
         if cache_salt is not None and not isinstance(cache_salt, str):
             raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
         text, token_ids = self._tokenize(prompt)
@@ -377,7 +399,12 @@ class LLMEngine:
         )
         lora_digest = self._lora_digest(lora_request)
         arrival_time = time.time() if arrival_time is None else arrival_time
-        parent = _ParentRequest(request_id, text, token_ids)
+        parent = _ParentRequest(
+            request_id,
+            text,
+            token_ids,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None],
+        )
         for index, seq_id in enumerate(ids):
             request = Request(
                 request_id=seq_id,
@@ -390,6 +417,8 @@ class LLMEngine:
                 lora_request=lora_request,
                 lora_digest=lora_digest,
                 seed=None if params.seed is None else params.seed + index,
+                # The sequences share the prompt: the first one scores it.
+                num_prompt_logprobs=params.prompt_logprobs if index == 0 else None,
             )
             seq = _Sequence(
                 parent_id=request_id,
@@ -552,6 +581,10 @@ class LLMEngine:
             return []
         self.structured_output_manager.set_grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
+        for sched in scheduler_output.scheduled:
+            scored = runner_output.prompt_logprobs.get(sched.request.request_id)
+            if scored:
+                self._add_prompt_logprobs(sched, scored)
         num_outputs_before = {
             s.request.request_id: s.request.num_output_tokens for s in scheduler_output.scheduled
         }
@@ -595,6 +628,10 @@ class LLMEngine:
             )
         outputs = []
         for parent_id, parent in touched.items():
+            if not parent.prompt_logprobs_ready:
+                # Another sequence got ahead of the one scoring the prompt: the first output
+                # carries the prompt logprobs (outputs are cumulative, nothing is lost).
+                continue
             outputs.append(parent.to_output())
             if parent.finished:
                 del self._parents[parent_id]
@@ -632,17 +669,38 @@ class LLMEngine:
             )
         return True
 
-    def _append_logprobs(
-        self, seq: _Sequence, logprobs: tuple[float, dict[int, tuple[float, int]]]
-    ) -> None:
+    def _append_logprobs(self, seq: _Sequence, logprobs: TokenLogprobs) -> None:
         sampled_logprob, top = logprobs
-        seq.logprobs.append(
-            {
-                token_id: Logprob(lp, rank, self.tokenizer.decode([token_id]))
-                for token_id, (lp, rank) in top.items()
-            }
-        )
+        seq.logprobs.append(self._logprob_dict(top))
         seq.cumulative_logprob += sampled_logprob
+
+    def _add_prompt_logprobs(self, sched: ScheduledRequest, scored: list[TokenLogprobs]) -> None:
+        """Record the prompt tokens one step scored for a request.
+
+        A chunk scored again after a preemption (recompute) is skipped where already recorded,
+        so entries are never duplicated.
+
+        Raises:
+            RuntimeError: the chunk starts past the recorded ones (a prompt chunk went unscored,
+                which the scheduler never allows).
+        """
+        parent = self._parents[self._sequences[sched.request.request_id].parent_id]
+        recorded = parent.prompt_logprobs
+        first = sched.num_computed_tokens + 1
+        if first > len(recorded):
+            raise RuntimeError(
+                f"prompt logprobs of {sched.request.request_id!r}: got tokens from {first} on, "
+                f"only {len(recorded)} recorded"
+            )
+        for _, top in scored[len(recorded) - first :]:
+            recorded.append(self._logprob_dict(top))
+
+    def _logprob_dict(self, top: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
+        """``{token_id: Logprob}`` with each token's text (decoded once per token id)."""
+        texts = self._token_texts
+        for token_id in top.keys() - texts.keys():
+            texts[token_id] = self.tokenizer.decode([token_id])
+        return {t: Logprob(lp, rank, texts[t]) for t, (lp, rank) in top.items()}
 
     def get_stats(self) -> EngineStats:
         """A snapshot of gauges and counters (see ``EngineStats``)."""

@@ -123,13 +123,19 @@ def _checked_ids(ids, vocab_size: int, what: str) -> list[int]:
     return ids
 
 
+TokenLogprobs = tuple[float, dict[int, tuple[float, int]]]
+"""One scored token: ``(its logprob, {token_id: (logprob, rank)})``, the candidates being the top
+``k`` tokens (ranks 1..k) plus the token itself."""
+
+
 def compute_logprobs(
     raw_logits: torch.Tensor, sampled: torch.Tensor, num_logprobs: list[int | None]
-) -> list[tuple[float, dict[int, tuple[float, int]]] | None]:
+) -> list[TokenLogprobs | None]:
     """Log-probabilities of the sampled tokens and of each request's top candidates.
 
     As vLLM V1 does by default, these are ``log_softmax`` of the raw model logits, before any
-    penalty, temperature or truncation.
+    penalty, temperature or truncation, in float32. Prompt logprobs use it too, with the next
+    prompt token in place of the sampled one.
 
     Args:
         raw_logits: ``[num_reqs, vocab_size]`` float32 model logits.
@@ -143,20 +149,25 @@ def compute_logprobs(
         with a strictly higher log-probability.
     """
     wanted = [i for i, k in enumerate(num_logprobs) if k is not None]
-    results: list[tuple[float, dict[int, tuple[float, int]]] | None] = [None] * len(num_logprobs)
+    results: list[TokenLogprobs | None] = [None] * len(num_logprobs)
     if not wanted:
         return results
-    logprobs = torch.log_softmax(raw_logits[wanted].float(), dim=-1)
+    rows = raw_logits if len(wanted) == len(num_logprobs) else raw_logits[wanted]
+    logprobs = torch.log_softmax(rows.float(), dim=-1)
     chosen = sampled[wanted].to(logprobs.device).long()
     chosen_logprobs = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     chosen_ranks = (logprobs > chosen_logprobs.unsqueeze(1)).sum(dim=1) + 1
     max_k = max(num_logprobs[i] for i in wanted)
-    top_values, top_ids = logprobs.topk(max_k, dim=-1) if max_k else (None, None)
+    # One device-to-host copy per tensor: element-wise reads would sync once per value.
+    top_values = top_ids = [[] for _ in wanted]
+    if max_k:
+        best = logprobs.topk(max_k, dim=-1)
+        top_values, top_ids = best.values.tolist(), best.indices.tolist()
+    chosen_ids, chosen_values = chosen.tolist(), chosen_logprobs.tolist()
+    chosen_ranks = chosen_ranks.tolist()
     for row, i in enumerate(wanted):
         k = num_logprobs[i]
-        top: dict[int, tuple[float, int]] = {}
-        for rank in range(k):
-            top[int(top_ids[row, rank])] = (float(top_values[row, rank]), rank + 1)
-        top[int(chosen[row])] = (float(chosen_logprobs[row]), int(chosen_ranks[row]))
-        results[i] = (float(chosen_logprobs[row]), top)
+        top = {top_ids[row][r]: (top_values[row][r], r + 1) for r in range(k)}
+        top[chosen_ids[row]] = (chosen_values[row], chosen_ranks[row])
+        results[i] = (chosen_values[row], top)
     return results

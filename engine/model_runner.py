@@ -8,12 +8,14 @@ sequence's context through its block table (PagedAttention).
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.logits_processors import TokenLogprobs
+from kvpilot.engine.prompt_logprobs import compute_prompt_logprobs, rows_per_slice
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.engine.spec_decode.rejection_sampler import RejectionSampler
@@ -32,10 +34,14 @@ class ModelRunnerOutput:
             set: one token, or with draft tokens the accepted drafts then one target token.
         logprobs: request id -> one ``(sampled_logprob, {token_id: (logprob, rank)})`` per
             emitted token, for requests that asked for logprobs.
+        prompt_logprobs: request id -> the same per prompt token scored this step, the first
+            being prompt token ``num_computed_tokens + 1`` (see ``compute_prompt_logprobs``),
+            for requests that still need their prompt logprobs.
     """
 
     sampled_token_ids: dict[str, list[int]]
-    logprobs: dict[str, list[tuple[float, dict[int, tuple[float, int]]]]]
+    logprobs: dict[str, list[TokenLogprobs]]
+    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 class ModelRunner:
@@ -43,8 +49,8 @@ class ModelRunner:
 
     Args:
         model: a model with the engine's interface (``forward(input_ids, positions, kv_caches,
-            attn_metadata)``, ``compute_logits``, ``num_layers``, ``num_kv_heads``,
-            ``head_dim``, ``dtype``).
+            attn_metadata)``, ``compute_logits``, ``vocab_size``, ``num_layers``,
+            ``num_kv_heads``, ``head_dim``, ``dtype``).
         num_blocks: KV cache blocks to allocate.
         block_size: tokens per block.
         device: where the model and cache live.
@@ -76,9 +82,11 @@ class ModelRunner:
         """Compute the scheduled tokens' K/V and hidden states, then sample where a token is due.
 
         A partial prefill chunk (``sample`` False) only fills the cache; its logits are never
-        computed. Requests with draft tokens get logits at every draft position and after the
-        last one, and the rejection sampler decides how many drafts they keep. Constrained
-        requests (structured outputs) get their grammar's bitmask applied before sampling.
+        computed, except for a request that needs its prompt logprobs, whose prompt rows are
+        scored (``compute_prompt_logprobs``). Requests with draft tokens get logits at every
+        draft position and after the last one, and the rejection sampler decides how many
+        drafts they keep. Constrained requests (structured outputs) get their grammar's bitmask
+        applied before sampling.
         """
         self.sampler.remove_requests(scheduler_output.finished_request_ids)
         scheduled = scheduler_output.scheduled
@@ -88,9 +96,12 @@ class ModelRunner:
                 [s.request.lora_name for s in scheduled], [s.num_new_tokens for s in scheduled]
             )
         hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        prompt_logprobs = compute_prompt_logprobs(
+            self.model.compute_logits, hidden, scheduled, self.model.vocab_size
+        )
         rows = [i for i, s in enumerate(scheduled) if s.sample]
         if not rows:
-            return ModelRunnerOutput({}, {})
+            return ModelRunnerOutput({}, {}, prompt_logprobs)
         last_token = attn_metadata.query_start_loc[1:].long() - 1
         requests = [scheduled[i].request for i in rows]
         ids = [r.request_id for r in requests]
@@ -118,6 +129,7 @@ class ModelRunner:
         return ModelRunnerOutput(
             sampled_token_ids=dict(zip(ids, token_ids, strict=True)),
             logprobs={rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None},
+            prompt_logprobs=prompt_logprobs,
         )
 
     def prepare_inputs(
@@ -143,9 +155,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def profile_peak_memory(self, num_tokens: int, max_model_len: int) -> int:
-        """Run a forward pass of ``num_tokens`` prompt tokens and return the peak GPU memory
-        (bytes) it needed, weights included, with a one-block scratch cache (nothing is written:
-        every slot is -1).
+        """Run a forward pass of ``num_tokens`` prompt tokens, score a slice of its rows as
+        prompt logprobs do, and return the peak GPU memory (bytes) it needed, weights included,
+        with a one-block scratch cache (nothing is written: every slot is -1).
 
         Raises:
             ValueError: when the runner is not on a CUDA device.
@@ -175,6 +187,9 @@ class ModelRunner:
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
         hidden = self.model(input_ids, positions, scratch, metadata)
         self.model.compute_logits(hidden[query_start_loc[1:].long().to(self.device) - 1])
+        # The largest logits a step holds: one slice of prompt-logprobs rows, log-softmaxed.
+        rows = min(num_tokens, rows_per_slice(self.model.vocab_size))
+        torch.log_softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
 

@@ -70,6 +70,11 @@ class RequestOutput:
         finished: True once every sequence finished.
         num_cached_tokens: prompt tokens served from the prefix cache (first sequence).
         metrics: timestamps.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs`` set, one entry per prompt
+            token: None for the first (nothing precedes it), then ``{token_id: Logprob}``
+            holding the prompt token and the top ``prompt_logprobs`` candidates at its
+            position, as ``CompletionOutput.logprobs``; in every output from the first on.
+            None when not asked.
     """
 
     request_id: str
@@ -79,3 +84,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

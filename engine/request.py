@@ -63,6 +63,9 @@ class Request:
             (-1 until then).
         spec_token_ids: draft tokens proposed for the next step (speculative decoding); they
             are not part of ``all_token_ids`` until the target model accepts them.
+        num_prompt_logprobs: top candidates to report with each prompt token's logprob
+            (``SamplingParams.prompt_logprobs``), or None; set on the first sequence of a
+            request only, since its ``n`` sequences share the prompt.
     """
 
     request_id: str
@@ -84,6 +87,7 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     block_hashes: list[bytes] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
+    num_prompt_logprobs: int | None = None
     times: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +115,13 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Whether its prompt chunks must still be scored: prompt logprobs asked and no token
+        sampled yet (the last prompt chunk samples the first one). Such a request computes its
+        whole prompt: it never reads the prefix cache, whose prompt tokens have no logits."""
+        return self.num_prompt_logprobs is not None and not self.output_token_ids
 
     def append_output_token(self, token_id: int) -> None:
         """Record one sampled token (its KV is computed next step)."""

@@ -98,6 +98,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per output token (plus the sampled one)
+    # Number of top logprobs per prompt token (plus the prompt token itself); the first prompt
+    # token gets None. Such a request computes its whole prompt (no prefix-cache read).
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True

@@ -133,8 +133,10 @@ class Scheduler:
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = num_hit_tokens
-            self.prefix_cache_queries_total += request.num_tokens
-            self.prefix_cache_hits_total += num_hit_tokens
+            if not request.needs_prompt_logprobs:
+                # A request scoring its prompt skips the lookup; vLLM does not count it.
+                self.prefix_cache_queries_total += request.num_tokens
+                self.prefix_cache_hits_total += num_hit_tokens
             if request.num_cached_tokens < 0:
                 request.num_cached_tokens = num_hit_tokens
             if request.times.first_scheduled_time is None:

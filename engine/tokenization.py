@@ -14,12 +14,15 @@ Errors are ``ValueError`` whose message starts with the parameter at fault (``pr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 ChatMessage = Mapping[str, Any]
 """An OpenAI-style message: ``{"role": str, "content": str | [{"type": "text", "text": str}] |
-None, "name": str (optional)}``."""
+None, "name": str (optional)}``; an assistant's may hold ``"tool_calls": [{"id", "type":
+"function", "function": {"name", "arguments": JSON text}}]``, a ``"tool"`` message the
+``"tool_call_id"`` it answers."""
 
 
 def encode_text(
@@ -48,7 +51,7 @@ def encode_text(
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def parse_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+def parse_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     """Check OpenAI-style messages and flatten them into what chat templates read.
 
     Args:
@@ -56,11 +59,14 @@ def parse_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]
             ``{"type": "text", "text": ...}`` parts (joined).
 
     Returns:
-        ``[{"role", "content"(, "name")}]`` with string contents.
+        ``[{"role", "content"(, "name", "tool_calls", "tool_call_id")}]`` with string contents;
+        tool call arguments are parsed from JSON text into dicts, as transformers' tool-use
+        templates expect them (vLLM does the same).
 
     Raises:
         ValueError: ``messages: ...`` for an empty conversation, a message that is not a mapping,
-            a missing or non-string role, or content that is not text.
+            a missing or non-string role, content that is not text, or a tool call without a
+            function name or whose arguments are not a JSON object.
     """
     if isinstance(messages, str | bytes | Mapping) or not messages:
         raise ValueError("messages: must be a non-empty list of messages")
@@ -74,8 +80,39 @@ def parse_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, str]]
         entry = {"role": role, "content": _content_text(message.get("content"), i)}
         if message.get("name") is not None:
             entry["name"] = str(message["name"])
+        if message.get("tool_calls") is not None:
+            entry["tool_calls"] = _tool_calls(message["tool_calls"], i)
+        if message.get("tool_call_id") is not None:
+            entry["tool_call_id"] = str(message["tool_call_id"])
         conversation.append(entry)
     return conversation
+
+
+def _tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
+    where = f"messages: message {index} tool_calls"
+    if not isinstance(tool_calls, list):
+        raise ValueError(f"{where} must be a list")
+    parsed = []
+    for j, call in enumerate(tool_calls):
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(f"{where}[{j}] needs a function with a name")
+        arguments = function.get("arguments") or {}
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = None
+        if not isinstance(arguments, Mapping):
+            raise ValueError(f"{where}[{j}] arguments must be a JSON object")
+        entry = {
+            "type": "function",
+            "function": {"name": function["name"], "arguments": dict(arguments)},
+        }
+        if call.get("id") is not None:
+            entry["id"] = str(call["id"])
+        parsed.append(entry)
+    return parsed
 
 
 def _content_text(content: Any, index: int) -> str:
@@ -96,8 +133,9 @@ def _content_text(content: Any, index: int) -> str:
 
 def apply_chat_template(
     tokenizer: Any,
-    conversation: list[dict[str, str]],
+    conversation: list[dict[str, Any]],
     *,
+    tools: list[dict[str, Any]] | None = None,
     chat_template: str | None = None,
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
@@ -108,6 +146,9 @@ def apply_chat_template(
     Args:
         tokenizer: a Hugging Face tokenizer.
         conversation: messages as ``parse_chat_messages`` returns them.
+        tools: OpenAI function tools (``{"type": "function", "function": {"name",
+            "description", "parameters"}}``) for templates that describe them to the model;
+            templates without tool support ignore them.
         chat_template: a Jinja template to use instead of the tokenizer's own.
         add_generation_prompt: end with the header of an assistant reply (what a model needs
             to answer).
@@ -132,6 +173,7 @@ def apply_chat_template(
     try:
         text = tokenizer.apply_chat_template(
             conversation,
+            tools=tools,
             chat_template=chat_template,
             tokenize=False,
             add_generation_prompt=add_generation_prompt,

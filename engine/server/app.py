@@ -38,6 +38,7 @@ from kvpilot.engine.server.serving_chat import OpenAIServingChat
 from kvpilot.engine.server.serving_completion import OpenAIServingCompletion
 from kvpilot.engine.server.serving_engine import RETRY_AFTER_SECONDS, now
 from kvpilot.engine.server.serving_models import OpenAIServingModels
+from kvpilot.engine.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -50,11 +51,29 @@ class ServerConfig:
         served_model_names: names clients may put in ``model``; the first is reported.
         api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
         max_waiting_requests: queue bound; beyond it requests get 503 + ``Retry-After``.
+        enable_auto_tool_choice: allow ``tool_choice`` ``"auto"`` (vLLM's
+            ``--enable-auto-tool-choice``); needs ``tool_call_parser``.
+        tool_call_parser: the ``TOOL_PARSERS`` name that finds tool calls in free text.
+
+    Raises:
+        ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, or an unknown
+            parser name.
     """
 
     served_model_names: list[str]
     api_key: str | None = None
     max_waiting_requests: int | None = None
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(
+                f"--tool-call-parser: unknown parser {self.tool_call_parser!r} "
+                f"(choose from: {', '.join(TOOL_PARSERS)})"
+            )
 
 
 @dataclass
@@ -215,7 +234,10 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         models,
     )
     state.completion = OpenAIServingCompletion(*args)
-    state.chat = OpenAIServingChat(*args)
+    state.chat = OpenAIServingChat(
+        *args,
+        auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+    )
     state.models = models
     state.tokenizer = tokenizer
     state.max_model_len = max_model_len

@@ -56,7 +56,7 @@ class AsyncTokenizer:
         return await self.call(lambda tokenizer: tokenizer.decode(token_ids))
 
     async def apply_chat_template(
-        self, conversation: list[dict[str, str]], **kwargs: Any
+        self, conversation: list[dict[str, Any]], **kwargs: Any
     ) -> list[int]:
         """Prompt token ids of a conversation (see ``tokenization.apply_chat_template``).
 

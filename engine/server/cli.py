@@ -46,6 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=UVICORN_LOG_LEVELS,
         help="uvicorn's log level",
     )
+    tools = parser.add_argument_group("tool calling")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="allow tool_choice 'auto': the model decides whether to call a tool and "
+        "--tool-call-parser finds the calls in its text ('required' and named tools need no flag)",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="how the model writes tool calls: 'hermes' (<tool_call>{...}</tool_call>, Hermes "
+        "and Qwen models)",
+    )
     EngineArgs.add_cli_args(parser)
 
 
@@ -88,15 +101,17 @@ def run(args: argparse.Namespace) -> int:
         failed.append(exc)
         server.should_exit = True
 
-    app = create_app(
-        load_engine,
-        ServerConfig(
+    try:
+        config = ServerConfig(
             served_model_names=[args.served_model_name],
             api_key=api_key,
             max_waiting_requests=args.max_waiting_requests,
-        ),
-        on_load_error=on_load_error,
-    )
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvpilot serve: {exc}") from None
+    app = create_app(load_engine, config, on_load_error=on_load_error)
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=True

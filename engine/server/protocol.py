@@ -14,7 +14,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvpilot.engine.structured_output import check_json_schema
 
 # vLLM's default --max-logprobs: the most top logprobs one request may ask for.
 MAX_LOGPROBS = 20
@@ -151,10 +153,16 @@ class _SamplingFields(OpenAIModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=self.num_prompt_logprobs(),
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured_outputs_params(),
         )
+
+    def num_prompt_logprobs(self) -> int | None:
+        """Top logprobs to compute per prompt token (``SamplingParams.prompt_logprobs``), or
+        None for no prompt logprobs."""
+        return None
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint: ``structured_outputs`` as given, or ``response_format``'s
@@ -182,9 +190,13 @@ class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``. ``prompt``: text, token ids, or a batch of either."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    # 0 only with echo: the prompt alone comes back (OpenAI's way to score a prompt).
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
+    # vLLM's extension: each prompt token's logprob with this many top candidates, returned
+    # as the choice's prompt_logprobs.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -216,7 +228,19 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("suffix: not supported")
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt: must not be empty")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 is only allowed with echo (returns the prompt alone)")
+        if self.max_tokens == 0 and self.min_tokens:
+            raise ValueError("min_tokens: must be 0 when max_tokens is 0")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when stream is true")
         return self
+
+    def num_prompt_logprobs(self) -> int | None:
+        """``prompt_logprobs``, or with ``echo`` and ``logprobs`` enough top candidates for the
+        echoed prompt's logprobs too (vLLM's rule)."""
+        wanted = [self.prompt_logprobs, self.logprobs if self.echo else None]
+        return max((k for k in wanted if k is not None), default=None)
 
     def prompts(self) -> list[str | list[int]]:
         """The batch of prompts: each a string or a list of token ids."""
@@ -225,6 +249,66 @@ class CompletionRequest(_SamplingFields):
         if all(isinstance(p, int) for p in self.prompt):
             return [list(self.prompt)]
         return list(self.prompt)
+
+
+class FunctionDefinition(OpenAIModel):
+    """A function the model may call: its name, what it does, its arguments' JSON Schema."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatCompletionToolsParam(OpenAIModel):
+    """One entry of ``tools``: an OpenAI function tool."""
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ChatCompletionNamedFunction(OpenAIModel):
+    name: str
+
+
+class ChatCompletionNamedToolChoiceParam(OpenAIModel):
+    """``tool_choice`` naming the function the model must call."""
+
+    type: Literal["function"] = "function"
+    function: ChatCompletionNamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+
+
+class FunctionCall(OpenAIModel):
+    """A call's function: its name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    """A tool call in a message (ids like ``chatcmpl-tool-<hex>`` when the server makes them)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    """A piece of a streamed tool call: ``index`` numbers the calls of one choice; the first
+    piece of a call carries its ``id``, ``type`` and function name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class TextContentPart(OpenAIModel):
@@ -236,6 +320,9 @@ class ChatMessage(OpenAIModel):
     role: str
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    # An assistant's earlier calls and, in a "tool" message, the call it answers.
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
@@ -268,19 +355,87 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    # Accepted only in their no-op forms: silently ignoring tools would hand the client free
-    # text where it expects a tool call.
-    tools: list[Any] | None = None
-    tool_choice: Any = None
+    tools: list[ChatCompletionToolsParam] | None = None
+    # None with tools means "auto", as OpenAI and vLLM default (set by _check_tools).
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _check_tool_types(cls, tools: Any) -> Any:
+        for i, tool in enumerate(tools if isinstance(tools, list) else ()):
+            kind = tool.get("type", "function") if isinstance(tool, dict) else None
+            if kind != "function":
+                raise ValueError(
+                    f"tools: tool {i} has type {kind!r}; only 'function' tools are supported"
+                )
+        return tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _check_tool_choice_shape(cls, choice: Any) -> Any:
+        # One clear message instead of pydantic's errors for each member of the union.
+        function = choice.get("function") if isinstance(choice, dict) else None
+        if choice in (None, "none", "auto", "required") or (
+            isinstance(function, dict) and isinstance(function.get("name"), str)
+        ):
+            return choice
+        raise ValueError(
+            "tool_choice: must be 'none', 'auto', 'required' or "
+            f'{{"type": "function", "function": {{"name": ...}}}}; got {choice!r}'
+        )
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or []]
+        for tool in self.tools or []:
+            name = tool.function.name
+            if names.count(name) > 1:
+                raise ValueError(f"tools: function names must be unique; {name!r} repeats")
+            if tool.function.parameters is not None:
+                try:
+                    check_json_schema(tool.function.parameters)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"tools: the parameters of function {name!r} are not a valid JSON "
+                        f"Schema: {exc}"
+                    ) from None
+        if self.tool_choice is None and self.tools:
+            self.tool_choice = "auto"
+        choice = self.tool_choice
+        if choice in (None, "none"):
+            return self
+        named = self.tool_choice_function_name
+        label = repr(choice) if named is None else f"function {named!r}"
+        if not self.tools:
+            raise ValueError(f"tool_choice: {label} needs tools; send tools or tool_choice 'none'")
+        if named is not None and named not in names:
+            raise ValueError(f"tool_choice: {label} is not among tools ({', '.join(names)})")
+        if choice != "auto" and self.structured_outputs_params() is not None:
+            raise ValueError(
+                f"tool_choice: {label} constrains the output; it cannot be combined with "
+                "response_format or structured_outputs"
+            )
+        return self
+
+    @property
+    def tool_choice_function_name(self) -> str | None:
+        """The function ``tool_choice`` names, or None for a string ``tool_choice``."""
+        if isinstance(self.tool_choice, ChatCompletionNamedToolChoiceParam):
+            return self.tool_choice.function.name
+        return None
+
+    @property
+    def structured_outputs_param(self) -> str:
+        """``tools`` when ``tool_choice`` constrains the output to the tools' parameters."""
+        if self.tool_choice == "required" or self.tool_choice_function_name is not None:
+            return "tools"
+        return super().structured_outputs_param
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs: requires logprobs to be true")
-        if self.tools and self.tool_choice != "none":
-            raise ValueError(
-                "tools: tool calling is not supported; send no tools or tool_choice 'none'"
-            )
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError(
                 "continue_final_message: cannot be combined with add_generation_prompt"
@@ -314,6 +469,8 @@ class CompletionChoice(OpenAIModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # vLLM's: None for the first prompt token, then {token_id: {logprob, rank, decoded_token}}.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -342,6 +499,7 @@ class ChatChoiceLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -364,6 +522,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIModel):

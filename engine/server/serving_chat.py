@@ -1,8 +1,10 @@
-"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or not."""
+"""``POST /v1/chat/completions``: messages through the model's chat template, streamed or not,
+with tool calling (``tool_parsers``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from kvpilot.engine.async_llm import EngineError
 from kvpilot.engine.lora.request import LoRARequest
@@ -28,13 +30,26 @@ from kvpilot.engine.server.serving_engine import (
     sse,
     sse_error,
 )
+from kvpilot.engine.server.tool_parsers import ToolParser, get_tool_parser
+from kvpilot.engine.tokenization import parse_chat_messages
 
 ASSISTANT = "assistant"
 
 
 class OpenAIServingChat(OpenAIServing):
     """Handles chat completions: the model's chat template renders the prompt
-    (``tokenization.apply_chat_template``, on the tokenizer thread), as vLLM does."""
+    (``tokenization.apply_chat_template``, on the tokenizer thread), as vLLM does.
+
+    Args:
+        *args: as ``OpenAIServing``.
+        auto_tool_parser: the ``TOOL_PARSERS`` name that reads ``tool_choice`` ``"auto"``
+            outputs (``--tool-call-parser`` with ``--enable-auto-tool-choice``); None refuses
+            ``"auto"``.
+    """
+
+    def __init__(self, *args: Any, auto_tool_parser: str | None = None) -> None:
+        super().__init__(*args)
+        self.auto_tool_parser = auto_tool_parser
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, arrival_time: float
@@ -49,11 +64,20 @@ class OpenAIServingChat(OpenAIServing):
                 refuses them), 404 for an unknown model, 503 when the waiting queue is full.
         """
         lora_request = self.check_model(request.model)
+        try:
+            make_tool_parser = get_tool_parser(request, self.auto_tool_parser)
+        except ValueError as exc:
+            raise bad_request(exc, "tool_choice") from None
         prompt_token_ids = await self._render(request)
         max_tokens = self.max_tokens_for(
             len(prompt_token_ids), request.requested_max_tokens(), "messages"
         )
         params = self.sampling_params(request, max_tokens, request.num_logprobs())
+        if make_tool_parser is not None:
+            try:
+                make_tool_parser().adjust_request(params)
+            except ValueError as exc:
+                raise bad_request(exc) from None
         await self.compile_grammar(request, params)
         request_id = new_request_id("chatcmpl")
         stream = await self.add(
@@ -62,22 +86,19 @@ class OpenAIServingChat(OpenAIServing):
         echo = self._echo_text(request)
         if request.stream:
             return self._stream(
-                request, request_id, len(prompt_token_ids), stream, echo, lora_request
+                request,
+                request_id,
+                len(prompt_token_ids),
+                stream,
+                echo,
+                lora_request,
+                make_tool_parser,
             )
         try:
             final = await self.final_output(stream)
         finally:
             stream.close()
-        choices = [
-            ChatCompletionChoice(
-                index=seq.index,
-                message=ChatResponseMessage(role=ASSISTANT, content=echo + seq.text),
-                logprobs=self._logprobs(seq, 0, request.top_logprobs),
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-            )
-            for seq in final.outputs
-        ]
+        choices = [self._choice(request, seq, echo, make_tool_parser) for seq in final.outputs]
         return ChatCompletionResponse(
             id=request_id,
             model=self.response_model(lora_request),
@@ -87,16 +108,37 @@ class OpenAIServingChat(OpenAIServing):
             ),
         )
 
+    def _choice(
+        self,
+        request: ChatCompletionRequest,
+        seq: CompletionOutput,
+        echo: str,
+        make_tool_parser: Callable[[], ToolParser] | None,
+    ) -> ChatCompletionChoice:
+        content, tool_calls, finish_reason = echo + seq.text, None, seq.finish_reason
+        if make_tool_parser is not None:
+            parser = make_tool_parser()
+            extracted = parser.extract_tool_calls(seq.text)
+            content = echo + extracted.content if extracted.content is not None else echo or None
+            tool_calls = extracted.tool_calls or None
+            finish_reason = parser.finish_reason(seq.finish_reason)
+        return ChatCompletionChoice(
+            index=seq.index,
+            message=ChatResponseMessage(role=ASSISTANT, content=content, tool_calls=tool_calls),
+            logprobs=self._logprobs(seq, 0, request.top_logprobs),
+            finish_reason=finish_reason,
+            stop_reason=seq.stop_reason,
+        )
+
     async def _render(self, request: ChatCompletionRequest) -> list[int]:
-        conversation = []
-        for message in request.messages:
-            entry = {"role": message.role, "content": message.text()}
-            if message.name is not None:
-                entry["name"] = message.name
-            conversation.append(entry)
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
         try:
+            conversation = parse_chat_messages(
+                [message.model_dump(exclude_none=True) for message in request.messages]
+            )
             return await self.tokenizer.apply_chat_template(
                 conversation,
+                tools=tools or None,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,
@@ -149,6 +191,7 @@ class OpenAIServingChat(OpenAIServing):
         stream: RequestStream,
         echo: str,
         lora_request: LoRARequest | None,
+        make_tool_parser: Callable[[], ToolParser] | None,
     ) -> AsyncIterator[str]:
         model = self.response_model(lora_request)
 
@@ -164,6 +207,7 @@ class OpenAIServingChat(OpenAIServing):
         sent_tokens = [0] * n
         num_tokens = [0] * n
         finished = [False] * n
+        parsers = [make_tool_parser() for _ in range(n)] if make_tool_parser else None
         try:
             async for output in stream:
                 for seq in output.outputs:
@@ -172,18 +216,25 @@ class OpenAIServingChat(OpenAIServing):
                     if finished[index]:
                         continue
                     text = seq.text[sent_text[index] :]
+                    sent_text[index] = len(seq.text)
+                    finished[index] = seq.finish_reason is not None
+                    finish_reason = seq.finish_reason
+                    if parsers is None:
+                        delta = DeltaMessage(content=text) if text else None
+                    else:
+                        parser = parsers[index]
+                        delta = parser.extract_tool_calls_streaming(text, finished[index])
+                        finish_reason = parser.finish_reason(finish_reason)
                     logprobs = self._logprobs(seq, sent_tokens[index], request.top_logprobs)
                     has_logprobs = logprobs is not None and bool(logprobs.content)
-                    if not text and not has_logprobs and seq.finish_reason is None:
+                    if delta is None and not has_logprobs and not finished[index]:
                         continue
-                    sent_text[index] = len(seq.text)
                     sent_tokens[index] = len(seq.token_ids)
-                    finished[index] = seq.finish_reason is not None
                     choice = ChatCompletionStreamChoice(
                         index=index,
-                        delta=DeltaMessage(content=text) if text else DeltaMessage(),
+                        delta=delta or DeltaMessage(),
                         logprobs=logprobs,
-                        finish_reason=seq.finish_reason,
+                        finish_reason=finish_reason,
                         stop_reason=seq.stop_reason,
                     )
                     yield chunk([choice])

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvpilot.engine.async_llm import EngineError
 from kvpilot.engine.lora.request import LoRARequest
-from kvpilot.engine.outputs import CompletionOutput, RequestOutput
+from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.protocol import (
     CompletionChoice,
@@ -29,13 +29,24 @@ from kvpilot.engine.server.serving_engine import (
 
 @dataclass
 class _Prompt:
+    """One prompt of the batch; ``first_token_text`` is its first token's text when echoed
+    logprobs need it (that token has no logprob entry to carry it)."""
+
     text: str
     token_ids: list[int]
+    first_token_text: str | None = None
 
 
 class OpenAIServingCompletion(OpenAIServing):
     """Handles completions; a batch of prompts becomes one engine request per prompt, and
-    choice ``i * n + j`` is sequence ``j`` of prompt ``i`` (as OpenAI and vLLM number them)."""
+    choice ``i * n + j`` is sequence ``j`` of prompt ``i`` (as OpenAI and vLLM number them).
+
+    ``echo`` with ``logprobs`` (how lm-evaluation-harness scores text) puts the prompt tokens'
+    logprobs before the generated ones: ``null`` for the first prompt token, then each one's
+    logprob given the tokens before it (the engine's prompt logprobs). ``max_tokens`` 0 with
+    ``echo`` returns the prompt alone with ``finish_reason`` "length": as in vLLM, the engine
+    samples one token after the prefill, which is dropped.
+    """
 
     async def create_completion(
         self, request: CompletionRequest, arrival_time: float
@@ -50,15 +61,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 when the waiting queue is full.
         """
         lora_request = self.check_model(request.model)
-        if request.echo and request.logprobs is not None:
-            raise bad_request(
-                "echo: prompt logprobs (echo with logprobs) are not supported", "echo"
-            )
         prompts = [await self._encode(p) for p in request.prompts()]
+        if request.echo and request.logprobs is not None:
+            for prompt in prompts:
+                prompt.first_token_text = await self.tokenizer.decode(prompt.token_ids[:1])
         params = [
             self.sampling_params(
                 request,
-                self.max_tokens_for(len(p.token_ids), request.max_tokens, "prompt"),
+                # At least the one token vLLM samples (and drops) for echo without generation.
+                max(1, self.max_tokens_for(len(p.token_ids), request.max_tokens, "prompt")),
                 request.logprobs,
             )
             for p in prompts
@@ -114,14 +125,18 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, (prompt, final) in enumerate(zip(prompts, finals, strict=True)):
             prefix = prompt.text if request.echo else ""
             for seq in final.outputs:
+                seq = self._shown(request, seq)
                 num_generated += len(seq.token_ids)
                 choices.append(
                     CompletionChoice(
                         index=i * request.n + seq.index,
                         text=prefix + seq.text,
-                        logprobs=self._logprobs(seq, 0, len(prefix), request.logprobs),
+                        logprobs=self._choice_logprobs(
+                            request, prompt, final, seq, 0, 0, echo_prompt=request.echo
+                        ),
                         finish_reason=seq.finish_reason,
                         stop_reason=seq.stop_reason,
+                        prompt_logprobs=self._prompt_logprobs(request, prompt, final),
                     )
                 )
         return CompletionResponse(
@@ -131,25 +146,76 @@ class OpenAIServingCompletion(OpenAIServing):
             usage=self.usage(sum(len(p.token_ids) for p in prompts), num_generated),
         )
 
-    def _logprobs(
-        self, seq: CompletionOutput, start: int, text_offset: int, num_logprobs: int | None
+    @staticmethod
+    def _shown(request: CompletionRequest, seq: CompletionOutput) -> CompletionOutput:
+        """The part of a sequence a choice shows: none of it for echo without generation (the
+        one token the engine sampled is dropped; the choice ends with "length")."""
+        if request.max_tokens != 0:
+            return seq
+        return replace(
+            seq,
+            text="",
+            token_ids=[],
+            logprobs=None if seq.logprobs is None else [],
+            finish_reason=None if seq.finish_reason is None else "length",
+            stop_reason=None,
+        )
+
+    def _choice_logprobs(
+        self,
+        request: CompletionRequest,
+        prompt: _Prompt,
+        output: RequestOutput,
+        seq: CompletionOutput,
+        start: int,
+        text_offset: int,
+        echo_prompt: bool,
     ) -> CompletionLogprobs | None:
-        """Logprobs of ``seq``'s tokens from index ``start`` on, offsets from ``text_offset``."""
-        if num_logprobs is None or seq.logprobs is None:
+        """OpenAI's logprobs of ``seq``'s tokens from index ``start`` on, after the prompt's
+        tokens when ``echo_prompt``; offsets count from ``text_offset``; None unless asked."""
+        if request.logprobs is None or seq.logprobs is None:
             return None
+        token_ids = seq.token_ids[start:]
+        candidates: list[dict[int, Logprob] | None] = seq.logprobs[start:]
+        if echo_prompt:
+            if output.prompt_logprobs is None:
+                raise RuntimeError("the engine returned no prompt logprobs for an echo")
+            token_ids = prompt.token_ids + token_ids
+            candidates = output.prompt_logprobs + candidates
         result = CompletionLogprobs()
-        for token_id, candidates in zip(seq.token_ids[start:], seq.logprobs[start:], strict=False):
-            sampled = candidates.get(token_id)
-            text = self.token_text(token_id, sampled)
+        for token_id, top in zip(token_ids, candidates, strict=False):
+            own = None if top is None else top.get(token_id)
+            text = prompt.first_token_text if top is None else self.token_text(token_id, own)
             result.tokens.append(text)
-            result.token_logprobs.append(clamp_logprob(sampled.logprob) if sampled else None)
             result.text_offset.append(text_offset)
             text_offset += len(text)
-            ranked = sorted(candidates.items(), key=lambda item: item[1].rank or 0)
+            result.token_logprobs.append(None if own is None else clamp_logprob(own.logprob))
+            if top is None:
+                result.top_logprobs.append(None)
+                continue
+            ranked = sorted(_top(top, token_id, request.logprobs), key=lambda t: t[1].rank or 0)
             result.top_logprobs.append(
                 {self.token_text(t, lp): clamp_logprob(lp.logprob) for t, lp in ranked}
             )
         return result
+
+    @staticmethod
+    def _prompt_logprobs(
+        request: CompletionRequest, prompt: _Prompt, output: RequestOutput
+    ) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's ``prompt_logprobs`` of a choice: the asked number of top candidates plus the
+        prompt token, logprobs JSON can carry; None unless ``prompt_logprobs`` was asked."""
+        if request.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        return [
+            None
+            if top is None
+            else {
+                t: Logprob(clamp_logprob(lp.logprob), lp.rank, lp.decoded_token)
+                for t, lp in _top(top, token_id, request.prompt_logprobs)
+            }
+            for token_id, top in zip(prompt.token_ids, output.prompt_logprobs, strict=True)
+        ]
 
     async def _stream(
         self,
@@ -167,21 +233,28 @@ class OpenAIServingCompletion(OpenAIServing):
         num_tokens = [0] * num_choices
         started = [False] * num_choices
         finished = [False] * num_choices
-        text_offsets = [
-            len(prompts[i // n].text) if request.echo else 0 for i in range(num_choices)
-        ]
+        # Echoed logprobs start with the prompt's tokens, so every choice's offsets start at 0.
+        text_offsets = [0] * num_choices
         try:
             async for i, output in merge_streams(streams):
                 for seq in output.outputs:
+                    seq = self._shown(request, seq)
                     index = i * n + seq.index
                     num_tokens[index] = len(seq.token_ids)
                     if finished[index]:
                         continue
+                    echo_prompt = request.echo and not started[index]
                     delta = seq.text[sent_text[index] :]
-                    if request.echo and not started[index]:
+                    if echo_prompt:
                         delta = prompts[i].text + delta
-                    logprobs = self._logprobs(
-                        seq, sent_tokens[index], text_offsets[index], request.logprobs
+                    logprobs = self._choice_logprobs(
+                        request,
+                        prompts[i],
+                        output,
+                        seq,
+                        sent_tokens[index],
+                        text_offsets[index],
+                        echo_prompt,
                     )
                     has_logprobs = logprobs is not None and bool(logprobs.tokens)
                     if not delta and not has_logprobs and seq.finish_reason is None:
@@ -206,3 +279,15 @@ class OpenAIServingCompletion(OpenAIServing):
         except EngineError as exc:
             yield sse_error(str(exc))
         yield sse("[DONE]")
+
+
+def _top(
+    candidates: dict[int, Logprob], token_id: int, num_logprobs: int
+) -> list[tuple[int, Logprob]]:
+    """The candidates within the top ``num_logprobs`` ranks, and ``token_id``'s own entry (the
+    engine may have computed more: echo's and ``prompt_logprobs``' counts share one pass)."""
+    return [
+        (t, lp)
+        for t, lp in candidates.items()
+        if t == token_id or (lp.rank is not None and lp.rank <= num_logprobs)
+    ]

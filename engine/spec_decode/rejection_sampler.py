@@ -21,11 +21,13 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpilot.engine.logits_processors import apply_logits_processors, compute_logprobs
+from kvpilot.engine.logits_processors import (
+    TokenLogprobs,
+    apply_logits_processors,
+    compute_logprobs,
+)
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampler import Sampler, compute_probs
-
-TokenLogprobs = tuple[float, dict[int, tuple[float, int]]]
 
 
 @dataclass

@@ -208,7 +208,8 @@ def small_llm(llama_dir) -> LLM:
         ({"prompt_token_ids": [5, "x"]}, None, "list of integers"),
         ({"tokens": [5]}, None, "'prompt' or 'prompt_token_ids'"),
         (42, None, "prompt must be a string or a dict"),
-        ({"prompt_token_ids": [5]}, SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+        ({"prompt_token_ids": [5]}, SamplingParams(prompt_logprobs=49153), "prompt_logprobs"),
+        ({"prompt_token_ids": [5]}, SamplingParams(logprobs=49153), "logprobs must be at most"),
     ],
 )
 def test_bad_request_is_refused_and_others_keep_running(small_llm, prompt, params, message):

@@ -36,6 +36,16 @@ def test_engine_flags_use_vllm_spellings_and_model_is_positional():
     assert args.enable_prefix_caching is False
 
 
+def test_tool_calling_flags_use_vllm_spellings_and_are_checked():
+    args = parse("--enable-auto-tool-choice", "--tool-call-parser", "hermes")
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "hermes")
+    assert (parse().enable_auto_tool_choice, parse().tool_call_parser) == (False, None)
+    with pytest.raises(SystemExit, match="--enable-auto-tool-choice requires --tool-call-parser"):
+        cli.run(parse("--enable-auto-tool-choice"))
+    with pytest.raises(SystemExit, match="unknown parser 'llama9'.*hermes"):
+        cli.run(parse("--enable-auto-tool-choice", "--tool-call-parser", "llama9"))
+
+
 def test_module_imports_no_torch():
     code = "import sys, kvpilot.engine.server.cli; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -81,6 +81,11 @@ CHAT = "/v1/chat/completions"
         (COMPLETIONS, completion(prompt="hello " * 300), "prompt"),
         (COMPLETIONS, completion(max_tokens=MAX_MODEL_LEN), "max_tokens"),
         (COMPLETIONS, completion(max_tokens=0), "max_tokens"),
+        (COMPLETIONS, completion(max_tokens=0, echo=True, min_tokens=1), "min_tokens"),
+        (COMPLETIONS, completion(prompt_logprobs=-1), "prompt_logprobs"),
+        (COMPLETIONS, completion(prompt_logprobs=21), "prompt_logprobs"),
+        (COMPLETIONS, completion(prompt_logprobs=1, stream=True), "prompt_logprobs"),
+        (COMPLETIONS, completion(echo=True, logprobs=21), "logprobs"),
         (COMPLETIONS, completion(stream_options={"include_usage": True}), "stream_options"),
         (COMPLETIONS, completion(prompt=None), "prompt"),
         (COMPLETIONS, completion(prompt=["text", 1]), "prompt"),
@@ -105,7 +110,8 @@ CHAT = "/v1/chat/completions"
             completion(structured_outputs={"regex": "a"}, response_format={"type": "json_object"}),
             "structured_outputs",
         ),
-        (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tools"),
+        # tool_choice defaults to "auto", which needs --enable-auto-tool-choice.
+        (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
     ],
 )
 def test_invalid_parameters_get_400_with_openai_error_body(http, path, body, param):

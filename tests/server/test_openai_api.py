@@ -193,6 +193,108 @@ def test_completion_logprobs_match_offline_llm(client, offline):
     assert logprobs.text_offset[1] == len(logprobs.tokens[0])
 
 
+def offline_prompt_logprobs(offline: LLM, prompt, k: int):
+    """The engine's prompt token ids and prompt logprobs (top ``k``) for one prompt."""
+    [output] = offline.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k), use_tqdm=False
+    )
+    return output.prompt_token_ids, output.prompt_logprobs
+
+
+def assert_echoed_prompt(logprobs, prompt_ids: list[int], expected, k: int) -> None:
+    """OpenAI's echoed logprobs of a prompt: its tokens, null for the first, then each
+    token's logprob and top ``k`` (plus itself) equal to the engine's prompt logprobs."""
+    n = len(prompt_ids)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert logprobs.tokens[1:n] == [expected[i][prompt_ids[i]].decoded_token for i in range(1, n)]
+    for i in range(1, n):
+        own = expected[i][prompt_ids[i]]
+        assert logprobs.token_logprobs[i] == pytest.approx(own.logprob, abs=1e-5)
+        top = {lp.decoded_token: lp.logprob for lp in expected[i].values() if lp.rank <= k}
+        top[own.decoded_token] = own.logprob
+        assert logprobs.top_logprobs[i] == pytest.approx(top, abs=1e-5)
+    offsets = [sum(len(t) for t in logprobs.tokens[:i]) for i in range(len(logprobs.tokens))]
+    assert logprobs.text_offset == offsets
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_does(client, offline):
+    prompt_ids, expected = offline_prompt_logprobs(offline, PROMPT, 2)
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=2
+    )
+    choice = response.choices[0]
+    [generated] = offline.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=1, logprobs=2), use_tqdm=False
+    )
+    assert choice.text == PROMPT + generated.outputs[0].text
+    assert len(choice.logprobs.tokens) == len(prompt_ids) + 1
+    assert "".join(choice.logprobs.tokens) == choice.text
+    assert_echoed_prompt(choice.logprobs, prompt_ids, expected, 2)
+    [sampled] = generated.outputs[0].logprobs
+    token_id = generated.outputs[0].token_ids[0]
+    assert choice.logprobs.token_logprobs[-1] == pytest.approx(sampled[token_id].logprob, abs=1e-4)
+    assert response.usage.completion_tokens == 1
+    # The same, streamed: the prompt and its logprobs come in the first chunk.
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=1, temperature=0, echo=True, logprobs=2,
+            stream=True,
+        )
+    )  # fmt: skip
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert parts[0].text.startswith(PROMPT)
+    assert parts[0].logprobs.tokens[: len(prompt_ids)] == choice.logprobs.tokens[: len(prompt_ids)]
+    merged = [lp for part in parts if part.logprobs for lp in part.logprobs.token_logprobs]
+    assert merged[0] is None
+    assert merged[1:] == pytest.approx(choice.logprobs.token_logprobs[1:], abs=1e-5)
+    assert "".join(part.text for part in parts) == choice.text
+
+
+def test_echo_without_generation_returns_the_prompt_alone(client, offline):
+    tokenizer = offline.get_tokenizer()
+    batch = [tokenizer.encode(PROMPT), tokenizer.encode("Once upon a time")]
+    response = client.completions.create(
+        model=MODEL, prompt=batch, max_tokens=0, temperature=0, echo=True, logprobs=1, n=2
+    )
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert response.usage.completion_tokens == 0
+    for choice, prompt_ids in zip(response.choices, [batch[0]] * 2 + [batch[1]] * 2, strict=True):
+        assert choice.text == tokenizer.decode(prompt_ids)
+        assert choice.finish_reason == "length"
+        assert len(choice.logprobs.tokens) == len(prompt_ids)
+        _, expected = offline_prompt_logprobs(offline, {"prompt_token_ids": prompt_ids}, 1)
+        assert_echoed_prompt(choice.logprobs, prompt_ids, expected, 1)
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=0, stream=True
+        )
+    )
+    parts = [c.choices[0] for c in chunks if c.choices]
+    assert "".join(p.text for p in parts) == PROMPT
+    assert parts[-1].finish_reason == "length"
+    assert sum(len(p.logprobs.tokens) for p in parts if p.logprobs) == len(batch[0])
+
+
+def test_prompt_logprobs_field_in_vllms_format(client, offline):
+    prompt_ids, expected = offline_prompt_logprobs(offline, PROMPT, 3)
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 3}
+    )
+    choice = response.choices[0]
+    assert choice.logprobs is None
+    prompt_logprobs = choice.model_extra["prompt_logprobs"]
+    assert len(prompt_logprobs) == len(prompt_ids) and prompt_logprobs[0] is None
+    for entry, token_id, candidates in zip(
+        prompt_logprobs[1:], prompt_ids[1:], expected[1:], strict=True
+    ):
+        assert str(token_id) in entry and len(entry) == len(candidates) <= 4
+        for key, value in entry.items():
+            reference = candidates[int(key)]
+            assert value["logprob"] == pytest.approx(reference.logprob, abs=1e-5)
+            assert value["rank"] == reference.rank
+            assert value["decoded_token"] == reference.decoded_token
+
+
 def test_chat_logprobs(client):
     response = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2

@@ -1,0 +1,260 @@
+"""Tool parsers on fixed strings: the ``hermes`` parser (one call, several, text around them,
+malformed JSON, blocks left open, streaming split at awkward points), the parsers of
+constrained outputs (named and ``required`` tool_choice) with their JSON Schemas, and which
+parser a request gets."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.protocol import ChatCompletionRequest, DeltaMessage
+from kvpilot.engine.server.tool_parsers import (
+    AUTO_TOOL_CHOICE_DISABLED,
+    Hermes2ProToolParser,
+    NamedToolParser,
+    RequiredToolParser,
+    ToolParser,
+    get_tool_parser,
+    merge_deltas,
+)
+
+CALL_WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+CALL_TIME = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>'
+MALFORMED = '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}}\n</tool_call>'
+MIXED = f"Let me check.\n{CALL_WEATHER}\n{MALFORMED} and {CALL_TIME}\nDone <tool"
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"$ref": "#/$defs/unit"}},
+            "required": ["city"],
+            "$defs": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def calls(extracted) -> list[tuple[str, dict]]:
+    return [(c.function.name, json.loads(c.function.arguments)) for c in extracted.tool_calls]
+
+
+def stream(parser: ToolParser, pieces: list[str]) -> list[DeltaMessage | None]:
+    """Feed ``pieces`` as deltas; the last one finishes the output."""
+    return [
+        parser.extract_tool_calls_streaming(piece, finished=i == len(pieces) - 1)
+        for i, piece in enumerate(pieces)
+    ]
+
+
+def request(**fields) -> ChatCompletionRequest:
+    return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **fields)
+
+
+def test_hermes_one_call_has_no_content_and_finishes_with_tool_calls():
+    parser = Hermes2ProToolParser()
+    extracted = parser.extract_tool_calls(CALL_WEATHER)
+    assert extracted.tools_called
+    assert calls(extracted) == [("get_weather", {"city": "Paris"})]
+    assert extracted.content is None
+    [call] = extracted.tool_calls
+    assert call.id.startswith("chatcmpl-tool-") and len(call.id) == len("chatcmpl-tool-") + 32
+    assert call.type == "function"
+    assert parser.finish_reason("stop") == "tool_calls"
+    assert parser.finish_reason("length") == "length"
+
+
+def test_hermes_two_calls_get_distinct_ids():
+    extracted = Hermes2ProToolParser().extract_tool_calls(f"{CALL_WEATHER}\n{CALL_TIME}")
+    assert calls(extracted) == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"timezone": "CET"}),
+    ]
+    assert len({c.id for c in extracted.tool_calls}) == 2
+    assert extracted.content is None
+
+
+def test_hermes_text_around_calls_and_malformed_blocks_stay_content():
+    extracted = Hermes2ProToolParser().extract_tool_calls(MIXED)
+    assert calls(extracted) == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_time", {"timezone": "CET"}),
+    ]
+    assert extracted.content == f"Let me check.\n\n{MALFORMED} and \nDone <tool"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        MALFORMED,
+        '<tool_call>{"arguments": {}}</tool_call>',  # no name
+        '<tool_call>{"name": "f", "arguments": "city=Paris"}</tool_call>',  # not an object
+        "<tool_call>[1, 2]</tool_call>",
+        "x < y and <tool_call",
+    ],
+)
+def test_hermes_text_without_a_valid_call_is_returned_unchanged(text):
+    parser = Hermes2ProToolParser()
+    extracted = parser.extract_tool_calls(text)
+    assert (extracted.tools_called, extracted.tool_calls, extracted.content) == (False, [], text)
+    assert parser.finish_reason("stop") == "stop"
+
+
+def test_hermes_block_left_open_at_the_end_is_parsed_as_if_closed():
+    extracted = Hermes2ProToolParser().extract_tool_calls('<tool_call>\n{"name": "f"}\n')
+    assert calls(extracted) == [("f", {})]
+    broken = Hermes2ProToolParser().extract_tool_calls('Hi <tool_call>\n{"name": "f", "argu')
+    assert (broken.tool_calls, broken.content) == ([], 'Hi <tool_call>\n{"name": "f", "argu')
+
+
+def test_hermes_keeps_only_the_first_call_without_parallel_tool_calls():
+    parser = Hermes2ProToolParser(parallel_tool_calls=False)
+    extracted = parser.extract_tool_calls(f"{CALL_WEATHER}\n{CALL_TIME}")
+    assert calls(extracted) == [("get_weather", {"city": "Paris"})]
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 5, 11, 64])
+def test_hermes_streaming_in_any_split_equals_the_whole_output(size):
+    pieces = [MIXED[i : i + size] for i in range(0, len(MIXED), size)] + [""]
+    deltas = stream(Hermes2ProToolParser(), pieces)
+    whole = Hermes2ProToolParser().extract_tool_calls(MIXED)
+    streamed = merge_deltas(deltas)
+    assert calls(streamed) == calls(whole)
+    assert streamed.content == whole.content
+    # A call arrives in one delta, whole: id, type, name and complete arguments.
+    pieces_of_calls = [c for d in deltas if d is not None for c in d.tool_calls or []]
+    assert [c.index for c in pieces_of_calls] == [0, 1]
+    for piece in pieces_of_calls:
+        assert piece.id and piece.type == "function"
+        assert json.loads(piece.function.arguments)
+
+
+def test_hermes_streaming_holds_back_a_tag_split_across_deltas():
+    parser = Hermes2ProToolParser()
+    pieces = ["Sure <tool", "_ca", 'll>{"name": "f", "argu', 'ments": {"a": 1}}</tool_', "call> ok"]
+    deltas = stream(parser, pieces)
+    assert deltas[0] == DeltaMessage(content="Sure ")
+    assert deltas[1:4] == [None, None, None]
+    [call] = deltas[4].tool_calls
+    assert (call.function.name, json.loads(call.function.arguments)) == ("f", {"a": 1})
+    assert deltas[4].content == " ok"
+    # "<" that does not start a tag is released once it cannot.
+    other = Hermes2ProToolParser()
+    assert other.extract_tool_calls_streaming("a <", False) == DeltaMessage(content="a ")
+    assert other.extract_tool_calls_streaming("b", False) == DeltaMessage(content="<b")
+
+
+def test_hermes_keeps_special_tokens_in_the_text():
+    params = SamplingParams()
+    Hermes2ProToolParser().adjust_request(params)
+    assert params.skip_special_tokens is False
+
+
+def test_named_parser_streams_the_arguments_of_the_named_function():
+    parser = NamedToolParser(request(tools=[WEATHER]).tools[0].function)
+    deltas = stream(parser, ['{"ci', 'ty": "Pa', 'ris"}', ""])
+    first = deltas[0].tool_calls[0]
+    assert (first.index, first.type, first.function.name) == (0, "function", "get_weather")
+    assert first.id.startswith("chatcmpl-tool-")
+    rest = [d.tool_calls[0] for d in deltas[1:3]]
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in rest)
+    assert deltas[3] is None
+    assert calls(merge_deltas(deltas)) == [("get_weather", {"city": "Paris"})]
+    assert parser.finish_reason("stop") == "stop"  # as OpenAI and vLLM, for a named call
+
+
+def test_named_parser_constrains_to_the_parameters_schema():
+    weather, no_parameters = request(tools=[WEATHER, TIME]).tools
+    params = SamplingParams()
+    NamedToolParser(weather.function).adjust_request(params)
+    assert params.structured_outputs.json == WEATHER["function"]["parameters"]
+    NamedToolParser(no_parameters.function).adjust_request(params)
+    assert params.structured_outputs.json == {"type": "object", "properties": {}}
+
+
+def test_required_schema_accepts_calls_to_any_tool_and_nothing_else():
+    tools = request(tools=[WEATHER, TIME]).tools
+    schema = RequiredToolParser(tools).json_schema()
+    assert schema["$defs"] == {"unit": {"enum": ["celsius", "fahrenheit"]}}
+    valid = [
+        {"name": "get_weather", "parameters": {"city": "Paris", "unit": "celsius"}},
+        {"name": "get_time", "parameters": {}},
+    ]
+    jsonschema.validate(valid, schema)
+    for invalid in (
+        [],
+        [{"name": "get_weather", "parameters": {"unit": "celsius"}}],  # city missing
+        [{"name": "get_weather", "parameters": {"city": "Paris", "unit": "kelvin"}}],
+        [{"name": "send_email", "parameters": {}}],
+    ):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(invalid, schema)
+    single = RequiredToolParser(tools, parallel_tool_calls=False).json_schema()
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(valid, single)
+    params = SamplingParams()
+    RequiredToolParser(tools).adjust_request(params)
+    assert params.structured_outputs.json == schema
+
+
+def test_required_schema_refuses_tools_defining_one_def_differently():
+    other = json.loads(json.dumps(WEATHER))
+    other["function"]["name"] = "get_forecast"
+    other["function"]["parameters"]["$defs"]["unit"] = {"enum": ["kelvin"]}
+    with pytest.raises(ValueError, match="^tools: \\$defs 'unit'"):
+        RequiredToolParser(request(tools=[WEATHER, other]).tools).json_schema()
+
+
+def test_required_parser_sends_each_call_once_its_object_closes():
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+    first_end = text.index("}}") + 2
+    parser = RequiredToolParser([])
+    assert parser.extract_tool_calls_streaming(text[: first_end - 1], False) is None
+    [first] = parser.extract_tool_calls_streaming(text[first_end - 1 : first_end], False).tool_calls
+    assert (first.index, first.function.name) == (0, "get_weather")
+    assert json.loads(first.function.arguments) == {"city": "Paris"}
+    [second] = parser.extract_tool_calls_streaming(text[first_end:], True).tool_calls
+    assert (second.index, second.function.name, second.function.arguments) == (1, "get_time", "{}")
+    assert parser.finish_reason("stop") == "tool_calls"
+    for size in (1, 4, 9):
+        pieces = [text[i : i + size] for i in range(0, len(text), size)] + [""]
+        streamed = merge_deltas(stream(RequiredToolParser([]), pieces))
+        assert calls(streamed) == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+        assert streamed.content is None
+
+
+def test_required_output_cut_short_is_content():
+    cut = '[{"name": "get_weather", "parameters": {"ci'
+    parser = RequiredToolParser([])
+    extracted = parser.extract_tool_calls(cut)
+    assert (extracted.tools_called, extracted.content) == (False, cut)
+    assert parser.finish_reason("length") == "length"
+
+
+def test_tool_choice_picks_the_parser():
+    assert get_tool_parser(request(), "hermes") is None
+    assert get_tool_parser(request(tools=[WEATHER], tool_choice="none"), "hermes") is None
+    auto = request(tools=[WEATHER], parallel_tool_calls=False)
+    assert auto.tool_choice == "auto"  # the default when tools are given
+    parser = get_tool_parser(auto, "hermes")()
+    assert isinstance(parser, Hermes2ProToolParser) and parser.parallel_tool_calls is False
+    with pytest.raises(ValueError) as refused:
+        get_tool_parser(auto, None)
+    assert str(refused.value) == AUTO_TOOL_CHOICE_DISABLED
+    assert AUTO_TOOL_CHOICE_DISABLED == (
+        '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'
+    )
+    required = get_tool_parser(request(tools=[WEATHER, TIME], tool_choice="required"), None)()
+    assert isinstance(required, RequiredToolParser) and len(required.tools) == 2
+    named = request(
+        tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}
+    )
+    parser = get_tool_parser(named, None)()
+    assert isinstance(parser, NamedToolParser) and parser.function.name == "get_time"
