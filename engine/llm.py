@@ -12,7 +12,12 @@ from kvpilot.engine.llm_engine import LLMEngine, PromptType
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
-from kvpilot.engine.tokenization import ChatMessage, apply_chat_template, parse_chat_messages
+from kvpilot.engine.tokenization import (
+    ChatMessage,
+    apply_chat_template,
+    parse_chat_messages,
+    parse_chat_tools,
+)
 
 
 class LLM:
@@ -51,6 +56,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
         chat_template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, each rendered with the model's chat template
@@ -68,6 +74,9 @@ class LLM:
                 model replies.
             continue_final_message: let the model continue the last message instead (needs
                 ``add_generation_prompt=False``).
+            tools: OpenAI function tools (``{"type": "function", "function": {"name",
+                "description", "parameters"}}``) for the template to describe to the model,
+                as the server's ``tools``; templates without tool support ignore them.
             chat_template_kwargs: extra variables for the template.
 
         Returns:
@@ -76,7 +85,8 @@ class LLM:
 
         Raises:
             ValueError: naming ``messages`` (malformed messages, no chat template, a template
-                that refuses them), ``continue_final_message``, or as ``generate`` does.
+                that refuses them), ``tools`` (not a list of function tools),
+                ``continue_final_message``, or as ``generate`` does.
         """
         conversations = (
             [messages]
@@ -85,12 +95,15 @@ class LLM:
         )
         if isinstance(conversations, str | Mapping) or not conversations:
             raise ValueError("messages: must be a conversation or a list of conversations")
+        if tools is not None:
+            tools = parse_chat_tools(tools)
         tokenizer = self.get_tokenizer()
         prompts = [
             {
                 "prompt_token_ids": apply_chat_template(
                     tokenizer,
                     parse_chat_messages(conversation),
+                    tools=tools,
                     chat_template=chat_template,
                     add_generation_prompt=add_generation_prompt,
                     continue_final_message=continue_final_message,

@@ -9,7 +9,7 @@ tokenizer must not be used by two threads at once, so callers own one tokenizer 
 (the server runs these on its tokenizer thread, see ``server/async_tokenizer.py``).
 
 Errors are ``ValueError`` whose message starts with the parameter at fault (``prompt``,
-``messages``, ``continue_final_message``), which the server turns into a 400 naming it.
+``messages``, ``tools``, ``continue_final_message``), which the server turns into a 400 naming it.
 """
 
 from __future__ import annotations
@@ -88,6 +88,44 @@ def parse_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]
     return conversation
 
 
+def parse_chat_tools(tools: Any) -> list[dict[str, Any]]:
+    """Check OpenAI function tools before they reach a chat template.
+
+    Args:
+        tools: ``[{"type": "function", "function": {"name", "description", "parameters"}}]``
+            (``type`` may be left out; ``parameters`` is the arguments' JSON Schema).
+
+    Returns:
+        The tools, in order, each as a ``dict`` (its contents unchanged).
+
+    Raises:
+        ValueError: ``tools: ...`` for a value that is not a list of dicts, a tool whose type
+            is not ``"function"``, a function without a string name or whose ``parameters``
+            are not a dict, or two functions with one name.
+    """
+    if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Sequence):
+        raise ValueError(f"tools: must be a list of function tools, got {type(tools).__name__}")
+    names: set[str] = set()
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, Mapping):
+            raise ValueError(f"tools: tool {i} must be a dict, got {type(tool).__name__}")
+        kind = tool.get("type", "function")
+        if kind != "function":
+            raise ValueError(
+                f"tools: tool {i} has type {kind!r}; only 'function' tools are supported"
+            )
+        function = tool.get("function")
+        if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
+            raise ValueError(f"tools: tool {i} needs a function with a string name")
+        name = function["name"]
+        if not isinstance(function.get("parameters") or {}, Mapping):
+            raise ValueError(f"tools: the parameters of function {name!r} must be a JSON object")
+        if name in names:
+            raise ValueError(f"tools: function names must be unique; {name!r} repeats")
+        names.add(name)
+    return [dict(tool) for tool in tools]
+
+
 def _tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
     where = f"messages: message {index} tool_calls"
     if not isinstance(tool_calls, list):
@@ -146,9 +184,8 @@ def apply_chat_template(
     Args:
         tokenizer: a Hugging Face tokenizer.
         conversation: messages as ``parse_chat_messages`` returns them.
-        tools: OpenAI function tools (``{"type": "function", "function": {"name",
-            "description", "parameters"}}``) for templates that describe them to the model;
-            templates without tool support ignore them.
+        tools: OpenAI function tools as ``parse_chat_tools`` returns them, for templates that
+            describe them to the model; templates without tool support ignore them.
         chat_template: a Jinja template to use instead of the tokenizer's own.
         add_generation_prompt: end with the header of an assistant reply (what a model needs
             to answer).

@@ -52,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     """Load the engine (with a progress bar), generate, print each completion.
 
     Returns:
-        0 on success, 2 when an argument is refused (the message names it, on stderr).
+        0 on success, 2 when an argument is refused or the model cannot be found (the message
+        says which, on stderr).
     """
     import logging
 
@@ -79,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
             outputs = llm.chat(conversations, params)
         else:
             outputs = llm.generate(args.prompt, params)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:  # bad arguments; a model that cannot be found
         print(f"kvpilot generate: error: {exc}", file=sys.stderr)
         return 2
     for prompt, output in zip(args.prompt, outputs, strict=True):

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.structured_output import check_json_schema
+from kvpilot.engine.tokenization import parse_chat_tools
 
 # vLLM's default --max-logprobs: the most top logprobs one request may ask for.
 MAX_LOGPROBS = 20
@@ -87,11 +88,16 @@ class _SamplingFields(OpenAIModel):
     response_format: ResponseFormat | None = None
     # vLLM's extension: json, regex, choice, grammar or json_object.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's extension: each prompt token's logprob with this many top candidates, returned
+    # as prompt_logprobs (on each completion choice; at the top of a chat completion).
+    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options: only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise ValueError("prompt_logprobs: not available when stream is true")
         # Sequence i of n samples with seed + i.
         if self.seed is not None and self.seed + self.n - 1 > SEED_MAX:
             raise ValueError(f"seed: seed + n - 1 must be at most {SEED_MAX}")
@@ -162,7 +168,7 @@ class _SamplingFields(OpenAIModel):
     def num_prompt_logprobs(self) -> int | None:
         """Top logprobs to compute per prompt token (``SamplingParams.prompt_logprobs``), or
         None for no prompt logprobs."""
-        return None
+        return self.prompt_logprobs
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The output constraint: ``structured_outputs`` as given, or ``response_format``'s
@@ -194,9 +200,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool = False
-    # vLLM's extension: each prompt token's logprob with this many top candidates, returned
-    # as the choice's prompt_logprobs.
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     best_of: int | None = None
     suffix: str | None = None
 
@@ -232,8 +235,6 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("max_tokens: 0 is only allowed with echo (returns the prompt alone)")
         if self.max_tokens == 0 and self.min_tokens:
             raise ValueError("min_tokens: must be 0 when max_tokens is 0")
-        if self.prompt_logprobs is not None and self.stream:
-            raise ValueError("prompt_logprobs: not available when stream is true")
         return self
 
     def num_prompt_logprobs(self) -> int | None:
@@ -362,13 +363,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     @field_validator("tools", mode="before")
     @classmethod
-    def _check_tool_types(cls, tools: Any) -> Any:
-        for i, tool in enumerate(tools if isinstance(tools, list) else ()):
-            kind = tool.get("type", "function") if isinstance(tool, dict) else None
-            if kind != "function":
-                raise ValueError(
-                    f"tools: tool {i} has type {kind!r}; only 'function' tools are supported"
-                )
+    def _check_tool_shapes(cls, tools: Any) -> Any:
+        # The offline LLM.chat's checks: one clear message naming the tool at fault.
+        if tools is not None:
+            parse_chat_tools(tools)
         return tools
 
     @field_validator("tool_choice", mode="before")
@@ -390,8 +388,6 @@ class ChatCompletionRequest(_SamplingFields):
         names = [tool.function.name for tool in self.tools or []]
         for tool in self.tools or []:
             name = tool.function.name
-            if names.count(name) > 1:
-                raise ValueError(f"tools: function names must be unique; {name!r} repeats")
             if tool.function.parameters is not None:
                 try:
                     check_json_schema(tool.function.parameters)
@@ -463,14 +459,18 @@ class CompletionLogprobs(OpenAIModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+PromptLogprobs = list[dict[int, Logprob] | None]
+"""vLLM's ``prompt_logprobs`` in a response: None for the first prompt token, then for each
+token ``{token_id: {logprob, rank, decoded_token}}`` (its top candidates and itself)."""
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    # vLLM's: None for the first prompt token, then {token_id: {logprob, rank, decoded_token}}.
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -517,6 +517,8 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
+    # vLLM's: the prompt's (one for all choices), not in a choice as completions have it.
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class DeltaMessage(OpenAIModel):

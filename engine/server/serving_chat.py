@@ -106,6 +106,7 @@ class OpenAIServingChat(OpenAIServing):
             usage=self.usage(
                 len(prompt_token_ids), sum(len(seq.token_ids) for seq in final.outputs)
             ),
+            prompt_logprobs=self.prompt_logprobs(request, prompt_token_ids, final),
         )
 
     def _choice(

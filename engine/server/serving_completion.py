@@ -24,6 +24,7 @@ from kvpilot.engine.server.serving_engine import (
     new_request_id,
     sse,
     sse_error,
+    top_candidates,
 )
 
 
@@ -136,7 +137,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         ),
                         finish_reason=seq.finish_reason,
                         stop_reason=seq.stop_reason,
-                        prompt_logprobs=self._prompt_logprobs(request, prompt, final),
+                        prompt_logprobs=self.prompt_logprobs(request, prompt.token_ids, final),
                     )
                 )
         return CompletionResponse(
@@ -193,29 +194,13 @@ class OpenAIServingCompletion(OpenAIServing):
             if top is None:
                 result.top_logprobs.append(None)
                 continue
-            ranked = sorted(_top(top, token_id, request.logprobs), key=lambda t: t[1].rank or 0)
+            ranked = sorted(
+                top_candidates(top, token_id, request.logprobs), key=lambda t: t[1].rank or 0
+            )
             result.top_logprobs.append(
                 {self.token_text(t, lp): clamp_logprob(lp.logprob) for t, lp in ranked}
             )
         return result
-
-    @staticmethod
-    def _prompt_logprobs(
-        request: CompletionRequest, prompt: _Prompt, output: RequestOutput
-    ) -> list[dict[int, Logprob] | None] | None:
-        """vLLM's ``prompt_logprobs`` of a choice: the asked number of top candidates plus the
-        prompt token, logprobs JSON can carry; None unless ``prompt_logprobs`` was asked."""
-        if request.prompt_logprobs is None or output.prompt_logprobs is None:
-            return None
-        return [
-            None
-            if top is None
-            else {
-                t: Logprob(clamp_logprob(lp.logprob), lp.rank, lp.decoded_token)
-                for t, lp in _top(top, token_id, request.prompt_logprobs)
-            }
-            for token_id, top in zip(prompt.token_ids, output.prompt_logprobs, strict=True)
-        ]
 
     async def _stream(
         self,
@@ -279,15 +264,3 @@ class OpenAIServingCompletion(OpenAIServing):
         except EngineError as exc:
             yield sse_error(str(exc))
         yield sse("[DONE]")
-
-
-def _top(
-    candidates: dict[int, Logprob], token_id: int, num_logprobs: int
-) -> list[tuple[int, Logprob]]:
-    """The candidates within the top ``num_logprobs`` ranks, and ``token_id``'s own entry (the
-    engine may have computed more: echo's and ``prompt_logprobs``' counts share one pass)."""
-    return [
-        (t, lp)
-        for t, lp in candidates.items()
-        if t == token_id or (lp.rank is not None and lp.rank <= num_logprobs)
-    ]

@@ -20,7 +20,7 @@ from kvpilot.engine.outputs import Logprob, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.errors import OpenAIError, bad_request
-from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, UsageInfo
+from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, PromptLogprobs, UsageInfo
 from kvpilot.engine.server.serving_models import OpenAIServingModels
 
 # JSON has no -inf; vLLM reports impossible tokens with this floor.
@@ -194,6 +194,24 @@ class OpenAIServing:
         return f"token_id:{token_id}"
 
     @staticmethod
+    def prompt_logprobs(
+        request: Any, prompt_token_ids: list[int], output: RequestOutput
+    ) -> PromptLogprobs | None:
+        """vLLM's ``prompt_logprobs`` of a response: the ``request.prompt_logprobs`` top
+        candidates plus the prompt token, with logprobs JSON can carry; None unless asked."""
+        if request.prompt_logprobs is None or output.prompt_logprobs is None:
+            return None
+        return [
+            None
+            if top is None
+            else {
+                t: Logprob(clamp_logprob(lp.logprob), lp.rank, lp.decoded_token)
+                for t, lp in top_candidates(top, token_id, request.prompt_logprobs)
+            }
+            for token_id, top in zip(prompt_token_ids, output.prompt_logprobs, strict=True)
+        ]
+
+    @staticmethod
     def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
         return UsageInfo(
             prompt_tokens=num_prompt_tokens,
@@ -215,6 +233,18 @@ def now() -> float:
 def clamp_logprob(value: float) -> float:
     """A log-probability JSON can carry (``-inf`` becomes ``MIN_LOGPROB``)."""
     return max(value, MIN_LOGPROB)
+
+
+def top_candidates(
+    candidates: dict[int, Logprob], token_id: int, num_logprobs: int
+) -> list[tuple[int, Logprob]]:
+    """The candidates within the top ``num_logprobs`` ranks, and ``token_id``'s own entry (the
+    engine may have computed more: echo's and ``prompt_logprobs``' counts share one pass)."""
+    return [
+        (t, lp)
+        for t, lp in candidates.items()
+        if t == token_id or (lp.rank is not None and lp.rank <= num_logprobs)
+    ]
 
 
 def sse(payload: BaseModel | str) -> str:

@@ -114,3 +114,13 @@ def test_generate_cli_reports_a_bad_argument(tiny_model_dir, capsys):
         )
     assert exit_info.value.code == 2
     assert "max_tokens must be at least 1" in capsys.readouterr().err
+
+
+def test_generate_cli_reports_a_model_it_cannot_find(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(missing), "--prompt", "x"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err  # the loading progress bar, then the error
+    assert err.splitlines()[-1].startswith("kvpilot generate: error: model ")
+    assert str(missing) in err and "Traceback" not in err

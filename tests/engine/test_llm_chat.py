@@ -6,10 +6,13 @@ greedy reply exactly transformers' ``generate()`` on those ids.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from kvpilot.engine import LLM
 from tests.engine.helpers import assert_no_leak, greedy, hf_greedy
+from tests.tool_use import HERMES_TEMPLATE, TIME, WEATHER
 
 CONVERSATIONS = [
     [{"role": "user", "content": "What is the capital of France?"}],
@@ -88,6 +91,31 @@ def test_template_options_match_transformers(tiny_llm):
     assert [len(o.outputs[0].token_ids) for o in batch] == [1, 3]
 
 
+def test_tools_reach_the_template_as_transformers_renders_them(tiny_llm):
+    tokenizer = tiny_llm.get_tokenizer()
+    tools = [WEATHER, TIME]
+    [output] = tiny_llm.chat(
+        CONVERSATIONS[0],
+        greedy(max_tokens=1),
+        tools=tools,
+        chat_template=HERMES_TEMPLATE,
+        use_tqdm=False,
+    )
+    assert output.prompt_token_ids == hf_chat_ids(
+        tokenizer,
+        CONVERSATIONS[0],
+        tools=tools,
+        add_generation_prompt=True,
+        chat_template=HERMES_TEMPLATE,
+    )
+    prompt = tokenizer.decode(output.prompt_token_ids)
+    assert f"<tools>{json.dumps(WEATHER)}{json.dumps(TIME)}</tools>" in prompt
+    [plain] = tiny_llm.chat(
+        CONVERSATIONS[0], greedy(max_tokens=1), chat_template=HERMES_TEMPLATE, use_tqdm=False
+    )
+    assert "<tools>" not in tokenizer.decode(plain.prompt_token_ids)
+
+
 def test_a_model_without_chat_template_is_refused(tiny_llm, monkeypatch):
     monkeypatch.setattr(tiny_llm.get_tokenizer(), "chat_template", None)
     with pytest.raises(ValueError, match="messages: the model has no chat template"):
@@ -103,6 +131,20 @@ def test_a_model_without_chat_template_is_refused(tiny_llm, monkeypatch):
         (CONVERSATIONS[0], {"continue_final_message": True}, "continue_final_message"),
         (CONVERSATIONS[0], {"chat_template": "{{ raise_exception('no') }}"}, "refused them: no"),
         ([{"role": "user", "content": "\ud800"}], {}, "messages: the text is not valid Unicode"),
+        (CONVERSATIONS[0], {"tools": WEATHER}, "tools: must be a list of function tools"),
+        (CONVERSATIONS[0], {"tools": ["get_weather"]}, "tools: tool 0 must be a dict, got str"),
+        (
+            CONVERSATIONS[0],
+            {"tools": [WEATHER, {"type": "code_interpreter"}]},
+            "tools: tool 1 has type 'code_interpreter'",
+        ),
+        (CONVERSATIONS[0], {"tools": [{"function": {}}]}, "tools: tool 0 needs a function"),
+        (
+            CONVERSATIONS[0],
+            {"tools": [{"function": {"name": "f", "parameters": "{}"}}]},
+            "tools: the parameters of function 'f' must be a JSON object",
+        ),
+        (CONVERSATIONS[0], {"tools": [TIME, TIME]}, "tools: function names must be unique"),
     ],
 )
 def test_bad_conversations_are_refused_by_name(tiny_llm, messages, kwargs, message):

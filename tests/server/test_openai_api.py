@@ -295,6 +295,32 @@ def test_prompt_logprobs_field_in_vllms_format(client, offline):
             assert value["decoded_token"] == reference.decoded_token
 
 
+def test_chat_prompt_logprobs_equal_the_completions_on_the_rendered_prompt(client, offline):
+    prompt_ids = offline.get_tokenizer().encode(
+        chat_prompt(offline, CHAT), add_special_tokens=False
+    )
+    kwargs = dict(model=MODEL, max_tokens=2, temperature=0, extra_body={"prompt_logprobs": 2})
+    chat = client.chat.completions.create(messages=CHAT, **kwargs)
+    completion = client.completions.create(prompt=prompt_ids, **kwargs)
+    expected = completion.choices[0].model_extra["prompt_logprobs"]
+    # At the top of the response, as vLLM's ChatCompletionResponse has it; not in a choice.
+    prompt_logprobs = chat.model_extra["prompt_logprobs"]
+    assert "prompt_logprobs" not in chat.choices[0].model_extra
+    assert chat.usage.prompt_tokens == len(prompt_logprobs) == len(prompt_ids) == len(expected)
+    assert prompt_logprobs[0] is None and expected[0] is None
+    for entry, reference, token_id in zip(
+        prompt_logprobs[1:], expected[1:], prompt_ids[1:], strict=True
+    ):
+        assert str(token_id) in entry and entry.keys() == reference.keys()
+        assert 2 <= len(entry) <= 3  # the top 2 and the prompt token
+        for key, value in entry.items():
+            assert value["logprob"] == pytest.approx(reference[key]["logprob"], abs=1e-5)
+            assert (value["rank"], value["decoded_token"]) == (
+                reference[key]["rank"],
+                reference[key]["decoded_token"],
+            )
+
+
 def test_chat_logprobs(client):
     response = client.chat.completions.create(
         model=MODEL, messages=CHAT, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2

@@ -14,34 +14,8 @@ import pytest
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME as MODEL
 from kvpilot.engine.model_loader import load_tokenizer
 from kvpilot.engine.tokenization import apply_chat_template, parse_chat_messages
+from tests.tool_use import HERMES_TEMPLATE, TIME, WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Get the current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-            },
-            "required": ["city", "unit"],
-        },
-    },
-}
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "description": "Get the current time in a timezone",
-        "parameters": {
-            "type": "object",
-            "properties": {"timezone": {"type": "string"}},
-            "required": ["timezone"],
-        },
-    },
-}
 SCHEMAS = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
@@ -65,32 +39,6 @@ FOLLOW_UP = [
     },
     {"role": "tool", "tool_call_id": "call_1", "content": TOOL_RESULT},
 ]
-# A tool-use template in the Hermes/Qwen style (SmolLM2's own ignores tools and tool calls).
-HERMES_TEMPLATE = """
-{%- if tools %}<|im_start|>system
-<tools>
-{%- for tool in tools %}
-{{ tool | tojson }}
-{%- endfor %}
-</tools><|im_end|>
-{% endif %}
-{%- for message in messages %}
-{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
-{%- for call in message.tool_calls %}
-<tool_call>
-{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}
-</tool_call>
-{%- endfor %}<|im_end|>
-{% elif message.role == "tool" %}<|im_start|>user
-<tool_response>
-{{ message.content }}
-</tool_response><|im_end|>
-{% else %}<|im_start|>{{ message.role }}
-{{ message.content }}<|im_end|>
-{% endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
 
 
 @pytest.fixture(scope="module")
