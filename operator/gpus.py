@@ -9,6 +9,7 @@ p4d/p4de/p5/p5e/p6, GCP a2/a3/g2), overridden by ``spec.gpu.perNode``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MiB = 1024**2
@@ -84,10 +85,45 @@ def gpu_type(name: str, *, memory_gib: float | None = None, per_node: int | None
             raise ValueError(f"gpu memoryGiB must be positive, got {memory_gib!r}")
         return GpuType(CUSTOM, int(memory_gib * GiB), per_node or 1)
     if name not in CATALOGUE:
-        raise ValueError(f"unknown gpu type {name!r}; known: {', '.join([*CATALOGUE, CUSTOM])}")
+        raise ValueError(_unknown(name, [*CATALOGUE, CUSTOM]))
     if memory_gib is not None:
         raise ValueError(f"gpu memoryGiB is only for type 'custom', not {name!r}")
     known = CATALOGUE[name]
     if per_node is None:
         return known
     return GpuType(known.name, known.memory_bytes, per_node, known.nvlink)
+
+
+def resolve_gpu_name(name: str, names: Iterable[str] = (*CATALOGUE, CUSTOM)) -> str:
+    """The canonical spelling of a GPU type a person typed, for the command line.
+
+    Case does not matter (``h100-80gb``), and a name's first ``-``-separated part stands for
+    it when no other name shares that part (``H100`` -> ``H100-80GB``; ``A100`` is ambiguous
+    between ``A100-40GB`` and ``A100-80GB``). An alias never cuts a part short: ``L40`` and
+    ``A10`` are other GPUs than ``L40S`` and ``A10G``, so they are unknown, not matched.
+
+    The CRD's ``spec.gpu.type`` is an enum and stays exact (one canonical spelling per object):
+    ``operator/spec.py`` does not call this.
+
+    Args:
+        name: what was typed.
+        names: the canonical names to choose from (default: the catalogue and ``custom``).
+
+    Raises:
+        ValueError: unknown (listing every name) or ambiguous (listing the candidates).
+    """
+    names = list(names)
+    folded = name.casefold()
+    exact = [known for known in names if known.casefold() == folded]
+    if exact:
+        return exact[0]
+    matches = [known for known in names if known.casefold().startswith(f"{folded}-")]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:
+        raise ValueError(f"gpu type {name!r} is ambiguous: {' or '.join(matches)}")
+    raise ValueError(_unknown(name, names))
+
+
+def _unknown(name: str, names: list[str]) -> str:
+    return f"unknown gpu type {name!r}; known: {', '.join(names)}"

@@ -2,9 +2,14 @@
 
 Examples::
 
-    kvpilot plan hf://meta-llama/Meta-Llama-3-70B --gpu H100-80GB --max-model-len 8192
-    kvpilot plan ./Qwen2.5-72B/config.json --gpu A100-80GB --concurrency 16
+    kvpilot plan hf://meta-llama/Meta-Llama-3-70B --gpu H100 --max-model-len 8192
+    kvpilot plan ./Qwen2.5-72B/config.json --gpu a100-80gb --concurrency 16
     kvpilot plan --gpu cpu --memory 4Gi          # the built-in default model on CPU
+
+The command line becomes an ``LLMDeployment`` spec (``_SPEC_FIELDS``), validated and planned as
+the operator would; errors name the flags that were typed, not the spec's field paths.
+``--gpu`` is forgiving (``gpus.resolve_gpu_name``: any case, ``H100`` for ``H100-80GB``); the
+CRD's ``spec.gpu.type`` is an enum and stays exact.
 """
 
 from __future__ import annotations
@@ -12,10 +17,42 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import re
 import sys
 
-from kvpilot.operator.gpus import CATALOGUE, CPU, CUSTOM
+from kvpilot.operator.gpus import CATALOGUE, CPU, CUSTOM, resolve_gpu_name
 from kvpilot.operator.spec import DTYPES, SpecError
+
+# Each option that becomes a spec field: argparse dest -> its path under ``spec``. The one map
+# both ways: ``_spec_dict`` writes the fields, ``_in_flags`` names them back as ``--flags``.
+_SPEC_FIELDS = {
+    "gpu": "gpu.type",
+    "gpu_memory_gib": "gpu.memoryGiB",
+    "per_node": "gpu.perNode",
+    "memory": "resources.limits.memory",
+    "revision": "model.revision",
+    "max_model_len": "engine.maxModelLen",
+    "dtype": "engine.dtype",
+    "max_num_seqs": "engine.maxNumSeqs",
+    "max_num_batched_tokens": "engine.maxNumBatchedTokens",
+    "tensor_parallel_size": "tensorParallelSize",
+    "gpu_memory_utilization": "gpuMemoryUtilization",
+}
+# Spec terms in messages -> command-line terms: the fields above as flags, plus what stands for
+# the positional model argument and for CPU mode ("no spec.gpu" is --gpu cpu here).
+_CLI_TERMS = {
+    **{f"spec.{path}": f"--{dest.replace('_', '-')}" for dest, path in _SPEC_FIELDS.items()},
+    "spec.model.source": "model",
+    "spec.model.config": "model",
+    "no spec.gpu": "--gpu cpu",
+    "spec.gpu": "--gpu",
+}
+# Longest first, and never a prefix of a longer name (spec.gpu in spec.gpuMemoryUtilization).
+_SPEC_TERM = re.compile(
+    "(?:"
+    + "|".join(re.escape(term) for term in sorted(_CLI_TERMS, key=len, reverse=True))
+    + r")(?!\w|\.\w)"
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -30,8 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gpu",
         required=True,
-        choices=(*CATALOGUE, CUSTOM, CPU),
-        help="GPU type from the catalogue, custom (with --gpu-memory-gib), or cpu",
+        type=_gpu_name,
+        help=f"GPU type: {', '.join(CATALOGUE)}; custom (with --gpu-memory-gib); or cpu. Any "
+        "case; a unique first part stands for the whole name (H100 = H100-80GB)",
     )
     parser.add_argument("--gpu-memory-gib", type=float, default=None, help="memory of a custom GPU")
     parser.add_argument("--per-node", type=int, default=None, help="GPUs per node (default 8)")
@@ -62,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         spec = parse_spec(_spec_dict(args))
         plan = plan_for_spec(spec, load_model_spec(spec.model), concurrency=args.concurrency)
     except SpecError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {_in_flags(exc.field)}: {_in_flags(exc.message)}", file=sys.stderr)
         return 2
     except PlanError as exc:
         print(f"cannot plan: {exc.reason}: {exc.message}", file=sys.stderr)
@@ -74,41 +112,59 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gpu_name(name: str) -> str:
+    try:
+        return resolve_gpu_name(name, (*CATALOGUE, CUSTOM, CPU))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
 def _spec_dict(args: argparse.Namespace) -> dict:
-    """The command line as an LLMDeployment spec, so it is validated and planned like one."""
-    spec: dict = {"model": _model_dict(args.model, args.revision)}
-    engine = {
-        "maxModelLen": args.max_model_len,
-        "dtype": args.dtype,
-        "maxNumSeqs": args.max_num_seqs,
-        "maxNumBatchedTokens": args.max_num_batched_tokens,
-    }
-    spec["engine"] = {k: v for k, v in engine.items() if v is not None}
-    if args.gpu == CPU:
-        spec["resources"] = {"limits": {"memory": args.memory}}
-    else:
-        gpu = {"type": args.gpu, "perNode": args.per_node, "memoryGiB": args.gpu_memory_gib}
-        spec["gpu"] = {k: v for k, v in gpu.items() if v is not None}
-    if args.tensor_parallel_size is not None:
-        spec["tensorParallelSize"] = args.tensor_parallel_size
-    if args.gpu_memory_utilization is not None:
-        spec["gpuMemoryUtilization"] = args.gpu_memory_utilization
+    """The command line as an LLMDeployment spec, so it is validated and planned like one.
+
+    ``--gpu cpu`` is CPU mode (no ``spec.gpu``, the memory limit is the budget); with a GPU the
+    memory limit does not size anything and is left out.
+    """
+    spec: dict = {"model": _model_dict(args.model)}
+    skipped = "gpu." if args.gpu == CPU else "resources."
+    for dest, path in _SPEC_FIELDS.items():
+        value = getattr(args, dest)
+        if value is None or path.startswith(skipped):
+            continue
+        *parents, key = path.split(".")
+        node = spec
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[key] = value
     return spec
 
 
-def _model_dict(model: str | None, revision: str | None) -> dict:
-    out: dict = {} if revision is None else {"revision": revision}
-    if model is None or model.startswith(("hf://", "file://", "pvc://")):
-        return {**out, "source": model} if model else out
-    path = pathlib.Path(model).expanduser()
+def _in_flags(text: str) -> str:
+    """``text`` with the spec's field paths replaced by the command line's flags."""
+    return _SPEC_TERM.sub(lambda match: _CLI_TERMS[match.group()], text)
+
+
+def _model_dict(model: str | None) -> dict:
+    if model is None:
+        return {}
+    if model.startswith("hf://"):
+        return {"source": model}
+    if model.startswith("pvc://"):
+        raise SpecError("model", "kvpilot plan cannot read a claim: pass the model's config.json")
+    path = pathlib.Path(model.removeprefix("file://")).expanduser()
     if path.is_file() and path.suffix == ".json":
-        return {**out, "config": json.loads(path.read_text())}
+        try:
+            return {"config": json.loads(path.read_text())}
+        except ValueError as exc:
+            raise SpecError("model", f"{model} is not JSON: {exc}") from exc
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise SpecError("model", f"no config.json in {model}")
     if path.exists():
-        return {**out, "source": f"file://{path.resolve()}"}
-    if path.suffix in (".json", ".gguf") or model.startswith(("/", ".", "~")):
+        return {"source": f"file://{path.resolve()}"}
+    if path.suffix in (".json", ".gguf") or model.startswith(("/", ".", "~", "file://")):
         # A local path with a typo, not a hub id to fetch (with retries) from the network.
         raise SpecError("model", f"{model}: no such file or folder")
-    return {**out, "source": f"hf://{model}"}
+    return {"source": f"hf://{model}"}
 
 
 def _print_table(model: str, plan) -> None:
@@ -116,6 +172,8 @@ def _print_table(model: str, plan) -> None:
     from rich.table import Table
 
     gib = 1024**3
+    # Sizes are per GPU, or per replica in CPU mode (one process, no GPU).
+    per = "per replica" if plan.gpu_type == CPU else "per GPU"
     table = Table(title=f"{model} on {plan.gpu_type}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")
@@ -127,10 +185,10 @@ def _print_table(model: str, plan) -> None:
         ("gpusPerReplica", str(plan.gpus_per_replica)),
         ("gpuMemoryUtilization", "-" if utilization is None else f"{utilization:.2f}"),
         ("maxModelLen", f"{plan.max_model_len:,} tokens"),
-        ("weights per GPU", f"{plan.weight_bytes_per_gpu / gib:.2f} GiB"),
-        ("activations + runtime per GPU", f"{plan.reserve_bytes_per_gpu / gib:.2f} GiB"),
-        ("KV cache per GPU", f"{plan.kv_cache_bytes_per_gpu / gib:.2f} GiB"),
-        ("KV bytes per token per GPU", f"{plan.kv_bytes_per_token:,}"),
+        (f"weights {per}", f"{plan.weight_bytes_per_gpu / gib:.2f} GiB"),
+        (f"activations + runtime {per}", f"{plan.reserve_bytes_per_gpu / gib:.2f} GiB"),
+        (f"KV cache {per}", f"{plan.kv_cache_bytes_per_gpu / gib:.2f} GiB"),
+        (f"KV bytes per token {per}", f"{plan.kv_bytes_per_token:,}"),
         ("KV capacity", f"{plan.kv_capacity_tokens:,} tokens"),
         ("max concurrency at maxModelLen", f"{plan.max_concurrency}"),
     ]

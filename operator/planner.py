@@ -72,7 +72,8 @@ class PlanError(Exception):
             ``UnsupportedQuantization``, ``MaxModelLenTooLarge``, ``InvalidTensorParallelSize``,
             ``ModelTooLarge`` or ``InsufficientKVCache``. (TP 1 always splits a model, so
             "no valid tensor parallel size" shows as ``ModelTooLarge`` at the largest valid
-            one, which the message names.)
+            one, which the message names; at a ``tensor_parallel_size`` the user fixed, the
+            message names that size and the smallest one that would fit, if any.)
         message: a sentence for people, with the numbers that decided.
     """
 
@@ -241,7 +242,10 @@ def plan(
         budget = int(gpu.memory_bytes * utilization)
 
     blocks_per_sequence = -(-max_len // block_size)
-    for tp in candidates:
+    needed_blocks = concurrency * blocks_per_sequence
+
+    def size(tp: int) -> tuple[int, int, int, int]:
+        # Per device at ``tp``: weight shard, activations + runtime, KV bytes per token, blocks.
         weights = model.weight_bytes(dtype_bytes, tp)
         reserve = activation_bytes(
             model,
@@ -251,8 +255,16 @@ def plan(
             max_num_seqs=seqs,
         ) + (0 if gpu is None else GPU_RUNTIME_BYTES)
         kv_per_token = model.kv_bytes_per_token(dtype_bytes, tp)
-        num_blocks = max(0, budget - weights - reserve) // (kv_per_token * block_size)
-        if num_blocks >= concurrency * blocks_per_sequence:
+        return (
+            weights,
+            reserve,
+            kv_per_token,
+            max(0, budget - weights - reserve) // (kv_per_token * block_size),
+        )
+
+    for tp in candidates:
+        weights, reserve, kv_per_token, num_blocks = size(tp)
+        if num_blocks >= needed_blocks:
             return Plan(
                 gpu_type=CPU if gpu is None else gpu.name,
                 dtype=dtype_name,
@@ -272,23 +284,51 @@ def plan(
                 max_concurrency=num_blocks // blocks_per_sequence,
             )
 
-    where = "the memory limit" if gpu is None else f"{gpu.name} x{tp}"
-    budget_text = f"{_gib(budget)} budget" + (
-        "" if utilization is None else f" ({utilization:.2f} of {_gib(gpu.memory_bytes)})"
-    )
-    if weights + reserve >= budget:
-        raise PlanError(
-            "ModelTooLarge",
-            f"{model.num_parameters() / 1e9:.1f}B parameters in {dtype_name}: weights "
-            f"{_gib(weights)} + activations {_gib(reserve)} per device exceed the {budget_text} "
-            f"even at tensorParallelSize {tp}, the largest valid one on {where}",
+    # Why the last candidate failed, and, when the user forced the size, which one would fit.
+    what = f"{model.num_parameters() / 1e9:.1f}B parameters in {dtype_name}"
+    alternative = ""
+    if gpu is None:
+        where, per = "on CPU", "per process"
+        budget_text = (
+            f"{_gib(budget)} budget ({_gib(memory_bytes)} memory limit less "
+            f"{_gib(CPU_RUNTIME_BYTES)} runtime)"
         )
+    else:
+        where, per = f"on {gpu.name} x{tp}", "per GPU"
+        budget_text = f"{_gib(budget)} budget ({utilization:.2f} of {_gib(gpu.memory_bytes)})"
+    if gpu is not None and tensor_parallel_size is not None:
+        where = f"at the requested tensor parallel size {tp} on {gpu.name}"
+        fitting = [
+            other
+            for other in _tensor_parallel_candidates(model, gpu, None)
+            if size(other)[3] >= needed_blocks
+        ]
+        alternative = (
+            f"; tensor parallel size {fitting[0]} would fit"
+            if fitting
+            else f"; no tensor parallel size up to {gpu.per_node} would fit either"
+        )
+    if weights + reserve >= budget:
+        exceed = (
+            f"weights {_gib(weights)} + activations {_gib(reserve)} {per} exceed the {budget_text}"
+        )
+        if gpu is None:
+            message = f"{what}: {exceed}"
+        elif tensor_parallel_size is not None:
+            message = f"{what} do not fit {where}: {exceed}{alternative}"
+        else:
+            message = (
+                f"{what}: {exceed} even at tensor parallel size {tp}, the largest valid one "
+                f"with {gpu.per_node} {gpu.name} per node"
+            )
+        raise PlanError("ModelTooLarge", message)
     fitting_len = num_blocks * block_size // concurrency
     raise PlanError(
         "InsufficientKVCache",
         f"after weights {_gib(weights)} and activations {_gib(reserve)} of the {budget_text} "
-        f"on {where}, the KV cache holds {num_blocks * block_size} tokens: fewer than "
-        f"{concurrency} x maxModelLen {max_len}; a maxModelLen of at most {fitting_len} fits",
+        f"{where}, the KV cache holds {num_blocks * block_size} tokens: fewer than "
+        f"{concurrency} x maxModelLen {max_len}; a maxModelLen of at most {fitting_len} "
+        f"fits{alternative}",
     )
 
 

@@ -27,6 +27,9 @@ from kvpilot.operator.images import ENGINE_IMAGE
 DTYPES = ("auto", "float16", "bfloat16", "float32")
 AUTOSCALING_MODES = ("kvpilot", "external")
 GPU_TYPES = (*CATALOGUE, CUSTOM)
+"""``spec.gpu.type``'s values, spelt exactly as the CRD's enum: no case folding or aliases here
+(``kvpilot plan --gpu h100`` goes through ``gpus.resolve_gpu_name``), so that every object
+carries one canonical spelling that the API server, this module and selectors agree on."""
 RESOURCE_KEYS = ("cpu", "memory", "ephemeral-storage")
 
 DEFAULT_CPU_RESOURCES = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
@@ -679,11 +682,11 @@ def _check_range(
     maximum: float | None = None,
 ) -> None:
     if minimum is not None and value < minimum:
-        raise SpecError(path, f"{value} must be >= {minimum}")
+        raise SpecError(path, f"must be >= {minimum} (got {value})")
     if exclusive_minimum is not None and value <= exclusive_minimum:
-        raise SpecError(path, f"{value} must be > {exclusive_minimum}")
+        raise SpecError(path, f"must be > {exclusive_minimum} (got {value})")
     if maximum is not None and value > maximum:
-        raise SpecError(path, f"{value} must be <= {maximum}")
+        raise SpecError(path, f"must be <= {maximum} (got {value})")
 
 
 def _kind(value: Any) -> str:

@@ -105,7 +105,11 @@ def test_qwen25_72b_tp2_reports_the_context_that_would_fit():
         plan(spec("Qwen2.5-72B-Instruct"), gpu=H100, tensor_parallel_size=2)
     assert caught.value.reason == "InsufficientKVCache"
     assert "holds 10784 tokens" in caught.value.message
-    assert "a maxModelLen of at most 10784 fits" in caught.value.message
+    assert "at the requested tensor parallel size 2 on H100-80GB" in caught.value.message
+    # The size asked for is named, then the smallest one the same arithmetic fits: TP 4.
+    assert caught.value.message.endswith(
+        "a maxModelLen of at most 10784 fits; tensor parallel size 4 would fit"
+    )
     shorter = plan(spec("Qwen2.5-72B-Instruct"), gpu=H100, max_model_len=8192)
     assert (shorter.tensor_parallel_size, shorter.kv_capacity_tokens) == (2, 10_784)
 
@@ -161,9 +165,51 @@ def test_refusals_name_the_numbers(kwargs, reason, words):
 
 def test_model_too_large_names_the_largest_tp_tried():
     four_l4 = gpu_type("L4", per_node=4)
-    with pytest.raises(PlanError, match="tensorParallelSize 4, the largest valid one") as caught:
+    with pytest.raises(PlanError) as caught:
         plan(spec("Meta-Llama-3-70B"), gpu=four_l4)
     assert caught.value.reason == "ModelTooLarge"
+    assert caught.value.message.endswith(
+        "even at tensor parallel size 4, the largest valid one with 4 L4 per node"
+    )
+
+
+# Llama-3-70B in bf16 holds 70,553,706,496 parameters: 131.4 GiB of weights on one GPU, 65.7
+# GiB at TP 2 (test_llama3_70b_on_h100_needs_tp2_for_one_sequence); an H100's budget is 71.7 GiB.
+LLAMA3_70B_BYTES = 2 * 70_553_706_496
+
+
+def test_a_forced_tp_that_does_not_fit_names_itself_and_the_smallest_that_does():
+    with pytest.raises(PlanError) as caught:
+        plan(spec("Meta-Llama-3-70B"), gpu=H100, tensor_parallel_size=1)
+    assert caught.value.reason == "ModelTooLarge"
+    assert (round(LLAMA3_70B_BYTES / GiB, 1), round(H100_BUDGET / GiB, 1)) == (131.4, 71.7)
+    assert caught.value.message == (
+        "70.6B parameters in bfloat16 do not fit at the requested tensor parallel size 1 on "
+        "H100-80GB: weights 131.4 GiB + activations 2.9 GiB per GPU exceed the 71.7 GiB budget "
+        "(0.90 of 79.6 GiB); tensor parallel size 2 would fit"
+    )
+    at_two = plan(spec("Meta-Llama-3-70B"), gpu=H100, tensor_parallel_size=2)
+    assert (at_two.kv_capacity_tokens, at_two.max_concurrency) == (24_208, 2)
+
+
+def test_a_forced_tp_when_no_size_fits_says_so():
+    with pytest.raises(PlanError) as caught:
+        plan(spec("Meta-Llama-3-70B"), gpu=gpu_type("L4", per_node=4), tensor_parallel_size=4)
+    assert caught.value.reason == "ModelTooLarge"
+    assert "at the requested tensor parallel size 4 on L4" in caught.value.message
+    assert caught.value.message.endswith("; no tensor parallel size up to 4 would fit either")
+
+
+def test_model_too_large_on_cpu_names_the_memory_limit():
+    with pytest.raises(PlanError) as caught:
+        plan(spec("Meta-Llama-3-8B"), gpu=None, memory_bytes=8 * GiB)
+    assert caught.value.reason == "ModelTooLarge"
+    # float32 on CPU: 4 * 8,030,261,248 bytes = 29.9 GiB; budget 8 - 1.5 GiB.
+    assert caught.value.message.startswith(
+        "8.0B parameters in float32: weights 29.9 GiB + activations 0.5 GiB per process exceed "
+        "the 6.5 GiB budget (8.0 GiB memory limit less 1.5 GiB runtime)"
+    )
+    assert "tensor parallel" not in caught.value.message
 
 
 def test_unsupported_models():
@@ -254,8 +300,88 @@ def test_plan_cli_prints_the_plan(capsys):
 def test_plan_cli_reports_why_it_cannot_plan(capsys):
     assert run_plan_cli(str(CONFIGS / "Mixtral-8x7B-v0.1.json"), "--gpu", "H100-80GB") == 1
     assert "UnsupportedArchitecture" in capsys.readouterr().err
-    assert run_plan_cli(str(CONFIGS / "Meta-Llama-3-8B.json"), "--gpu", "custom") == 2
-    assert "spec.gpu.memoryGiB" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("typed", ["H100", "h100-80gb", "H100-80GB", "h100"])
+def test_plan_cli_takes_gpu_names_in_any_case_and_by_unique_first_part(typed, capsys):
+    config = str(CONFIGS / "Meta-Llama-3-8B.json")
+    assert run_plan_cli(config, "--gpu", typed, "--json") == 0
+    assert json.loads(capsys.readouterr().out)["gpuType"] == "H100-80GB"
+
+
+@pytest.mark.parametrize(
+    ("typed", "error"),
+    [
+        ("A100", "argument --gpu: gpu type 'A100' is ambiguous: A100-40GB or A100-80GB"),
+        ("L40", "argument --gpu: unknown gpu type 'L40'; known: L4, A10G, L40S,"),
+    ],
+)
+def test_plan_cli_refuses_ambiguous_and_unknown_gpu_names(typed, error, capsys):
+    with pytest.raises(SystemExit) as exited:
+        run_plan_cli(str(CONFIGS / "Meta-Llama-3-8B.json"), "--gpu", typed)
+    assert exited.value.code == 2
+    assert error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--gpu", "custom"], "error: --gpu-memory-gib: required when --gpu is custom\n"),
+        (
+            ["--gpu", "L4", "--gpu-memory-gib", "24"],
+            "error: --gpu-memory-gib: only for type custom; L4 has known memory\n",
+        ),
+        (["--gpu", "L4", "--max-model-len", "0"], "error: --max-model-len: must be >= 1 (got 0)\n"),
+        (["--gpu", "L4", "--per-node", "0"], "error: --per-node: must be >= 1 (got 0)\n"),
+        (
+            ["--gpu", "L4", "--gpu-memory-utilization", "1.5"],
+            "error: --gpu-memory-utilization: must be <= 1 (got 1.5)\n",
+        ),
+        (
+            ["--gpu", "cpu", "--memory", "banana"],
+            "error: --memory: 'banana' is not a Kubernetes quantity (e.g. 4Gi, 500m)\n",
+        ),
+        (
+            ["--gpu", "cpu", "-tp", "2"],
+            "error: --tensor-parallel-size: CPU mode (--gpu cpu) runs one process: 1\n",
+        ),
+        (
+            ["--gpu", "L4", "--revision", "main"],
+            "error: --revision: only meaningful for hf:// sources\n",
+        ),
+    ],
+)
+def test_plan_cli_errors_name_the_flags_typed(argv, error, capsys):
+    assert run_plan_cli(str(CONFIGS / "Meta-Llama-3-8B.json"), *argv) == 2
+    assert capsys.readouterr().err == error
+
+
+def test_plan_cli_says_a_folder_has_no_config_json(tmp_path, capsys):
+    assert run_plan_cli(str(tmp_path), "--gpu", "L4") == 2
+    assert capsys.readouterr().err == f"error: model: no config.json in {tmp_path}\n"
+    assert run_plan_cli(f"file://{tmp_path}", "--gpu", "L4") == 2
+    assert capsys.readouterr().err == f"error: model: no config.json in file://{tmp_path}\n"
+    (tmp_path / "config.json").write_text((CONFIGS / "Meta-Llama-3-8B.json").read_text())
+    assert run_plan_cli(str(tmp_path), "--gpu", "L4", "--json") == 0
+    assert json.loads(capsys.readouterr().out) == plan(spec("Meta-Llama-3-8B"), gpu=L4).to_status()
+
+
+def test_plan_cli_refuses_a_claim_and_a_file_that_is_not_json(tmp_path, capsys):
+    assert run_plan_cli("pvc://models/llama", "--gpu", "L4") == 2
+    assert "error: model: kvpilot plan cannot read a claim" in capsys.readouterr().err
+    broken = tmp_path / "config.json"
+    broken.write_text("{not json")
+    assert run_plan_cli(str(broken), "--gpu", "L4") == 2
+    assert f"error: model: {broken} is not JSON: " in capsys.readouterr().err
+
+
+def test_plan_cli_table_on_cpu_speaks_per_replica(capsys):
+    config = str(CONFIGS / "SmolLM2-135M-Instruct.json")
+    assert run_plan_cli(config, "--gpu", "cpu", "--memory", "3Gi", "--max-model-len", "4096") == 0
+    table = capsys.readouterr().out
+    # The numbers of test_smollm2_on_cpu_sizes_kv_from_the_memory_limit.
+    assert "KV cache per replica" in table and "21,760 tokens" in table
+    assert "weights per replica" in table and "per GPU" not in table
 
 
 def test_plan_cli_refuses_a_missing_local_file_and_a_zero_memory_limit(capsys, monkeypatch):
@@ -272,4 +398,4 @@ def test_plan_cli_refuses_a_missing_local_file_and_a_zero_memory_limit(capsys, m
     assert run_plan_cli("./no-such-model", "--gpu", "L4") == 2
     assert "no such file or folder" in capsys.readouterr().err
     assert run_plan_cli("--gpu", "cpu", "--memory", "0") == 2
-    assert "spec.resources.limits.memory: must be more than 0" in capsys.readouterr().err
+    assert "error: --memory: must be more than 0 in CPU mode (--gpu cpu)" in capsys.readouterr().err
