@@ -85,7 +85,8 @@ class LLM:
 
         Raises:
             ValueError: naming ``messages`` (malformed messages, no chat template, a template
-                that refuses them), ``tools`` (not a list of function tools),
+                that refuses them), ``chat_template`` (the one given here does not compile or
+                refuses them), ``tools`` (not a list of function tools),
                 ``continue_final_message``, or as ``generate`` does.
         """
         conversations = (

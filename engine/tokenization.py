@@ -9,13 +9,15 @@ tokenizer must not be used by two threads at once, so callers own one tokenizer 
 (the server runs these on its tokenizer thread, see ``server/async_tokenizer.py``).
 
 Errors are ``ValueError`` whose message starts with the parameter at fault (``prompt``,
-``messages``, ``tools``, ``continue_final_message``), which the server turns into a 400 naming it.
+``messages``, ``tools``, ``chat_template``, ``continue_final_message``), which the server turns
+into a 400 naming it.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 ChatMessage = Mapping[str, Any]
@@ -169,6 +171,56 @@ def _content_text(content: Any, index: int) -> str:
     )
 
 
+def load_chat_template(value: str) -> str:
+    """Resolve a chat template given as a file path or as the Jinja text itself, as vLLM's
+    ``--chat-template`` does, and check that it compiles.
+
+    Args:
+        value: a path to a Jinja file, or an inline template: a value that is no readable file
+            and holds one of ``{``, ``}`` or a newline. Escapes in an inline template are
+            interpreted (``\\n`` typed on a command line becomes a newline), as vLLM does.
+
+    Returns:
+        The template text.
+
+    Raises:
+        ValueError: a path-like value that cannot be read, an inline template with a broken
+            escape, or a template that does not compile (``compile_chat_template``).
+    """
+    try:
+        template = Path(value).read_text(encoding="utf-8")
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, or a NUL in the value
+        if not any(char in value for char in "{}\n"):
+            raise ValueError(
+                f"{value!r} looks like a file path, but it cannot be read: {exc}"
+            ) from None
+        try:
+            # Characters beyond Latin-1 survive as \uXXXX escapes; the others are one byte.
+            template = value.encode("latin-1", "backslashreplace").decode("unicode_escape")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"the inline template has an invalid escape: {exc.reason}") from None
+    compile_chat_template(template)
+    return template
+
+
+def compile_chat_template(template: str) -> None:
+    """Check that a chat template compiles in transformers' Jinja environment (the one
+    ``apply_chat_template`` renders with; transformers caches the compiled template).
+
+    Raises:
+        ValueError: ``"the template does not compile: {reason} (line N)"``.
+    """
+    import jinja2
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+
+    try:
+        _compile_jinja_template(template)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ValueError(
+            f"the template does not compile: {exc.message} (line {exc.lineno})"
+        ) from None
+
+
 def apply_chat_template(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
@@ -186,7 +238,8 @@ def apply_chat_template(
         conversation: messages as ``parse_chat_messages`` returns them.
         tools: OpenAI function tools as ``parse_chat_tools`` returns them, for templates that
             describe them to the model; templates without tool support ignore them.
-        chat_template: a Jinja template to use instead of the tokenizer's own.
+        chat_template: a Jinja template to use instead of the tokenizer's own (errors in it, or
+            in its rendering, name ``chat_template``).
         add_generation_prompt: end with the header of an assistant reply (what a model needs
             to answer).
         continue_final_message: leave the last message open, so that the model continues it
@@ -200,13 +253,20 @@ def apply_chat_template(
     Raises:
         ValueError: ``messages: ...`` when the model has no chat template, the template refuses
             the conversation (a Jinja error, e.g. roles that do not alternate), the text is not
-            valid Unicode or renders to nothing; ``continue_final_message: ...`` together with
-            ``add_generation_prompt``.
+            valid Unicode or renders to nothing; ``chat_template: ...`` instead when the template
+            was given here (and also when it does not compile); ``continue_final_message: ...``
+            together with ``add_generation_prompt``.
     """
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("messages: the model has no chat template")
+    param = "messages" if chat_template is None else "chat_template"
+    if chat_template is not None:
+        try:
+            compile_chat_template(chat_template)
+        except ValueError as exc:
+            raise ValueError(f"chat_template: {exc}") from None
     try:
         text = tokenizer.apply_chat_template(
             conversation,
@@ -218,8 +278,8 @@ def apply_chat_template(
             **(chat_template_kwargs or {}),
         )
     except Exception as exc:  # jinja2 errors from the template itself: the input's fault
-        raise ValueError(f"messages: the chat template refused them: {exc}") from None
+        raise ValueError(f"{param}: the chat template refused them: {exc}") from None
     token_ids = encode_text(tokenizer, text, "messages", add_special_tokens=False)
     if not token_ids:
-        raise ValueError("messages: the rendered prompt is empty")
+        raise ValueError(f"{param}: the rendered prompt is empty")
     return token_ids

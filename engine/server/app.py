@@ -54,6 +54,11 @@ class ServerConfig:
         enable_auto_tool_choice: allow ``tool_choice`` ``"auto"`` (vLLM's
             ``--enable-auto-tool-choice``); needs ``tool_call_parser``.
         tool_call_parser: the ``TOOL_PARSERS`` name that finds tool calls in free text.
+        chat_template: the Jinja text of vLLM's ``--chat-template`` (see
+            ``tokenization.load_chat_template``): the chat template of every request, in place
+            of the model's (or for a model without one); None keeps the model's.
+        trust_request_chat_template: accept a request's own ``chat_template`` (vLLM's
+            ``--trust-request-chat-template``); otherwise such a request is a 400.
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, or an unknown
@@ -65,6 +70,8 @@ class ServerConfig:
     max_waiting_requests: int | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    chat_template: str | None = None
+    trust_request_chat_template: bool = False
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -221,7 +228,10 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     stat_logger.record_stats(async_llm.stats)
     async_llm.start()
     # A copy of its own: the engine's tokenizer is busy on the engine thread.
-    tokenizer = AsyncTokenizer(copy.deepcopy(engine.tokenizer))
+    own_tokenizer = copy.deepcopy(engine.tokenizer)
+    if config.chat_template is not None:
+        own_tokenizer.chat_template = config.chat_template
+    tokenizer = AsyncTokenizer(own_tokenizer)
     models = OpenAIServingModels(
         async_llm, config.served_model_names, max_model_len, engine.list_loras()
     )
@@ -237,6 +247,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     state.chat = OpenAIServingChat(
         *args,
         auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+        trust_request_chat_template=config.trust_request_chat_template,
     )
     state.models = models
     state.tokenizer = tokenizer

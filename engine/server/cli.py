@@ -46,6 +46,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=UVICORN_LOG_LEVELS,
         help="uvicorn's log level",
     )
+    templates = parser.add_argument_group("chat template")
+    templates.add_argument(
+        "--chat-template",
+        default=None,
+        help="chat template for every chat request, in place of the model's (or for a model "
+        "without one): a Jinja file's path, or the template itself (checked at start)",
+    )
+    templates.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a request's own chat_template (refused with a 400 otherwise); the server "
+        "renders it in a Jinja sandbox",
+    )
     tools = parser.add_argument_group("tool calling")
     tools.add_argument(
         "--enable-auto-tool-choice",
@@ -69,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvpilot.engine.server.app import ServerConfig, create_app
+    from kvpilot.engine.tokenization import load_chat_template
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -102,12 +116,20 @@ def run(args: argparse.Namespace) -> int:
         server.should_exit = True
 
     try:
+        chat_template = (
+            None if args.chat_template is None else load_chat_template(args.chat_template)
+        )
+    except ValueError as exc:
+        raise SystemExit(f"kvpilot serve: --chat-template: {exc}") from None
+    try:
         config = ServerConfig(
             served_model_names=[args.served_model_name],
             api_key=api_key,
             max_waiting_requests=args.max_waiting_requests,
             enable_auto_tool_choice=args.enable_auto_tool_choice,
             tool_call_parser=args.tool_call_parser,
+            chat_template=chat_template,
+            trust_request_chat_template=args.trust_request_chat_template,
         )
     except ValueError as exc:
         raise SystemExit(f"kvpilot serve: {exc}") from None

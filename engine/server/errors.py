@@ -93,8 +93,18 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status, exc.message, exc.param, exc.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         # OpenAI answers 400 for invalid parameters, not FastAPI's default 422.
+        if isinstance(exc.body, bytes):
+            # FastAPI parses a body as JSON only under a JSON content type (no sniffing, as a
+            # guard against cross-site requests); it hands the other bodies over unparsed.
+            content_type = request.headers.get("content-type")
+            got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+            return error_response(
+                HTTPStatus.BAD_REQUEST,
+                "the request body must be JSON sent with 'Content-Type: application/json' "
+                f"(got {got})",
+            )
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
             # loc is ("body", <character position>): not a parameter.

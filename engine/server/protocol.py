@@ -4,7 +4,10 @@ Field names are OpenAI's (https://platform.openai.com/docs/api-reference); where
 name for an engine feature, vLLM's extension name is used (``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``, ``ignore_eos``,
 ``min_tokens``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
-``structured_outputs``). Unknown fields are accepted and ignored, as OpenAI and vLLM do.
+``structured_outputs``, ``chat_template``). Unknown fields are accepted and ignored, as OpenAI
+and vLLM do; OpenAI's deprecated ``functions``/``function_call`` are refused (they would change
+the answer). Float parameters must be finite: JSON's ``NaN``/``Infinity``, which Python's parser
+accepts, are refused.
 """
 
 from __future__ import annotations
@@ -62,6 +65,10 @@ class ResponseFormat(OpenAIModel):
 
 class _SamplingFields(OpenAIModel):
     """Sampling parameters shared by completions and chat completions."""
+
+    # Every float field of a request (temperature, penalties, logit_bias values, ...) must be
+    # finite: "Input should be a finite number" instead of a range error about NaN.
+    model_config = ConfigDict(allow_inf_nan=False)
 
     model: str | None = None
     n: Annotated[int, Field(ge=1, le=128)] = 1
@@ -355,11 +362,35 @@ class ChatCompletionRequest(_SamplingFields):
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    # vLLM's: a Jinja template for this request only (needs --trust-request-chat-template);
+    # chat_template_kwargs["chat_template"] is read as the same, and wins (as in vLLM).
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[ChatCompletionToolsParam] | None = None
     # None with tools means "auto", as OpenAI and vLLM default (set by _check_tools).
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_legacy_functions(cls, data: Any) -> Any:
+        # OpenAI's deprecated function calling: ignoring it would answer without the call.
+        for legacy in ("functions", "function_call"):
+            if isinstance(data, dict) and data.get(legacy) is not None:
+                raise ValueError(
+                    f"{legacy}: OpenAI's deprecated function calling (functions, function_call) "
+                    "is not supported; use tools and tool_choice instead"
+                )
+        return data
+
+    @model_validator(mode="after")
+    def _read_template_from_kwargs(self) -> ChatCompletionRequest:
+        template = (self.chat_template_kwargs or {}).pop("chat_template", None)
+        if template is not None and not isinstance(template, str):
+            raise ValueError("chat_template_kwargs: chat_template must be a string")
+        if template is not None:
+            self.chat_template = template
+        return self
 
     @field_validator("tools", mode="before")
     @classmethod

@@ -40,16 +40,28 @@ class OpenAIServingChat(OpenAIServing):
     """Handles chat completions: the model's chat template renders the prompt
     (``tokenization.apply_chat_template``, on the tokenizer thread), as vLLM does.
 
+    The server's ``--chat-template`` is the tokenizer's own template by then (``app.py``
+    installs it on the server's tokenizer); a request's ``chat_template`` replaces it for that
+    request when the server trusts request templates.
+
     Args:
         *args: as ``OpenAIServing``.
         auto_tool_parser: the ``TOOL_PARSERS`` name that reads ``tool_choice`` ``"auto"``
             outputs (``--tool-call-parser`` with ``--enable-auto-tool-choice``); None refuses
             ``"auto"``.
+        trust_request_chat_template: render with a request's ``chat_template`` (vLLM's
+            ``--trust-request-chat-template``); False refuses such requests.
     """
 
-    def __init__(self, *args: Any, auto_tool_parser: str | None = None) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        auto_tool_parser: str | None = None,
+        trust_request_chat_template: bool = False,
+    ) -> None:
         super().__init__(*args)
         self.auto_tool_parser = auto_tool_parser
+        self.trust_request_chat_template = trust_request_chat_template
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, arrival_time: float
@@ -61,9 +73,18 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises:
             OpenAIError: 400 for invalid parameters or messages (including a template that
-                refuses them), 404 for an unknown model, 503 when the waiting queue is full.
+                refuses them), a request ``chat_template`` the server does not trust or that
+                fails to compile or render; 404 for an unknown model, 503 when the waiting
+                queue is full.
         """
         lora_request = self.check_model(request.model)
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            # vLLM's wording.
+            raise bad_request(
+                "Chat template is passed with request, but --trust-request-chat-template is "
+                "not set. Refused request with untrusted chat template.",
+                "chat_template",
+            )
         try:
             make_tool_parser = get_tool_parser(request, self.auto_tool_parser)
         except ValueError as exc:
@@ -140,6 +161,7 @@ class OpenAIServingChat(OpenAIServing):
             return await self.tokenizer.apply_chat_template(
                 conversation,
                 tools=tools or None,
+                chat_template=request.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
                 chat_template_kwargs=request.chat_template_kwargs,

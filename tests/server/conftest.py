@@ -11,10 +11,12 @@ import time
 from collections.abc import Callable, Iterator
 
 import httpx
+import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME as MODEL
+from kvpilot.engine.model_loader import load_tokenizer
 
 API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 120
@@ -55,6 +57,10 @@ class LiveServer:
                 pass
             time.sleep(0.5)
         raise RuntimeError(f"kvpilot serve not ready after {STARTUP_TIMEOUT_S} s:\n{self.output()}")
+
+    def openai_client(self) -> openai.OpenAI:
+        """The official client on this server's ``/v1``, with the test key and no retries."""
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
 
     def output(self, limit: int = 4000) -> str:
         """The end of the server's stdout and stderr."""
@@ -97,6 +103,12 @@ class LiveServer:
 def api_key() -> str:
     """The key every test server requires (given through ``KVPILOT_API_KEY``)."""
     return API_KEY
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_model_dir):
+    """The default model's tokenizer, for the test's side (never shared with a server)."""
+    return load_tokenizer(default_model_dir)
 
 
 @pytest.fixture(scope="module")

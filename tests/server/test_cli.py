@@ -46,6 +46,51 @@ def test_tool_calling_flags_use_vllm_spellings_and_are_checked():
         cli.run(parse("--enable-auto-tool-choice", "--tool-call-parser", "llama9"))
 
 
+def test_chat_template_flags_use_vllm_spellings(tmp_path):
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}{{ m.content }}{% endfor %}")
+    args = parse("--chat-template", str(template), "--trust-request-chat-template")
+    assert (args.chat_template, args.trust_request_chat_template) == (str(template), True)
+    assert (parse().chat_template, parse().trust_request_chat_template) == (None, False)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            "/no/such/template.jinja",
+            "--chat-template: '/no/such/template.jinja' looks like a file path, but it cannot "
+            "be read: [Errno 2] No such file or directory",
+        ),
+        (
+            "{% for m in messages %}{{ m.content }}",
+            "--chat-template: the template does not compile: Unexpected end of template",
+        ),
+    ],
+)
+def test_bad_chat_template_stops_serve_with_one_line(value, message):
+    with pytest.raises(SystemExit) as stopped:
+        cli.run(parse("--chat-template", value))
+    assert str(stopped.value).startswith(f"kvpilot serve: {message}")
+    assert "\n" not in str(stopped.value)
+
+
+def test_bad_chat_template_file_stops_the_command_before_loading(tmp_path):
+    template = tmp_path / "broken.jinja"
+    template.write_text("{{ messages | no_such_filter }}")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvpilot", "serve", "--chat-template", str(template)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1
+    assert result.stderr == (
+        "kvpilot serve: --chat-template: the template does not compile: "
+        "No filter named 'no_such_filter'. (line 1)\n"
+    )
+
+
 def test_module_imports_no_torch():
     code = "import sys, kvpilot.engine.server.cli; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

@@ -115,6 +115,11 @@ CHAT = "/v1/chat/completions"
         ),
         # tool_choice defaults to "auto", which needs --enable-auto-tool-choice.
         (CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), "tool_choice"),
+        # Request templates need --trust-request-chat-template.
+        (CHAT, chat(chat_template="{{ messages }}"), "chat_template"),
+        (CHAT, chat(chat_template_kwargs={"chat_template": "{{ messages }}"}), "chat_template"),
+        (CHAT, chat(chat_template_kwargs={"chat_template": 1}), "chat_template_kwargs"),
+        (CHAT, chat(function_call="auto"), "function_call"),
     ],
 )
 def test_invalid_parameters_get_400_with_openai_error_body(http, path, body, param):
@@ -143,25 +148,91 @@ def test_malformed_json_is_a_400(http):
     assert_still_serving(http)
 
 
+def test_json_under_another_content_type_is_a_400_saying_so(http):
+    # FastAPI parses JSON only under a JSON content type (as vLLM's server does); the body
+    # must not be taken for a parameter that is "not a valid dictionary".
+    body = json.dumps(chat()).encode()
+    for headers, got in (
+        ({"Content-Type": "text/plain"}, "Content-Type: text/plain"),
+        ({}, "no Content-Type"),
+    ):
+        response = http.post(CHAT, content=body, headers=headers)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert (error["type"], error["param"], error["code"]) == ("BadRequestError", None, 400)
+        assert error["message"] == (
+            f"the request body must be JSON sent with 'Content-Type: application/json' (got {got})"
+        )
+    assert_still_serving(http)
+
+
+def test_legacy_function_calling_is_refused_toward_tools(server):
+    client = server.openai_client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "What is the weather in Paris?"}],
+            functions=[{"name": "get_weather", "parameters": {"type": "object"}}],
+            function_call={"name": "get_weather"},
+            max_tokens=3,
+        )
+    assert refused.value.status_code == 400
+    assert refused.value.body["param"] == "functions"
+    assert "use tools and tool_choice instead" in refused.value.body["message"]
+
+
+def test_untrusted_request_chat_template_is_refused_with_vllms_message(http):
+    response = http.post(CHAT, json=chat(chat_template="{% for %}"))
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == (
+        "Chat template is passed with request, but --trust-request-chat-template is not set. "
+        "Refused request with untrusted chat template."
+    )
+
+
+def raw_chat(fields: str) -> str:
+    """A chat request body as JSON text: one user message, then ``fields``."""
+    return '{"messages": [{"role": "user", "content": "Hi"}], ' + fields + "}"
+
+
+FINITE = "Input should be a finite number"
+
+
 @pytest.mark.parametrize(
-    ("path", "raw", "param"),
+    ("path", "raw", "param", "reason"),
     [
-        (COMPLETIONS, '{"prompt": "\\ud800 x", "max_tokens": 3}', "prompt"),
-        (COMPLETIONS, '{"prompt": ["ok", "\\udfff"], "max_tokens": 3}', "prompt"),
+        # Python's JSON parser accepts NaN and Infinity; no range check is meaningful for them.
+        (COMPLETIONS, '{"prompt": "x", "temperature": NaN}', "temperature", FINITE),
+        (COMPLETIONS, '{"prompt": "x", "top_p": Infinity}', "top_p", FINITE),
+        (COMPLETIONS, '{"prompt": "x", "presence_penalty": -Infinity}', "presence_penalty", FINITE),
+        (COMPLETIONS, '{"prompt": "x", "logit_bias": {"1": NaN}}', "logit_bias", FINITE),
+        (CHAT, raw_chat('"min_p": NaN'), "min_p", FINITE),
+        (CHAT, raw_chat('"repetition_penalty": Infinity'), "repetition_penalty", FINITE),
+        # JSON allows "\ud800" but the tokenizer refuses it: this was a 500 (TypeError).
+        (COMPLETIONS, '{"prompt": "\\ud800 x", "max_tokens": 3}', "prompt", "not valid Unicode"),
+        (
+            COMPLETIONS,
+            '{"prompt": ["ok", "\\udfff"], "max_tokens": 3}',
+            "prompt",
+            "not valid Unicode",
+        ),
         (
             CHAT,
             '{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 3}',
             "messages",
+            "not valid Unicode",
         ),
     ],
 )
-def test_text_with_a_lone_surrogate_is_a_400(http, path, raw, param):
-    # JSON allows "\ud800" but the tokenizer refuses it: this was a 500 (TypeError).
+def test_json_values_the_parser_accepts_but_the_server_cannot_use_are_400s(
+    http, path, raw, param, reason
+):
     response = http.post(path, content=raw.encode(), headers={"Content-Type": "application/json"})
     assert response.status_code == 400, response.text
     error = response.json()["error"]
     assert error["param"] == param
-    assert "not valid Unicode" in error["message"]
+    assert error["message"].startswith(param)
+    assert reason in error["message"]
     assert_still_serving(http)
 
 
