@@ -22,9 +22,14 @@ How it decides, in order (docs/autoscaling.md explains each rule):
    capacity has been learned, scale-down probes one replica per stable window.
 4. **Rate limits** (KPA's, on the replicas asked for): at most ``ceil(maxScaleUpRate *
    replicas)`` and at least ``floor(replicas / maxScaleDownRate)`` per decision.
-5. **Pending pods**: no scale-up while pods asked for earlier are Pending, i.e. the scheduler
-   found no node for them (no free GPU): more of them would only wait too. Pods that were
-   placed and are starting do not block; the load estimate does not depend on them.
+5. **Pending and starting pods**: no scale-up while pods asked for earlier are Pending, i.e.
+   the scheduler found no node for them (no free GPU): more of them would only wait too; nor
+   while placed pods are still starting (not Ready, younger than
+   :func:`starting_hold_seconds`): they are capacity on its way, and meanwhile the ready pods
+   look overloaded, so asking for more on top would overshoot (the Kubernetes HPA, too, is
+   conservative about not-yet-ready pods on scale-up). A pod not Ready after that bound (crash
+   loop, failed model load) no longer holds the fleet. Starting pods do not hold the
+   replicas a forecast (rule 9) asks for; Pending ones do.
 6. **Scale to zero** after ``idleSeconds`` without traffic when ``minReplicas`` is 0; **wake from
    zero** when a wake request (annotation ``kvpilot.dev/wake``) is newer than the last scaling.
 7. **Bounds**: ``[minReplicas, maxReplicas]``, then the namespace's GPU budget, which wins.
@@ -63,6 +68,18 @@ SATURATED_KV = 0.9
 
 LONG_CONTEXT_SHARE = 0.25
 """A running request holding this fraction of a replica's KV cache (4 fill it) is long."""
+
+STARTING_HOLD_FLOOR_SECONDS = 300.0
+"""A placed, not-yet-Ready pod counts as starting for at least this long (the Kubernetes HPA's
+default ``--horizontal-pod-autoscaler-cpu-initialization-period``), whatever the start-up
+time learned so far: a pod on a fresh node pulls its image and weights first."""
+
+
+def starting_hold_seconds(startup_seconds: float) -> float:
+    """How long after its creation a placed, not-yet-Ready pod counts as starting, and so holds
+    scale-ups (rule 5): twice the start-up time, at least ``STARTING_HOLD_FLOOR_SECONDS``.
+    Older than that it is stuck (crash loop, failed model load), not capacity on its way."""
+    return max(STARTING_HOLD_FLOOR_SECONDS, 2.0 * startup_seconds)
 
 
 @dataclass(frozen=True)
@@ -179,6 +196,8 @@ class FleetState:
         replicas: ``spec.replicas`` now.
         ready_replicas: pods ready to serve.
         pending_replicas: pods the scheduler has not placed yet (``PodScheduled`` False).
+        starting_replicas: pods placed (``PodScheduled`` True) but not ``Ready`` yet, created
+            less than ``starting_hold_seconds(startup_seconds)`` ago: capacity on its way.
         gpus_per_replica: GPUs one replica uses (its tensor parallel size).
         gpus_used_elsewhere: GPUs other ``LLMDeployment``s of the namespace hold, counted
             against ``gpuBudget``.
@@ -194,6 +213,7 @@ class FleetState:
     replicas: int
     ready_replicas: int
     pending_replicas: int = 0
+    starting_replicas: int = 0
     gpus_per_replica: int = 1
     gpus_used_elsewhere: int = 0
     tensor_parallel_fixed: bool = False
@@ -239,9 +259,9 @@ class Decision:
     Attributes:
         desired_replicas: what ``spec.replicas`` should be.
         reason: CamelCase reason for status and the Event (``ScaleUp``, ``ScaleDown``,
-            ``Panic``, ``Stable``, ``PendingPods``, ``ScaleToZero``, ``WakeFromZero``, ``Idle``,
-            ``NoMetrics``, ``BelowMinimum``, ``AboveMaximum``, ``GPUBudget``, ``LongContext``,
-            ``PredictedBurst``).
+            ``Panic``, ``Stable``, ``PendingPods``, ``StartingPods``, ``ScaleToZero``,
+            ``WakeFromZero``, ``Idle``, ``NoMetrics``, ``BelowMinimum``, ``AboveMaximum``,
+            ``GPUBudget``, ``LongContext``, ``PredictedBurst``).
         message: one human sentence with the numbers behind the reason.
         signals: the stable window's signals, or None without metrics.
         replan: the larger shape to roll out instead of adding replicas, or None.
@@ -482,9 +502,16 @@ def decide(
 
     # Only the idle rule below may take the last replica away.
     desired = max(desired, 1)
-    if fleet.pending_replicas > 0 and desired > current:
-        desired, reason = current, "PendingPods"
-        message += f"; holding at {current}: {fleet.pending_replicas} pods not scheduled yet"
+    hold = _scale_up_hold(fleet)
+    if hold is not None:
+        held_reason, why = hold
+        # A forecast does not react to the ready pods' load: the pods still starting were asked
+        # for the same burst, and a step held until they are ready would come after it.
+        # Unschedulable pods hold it too: more would only wait.
+        limit = current if held_reason == "PendingPods" else max(current, predicted)
+        if desired > limit:
+            desired, reason = limit, held_reason
+            message += f"; holding at {limit}: {why}"
 
     if (
         policy.min_replicas == 0
@@ -501,6 +528,17 @@ def decide(
             stable, policy, fleet, memory, now, desired, reason, message
         )
     return _finish(desired, reason, message, stable, replan, policy, fleet, memory, now)
+
+
+def _scale_up_hold(fleet: FleetState) -> tuple[str, str] | None:
+    """Rule 5: why a scale-up waits, as (reason, what holds it), or None when nothing does.
+    Unschedulable pods come first: starting ones will be Ready, those may never be."""
+    if fleet.pending_replicas > 0:
+        return "PendingPods", f"{fleet.pending_replicas} pods not scheduled yet"
+    if fleet.starting_replicas > 0:
+        bound = starting_hold_seconds(fleet.startup_seconds)
+        return "StartingPods", f"{fleet.starting_replicas} pods still starting (up to {bound:.0f}s)"
+    return None
 
 
 def _without_metrics(

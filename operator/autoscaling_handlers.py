@@ -4,8 +4,9 @@ Every ``interval`` seconds, for each LLMDeployment with ``spec.autoscaling.mode:
 
 1. read the spec and plan it with the reconciler's own function
    (:func:`kvpilot.operator.handlers.sized`, with the autoscaler's chosen shape);
-2. list the engine pods (label ``kvpilot.dev/llmdeployment=<name>``) and scrape the ready ones
-   (:mod:`kvpilot.operator.scraper`; a Prometheus server instead when configured);
+2. list the engine pods (label ``kvpilot.dev/llmdeployment=<name>``), scrape the ready ones
+   (:mod:`kvpilot.operator.scraper`; a Prometheus server instead when configured) and count
+   the unschedulable and the starting ones (:func:`unschedulable`, :func:`starting_pods`);
 3. decide (:func:`kvpilot.operator.autoscaler.decide`) from the object's window of samples;
 4. write ``spec.replicas`` through the ``scale`` subresource when it changes, post an Event
    for every scaling decision, record a larger shape in ``kvpilot.dev/shape`` when the
@@ -51,6 +52,7 @@ from kvpilot.operator.autoscaler import (
     FleetState,
     Shape,
     decide,
+    starting_hold_seconds,
 )
 from kvpilot.operator.conditions import format_time
 from kvpilot.operator.gpus import CUSTOM, gpu_type
@@ -148,10 +150,37 @@ def wake_time(annotations: dict[str, str]) -> float | None:
     return moment.timestamp()
 
 
+def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
+    """The pod's status condition of type ``kind`` (``{}`` when it has none)."""
+    for condition in (pod.get("status") or {}).get("conditions") or []:
+        if condition.get("type") == kind:
+            return condition
+    return {}
+
+
 def unschedulable(pod: dict[str, Any]) -> bool:
     """Whether the scheduler could not place ``pod`` (condition ``PodScheduled`` False)."""
-    conditions = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "PodScheduled" and c.get("status") == "False" for c in conditions)
+    return _condition(pod, "PodScheduled").get("status") == "False"
+
+
+def starting_pods(pods: list[dict[str, Any]], now: float, hold_seconds: float) -> int:
+    """How many of ``pods`` are starting: placed (``PodScheduled`` True), not ``Ready``, not
+    being deleted, and created less than ``hold_seconds`` before ``now`` (Unix seconds; see
+    :func:`kvpilot.operator.autoscaler.starting_hold_seconds`). An older one is stuck (crash
+    loop, failed model load) and counts no more; one without a creation time neither."""
+    count = 0
+    for pod in pods:
+        metadata = pod.get("metadata") or {}
+        created = metadata.get("creationTimestamp")
+        if (
+            created
+            and not metadata.get("deletionTimestamp")
+            and _condition(pod, "PodScheduled").get("status") == "True"
+            and _condition(pod, "Ready").get("status") != "True"
+            and now - _parse_time(created) < hold_seconds
+        ):
+            count += 1
+    return count
 
 
 def startup_seconds(pods: list[dict[str, Any]]) -> float:
@@ -160,13 +189,10 @@ def startup_seconds(pods: list[dict[str, Any]]) -> float:
     longest = 0.0
     for pod in pods:
         created = (pod.get("metadata") or {}).get("creationTimestamp")
-        for condition in (pod.get("status") or {}).get("conditions") or []:
-            ready_at = condition.get("lastTransitionTime")
-            if condition.get("type") != "Ready" or condition.get("status") != "True":
-                continue
-            if created and ready_at:
-                took = _parse_time(ready_at) - _parse_time(created)
-                longest = max(longest, took)
+        ready = _condition(pod, "Ready")
+        ready_at = ready.get("lastTransitionTime")
+        if ready.get("status") == "True" and created and ready_at:
+            longest = max(longest, _parse_time(ready_at) - _parse_time(created))
     return longest
 
 
@@ -425,16 +451,18 @@ class AutoscalingLoop:
             current = dataclasses.replace(spec, tensor_parallel_size=None)
             allowed = spec.autoscaling.allowed_gpu_types
             shape = larger_shape(current, sizing.plan, model, allowed)
+        startup = startup_seconds(pods)
         fleet = FleetState(
             replicas=replicas,
             ready_replicas=len(targets),
             pending_replicas=sum(1 for pod in pods if unschedulable(pod)),
+            starting_replicas=starting_pods(pods, now, starting_hold_seconds(startup)),
             gpus_per_replica=sizing.plan.gpus_per_replica,
             gpus_used_elsewhere=await asyncio.to_thread(self._gpus_elsewhere, namespace, name),
             tensor_parallel_fixed=user_spec.tensor_parallel_size is not None,
             larger_shape=shape,
             max_num_seqs=sizing.plan.max_num_seqs,
-            startup_seconds=startup_seconds(pods),
+            startup_seconds=startup,
             wake_requested_at=wake_time(meta.get("annotations") or {}),
         )
         decision = decide(list(state.window), policy, fleet, state.memory, now)

@@ -61,10 +61,14 @@ class Kvpilot:
         ]
         horizon = view.time - self.policy.stable_window_seconds
         self.samples = [s for s in self.samples if s.timestamp >= horizon]
+        # The fleet state the operator computes from its pods: every simulated pod is placed
+        # at once (none unschedulable), and each is Ready exactly ``startup_seconds`` after it
+        # was asked for, well within the bound after which a starting pod stops counting.
         fleet = FleetState(
             replicas=view.replicas,
             ready_replicas=len(view.pods),
-            pending_replicas=view.starting,
+            pending_replicas=0,
+            starting_replicas=view.starting,
             tensor_parallel_fixed=True,
             max_num_seqs=self.max_num_seqs,
             startup_seconds=self.startup_seconds,

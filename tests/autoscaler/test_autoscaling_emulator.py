@@ -46,6 +46,7 @@ SCALING_REASONS = {
     "ScaleDown",
     "Panic",
     "PendingPods",
+    "StartingPods",
     "ScaleToZero",
     "WakeFromZero",
     "BelowMinimum",

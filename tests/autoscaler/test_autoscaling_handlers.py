@@ -12,15 +12,20 @@ from kvpilot.operator import autoscaling_handlers, handlers
 from kvpilot.operator.autoscaler import (
     SHAPE_ANNOTATION,
     AutoscalerMemory,
+    AutoscalingPolicy,
     Decision,
+    FleetState,
     Shape,
     apply_shape,
+    decide,
+    starting_hold_seconds,
 )
 from kvpilot.operator.autoscaling_handlers import (
     WAKE_ANNOTATION,
     decision_status,
     larger_shape,
     remembered,
+    starting_pods,
     startup_seconds,
     status_changed,
     unschedulable,
@@ -99,6 +104,55 @@ def test_unschedulable_reads_pod_scheduled():
     assert not unschedulable({"status": {"conditions": [{"type": "PodScheduled",
                                                          "status": "True"}]}})  # fmt: skip
     assert not unschedulable({"status": {}})
+
+
+NOW = 1_800_000_000.0  # 2027-01-15T08:00:00Z
+
+
+def pod_at(age, scheduled="True", ready="False", **metadata):
+    """A pod created ``age`` seconds before ``NOW`` with these conditions."""
+    created = datetime.datetime.fromtimestamp(NOW - age, UTC).isoformat().replace("+00:00", "Z")
+    conditions = [{"type": "PodScheduled", "status": scheduled}, {"type": "Ready", "status": ready}]
+    return {"metadata": {"creationTimestamp": created, **metadata},
+            "status": {"conditions": conditions}}  # fmt: skip
+
+
+def test_starting_pods_are_placed_not_ready_and_younger_than_the_bound():
+    pods = [
+        pod_at(60),  # starting
+        pod_at(299),  # starting, just inside the bound
+        pod_at(301),  # stuck past the bound (crash loop, failed model load)
+        pod_at(60, ready="True"),  # serving
+        pod_at(60, scheduled="False"),  # unschedulable: Pending, not starting
+        pod_at(60, deletionTimestamp="2027-01-15T08:00:00Z"),  # terminating
+        {"metadata": {}, "status": {"conditions": [{"type": "PodScheduled", "status": "True"}]}},
+    ]
+    assert starting_pods(pods, NOW, 300.0) == 2
+    assert starting_pods(pods, NOW, 302.0) == 3
+    assert starting_pods([], NOW, 300.0) == 0
+    # The bound: twice the start-up time, never under the floor (5 minutes).
+    assert starting_hold_seconds(0.0) == starting_hold_seconds(150.0) == 300.0
+    assert starting_hold_seconds(200.0) == 400.0
+
+
+def test_a_pod_stuck_starting_past_the_bound_stops_holding_scale_ups():
+    policy = AutoscalingPolicy(max_replicas=8)
+    busy = [MetricSample(f"p-{i}", NOW, 1.0, 10, 30) for i in range(2)]  # 2 pods, queues grow
+
+    def decided(*pods):
+        bound = starting_hold_seconds(startup_seconds([]))
+        fleet = FleetState(
+            replicas=2 + len(pods),
+            ready_replicas=2,
+            pending_replicas=sum(1 for pod in pods if unschedulable(pod)),
+            starting_replicas=starting_pods(list(pods), NOW, bound),
+        )
+        return decide(busy, policy, fleet, AutoscalerMemory(), NOW)
+
+    assert decided(pod_at(120)).reason == "StartingPods"
+    assert decided(pod_at(120)).desired_replicas == 3
+    assert decided(pod_at(900)).desired_replicas == 6  # stuck: up, as if it were not there
+    assert decided(pod_at(900, scheduled="False")).reason == "PendingPods"  # however old
 
 
 def test_status_carries_the_decision_and_the_learned_capacity():
