@@ -186,6 +186,7 @@ class LLMEngine:
                     seed=args.seed,
                     eos_token_ids=self.eos_token_ids,
                     tensor_parallel_size=args.tensor_parallel_size,
+                    max_model_len=self.scheduler_config.max_model_len,
                 )
             )
             progress.update()

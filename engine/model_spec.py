@@ -27,9 +27,9 @@ DTYPE_BYTES: dict[str, int] = {
     "float": 4,
 }
 
-# Architectures the kvpilot engine implements (engine/models/ MODEL_REGISTRY: the Llama family; a
-# test keeps the two equal). The planner refuses others, so the operator never starts pods that
-# cannot load their model.
+# Architectures the kvpilot engine implements (engine/models/ MODEL_REGISTRY: the Llama family and
+# its relatives Granite, Phi-3 and Gemma; a test keeps the two equal). The planner refuses others,
+# so the operator never starts pods that cannot load their model.
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
     {
         "LlamaForCausalLM",
@@ -37,11 +37,19 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
         "MistralForCausalLM",
         "Qwen2ForCausalLM",
         "Qwen3ForCausalLM",
+        "GraniteForCausalLM",
+        "Phi3ForCausalLM",
+        "GemmaForCausalLM",
     }
 )
 # The same family by ``model_type``, for configs without ``architectures`` (those transformers
 # builds from GGUF metadata, as for the built-in default model).
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma"}
+)
+# Model types whose config classes tie the LM head to the embeddings unless config.json says
+# otherwise (Gemma's configs leave it out); the others default to untied.
+_TIED_BY_DEFAULT_MODEL_TYPES = ("gemma",)
 
 # RoPE scalings whose frequencies are already fitted to max_position_embeddings; the others
 # stretch the trained context by ``factor`` (vLLM's ``_get_and_verify_max_len``).
@@ -59,7 +67,8 @@ class UnsupportedModelError(ValueError):
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Sizes of a decoder-only transformer (Llama family; Mixtral-style MoE counted explicitly).
+    """Sizes of a decoder-only transformer (Llama family and its relatives Granite, Phi-3 and
+    Gemma, which have the same weights; Mixtral-style MoE counted explicitly).
 
     Attributes:
         num_layers: decoder layers (``num_hidden_layers``).
@@ -70,7 +79,8 @@ class ModelSpec:
             num_attention_heads``).
         vocab_size: vocabulary rows of the embedding and the LM head.
         intermediate_size: MLP width; for MoE models, the width of one expert.
-        tie_word_embeddings: the LM head reuses the input embedding matrix.
+        tie_word_embeddings: the LM head reuses the input embedding matrix (the config's
+            ``tie_word_embeddings``; when absent, true for Gemma, false for the others).
         max_position_embeddings: the longest context the model was trained for, tokens.
         derived_max_model_len: the longest context the model supports, tokens: vLLM's
             "derived max_model_len", ``max_position_embeddings`` stretched by a linear, dynamic
@@ -177,9 +187,11 @@ class ModelSpec:
             head_dim=head_dim,
             vocab_size=_positive_int(text, "vocab_size"),
             intermediate_size=_positive_int(text, "intermediate_size"),
-            # Llama, Mistral and Qwen config classes default to untied embeddings.
             tie_word_embeddings=bool(
-                config.get("tie_word_embeddings", text.get("tie_word_embeddings", False))
+                config.get(
+                    "tie_word_embeddings",
+                    text.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT_MODEL_TYPES),
+                )
             ),
             max_position_embeddings=max_position_embeddings,
             derived_max_model_len=_derived_max_model_len(text, max_position_embeddings),
@@ -205,7 +217,8 @@ class ModelSpec:
 
     @property
     def is_supported_by_engine(self) -> bool:
-        """Whether the kvpilot engine implements this model (dense Llama family, unquantized)."""
+        """Whether the kvpilot engine implements this model (``SUPPORTED_ARCHITECTURES``, dense,
+        unquantized)."""
         if self.is_moe or self.quantization_method is not None:
             return False
         if self.architectures:
@@ -253,7 +266,8 @@ class ModelSpec:
         return 2 * self.num_layers * kv_heads * self.head_dim * dtype_bytes
 
     def num_parameters(self) -> int:
-        """Total parameter count, exact for the Llama family and Mixtral.
+        """Total parameter count, exact for the Llama family (Granite, Phi-3, Gemma included) and
+        Mixtral.
 
         Counts the embedding (once when tied, twice otherwise), per layer q/k/v/o projections
         with their biases, Qwen3's q/k norms, the gated MLP (``gate``, ``up``, ``down``; per

@@ -37,6 +37,9 @@ TINY_ARCHITECTURES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "granite": "GraniteConfig",
+    "phi3": "Phi3Config",
+    "gemma": "GemmaConfig",
 }
 
 # SmolLM2's tokenizer: 49152 tokens, <|im_start|> = 1, <|im_end|> = 2 (its EOS).
@@ -71,9 +74,10 @@ def tiny_model_dir(
 ) -> Callable[..., pathlib.Path]:
     """Factory: ``tiny_model_dir("qwen3", seed=0, **config_overrides) -> folder``.
 
-    ``architecture`` is one of ``llama``, ``mistral``, ``qwen2``, ``qwen3``; overrides go to the
-    transformers config (e.g. ``tie_word_embeddings=False``, ``rope_scaling={...}``,
-    ``num_hidden_layers=3``). Weights are float32, initialised by transformers from ``seed``.
+    ``architecture`` is a key of ``TINY_ARCHITECTURES`` (``llama``, ``mistral``, ``qwen2``,
+    ``qwen3``, ``granite``, ``phi3``, ``gemma``); overrides go to the transformers config (e.g.
+    ``tie_word_embeddings=False``, ``rope_scaling={...}``, ``num_hidden_layers=3``). Weights are
+    float32, initialised by transformers from ``seed``.
     """
     built: dict[tuple, pathlib.Path] = {}
 

@@ -37,6 +37,8 @@ class WorkerConfig:
         tensor_parallel_size: ranks the model is sharded over.
         distributed_timeout_s: seconds a collective waits for the other ranks before failing.
         num_threads: torch CPU threads of each rank; None keeps torch's default.
+        max_model_len: the longest sequence served, tokens (LongRoPE models pick their rotary
+            factors by it); None for the model's ``max_position_embeddings``.
     """
 
     model_dir: pathlib.Path
@@ -49,6 +51,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     distributed_timeout_s: float = 600.0
     num_threads: int | None = None
+    max_model_len: int | None = None
 
     def device_of_rank(self, rank: int) -> torch.device:
         """The device rank ``rank`` computes on: ``cuda:rank`` on GPUs, else the CPU."""
@@ -89,7 +92,11 @@ class Worker:
                 config.distributed_timeout_s,
             )
         self.model = load_model(
-            config.model_dir, config.dtype, self.device, attention_backend=config.attention_backend
+            config.model_dir,
+            config.dtype,
+            self.device,
+            attention_backend=config.attention_backend,
+            max_model_len=config.max_model_len,
         )
         self._weight_bytes = sum(p.nbytes for p in self.model.parameters())
         prepack_linear_weights(self.model)

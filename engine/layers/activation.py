@@ -1,8 +1,10 @@
-"""SwiGLU's gated activation (Shazeer 2020, "GLU Variants Improve Transformer")."""
+"""Gated activations of the MLPs (Shazeer 2020, "GLU Variants Improve Transformer"): SwiGLU
+(Llama, Qwen, Mistral, Granite, Phi-3) and GeGLU (Gemma)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from kvpilot.engine.layers.custom_op import CustomOp
 from kvpilot.kernels import reference
@@ -28,3 +30,61 @@ class SiluAndMul(CustomOp):
         from kvpilot.kernels.activation import silu_and_mul
 
         return silu_and_mul(x)
+
+
+class GeluAndMul(CustomOp):
+    """``gelu(gate) * up`` on the stacked output of a gate/up projection (GeGLU; vLLM's
+    ``GeluAndMul``), GELU exact or with PyTorch's tanh approximation (Hendrycks & Gimpel 2016).
+
+    Gemma's MLP (``hidden_act`` ``gelu_pytorch_tanh``) computes ``act(gate(x)) * up(x)`` with
+    ``F.gelu(..., approximate="tanh")`` in the activation dtype; this does the same on the
+    stacked projection, so results round alike.
+
+    Args:
+        approximate: ``"none"`` (exact, erf) or ``"tanh"``.
+        kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
+
+    Raises:
+        ValueError: another ``approximate``, or an unknown ``kernel_backend``.
+    """
+
+    def __init__(self, approximate: str = "none", kernel_backend: str = "torch") -> None:
+        super().__init__(kernel_backend)
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"unknown GELU approximation {approximate!r}; 'none' or 'tanh'")
+        self.approximate = approximate
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[..., 2 * d]`` (gate, then up) -> ``[..., d]``, same dtype."""
+        d = x.shape[-1] // 2
+        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """As :meth:`forward_native`: there is no GeGLU Triton kernel yet, so the GPU path runs
+        PyTorch's fused CUDA GELU and one multiply (two elementwise kernels instead of one)."""
+        return self.forward_native(x)
+
+
+# ``hidden_act`` of a Hugging Face config -> the gated activation over a stacked gate/up output.
+_ACT_AND_MUL = {
+    "silu": lambda backend: SiluAndMul(backend),
+    "gelu": lambda backend: GeluAndMul("none", backend),
+    "gelu_pytorch_tanh": lambda backend: GeluAndMul("tanh", backend),
+}
+
+
+def get_act_and_mul(hidden_act: str, kernel_backend: str = "torch") -> CustomOp:
+    """The gated activation named by a config's ``hidden_act`` (vLLM's ``get_act_and_mul_fn``).
+
+    Args:
+        hidden_act: ``"silu"``, ``"gelu"`` or ``"gelu_pytorch_tanh"``.
+        kernel_backend: ``"torch"`` or ``"triton"``.
+
+    Raises:
+        ValueError: another activation (the message lists the supported ones).
+    """
+    if hidden_act not in _ACT_AND_MUL:
+        raise ValueError(
+            f"unsupported hidden_act {hidden_act!r}; supported: {', '.join(_ACT_AND_MUL)}"
+        )
+    return _ACT_AND_MUL[hidden_act](kernel_backend)

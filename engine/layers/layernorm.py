@@ -53,3 +53,40 @@ class RMSNorm(CustomOp):
         from kvpilot.kernels.rms_norm import rms_norm
 
         return rms_norm(x, self.weight, self.eps, residual)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm (Gemma Team 2024, "Gemma: Open Models Based on Gemini Research and
+    Technology"): ``x / sqrt(mean(x^2) + eps) * (1 + weight)``, optionally after adding the
+    residual stream.
+
+    Checkpoints store ``weight`` as the offset from 1 (zeros are the identity scale). Follows
+    Hugging Face's ``GemmaRMSNorm``: normalised and scaled in float32, rounded to the input dtype
+    once at the end (where :class:`RMSNorm` rounds before scaling); the residual sum is rounded
+    to the input dtype, as ``residual + x`` is in Gemma's decoder layers.
+
+    Args:
+        hidden_size: size of the normalised (last) dimension.
+        eps: added to the mean square before the reciprocal square root.
+        kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
+    """
+
+    def forward_native(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`RMSNorm.forward_native`, scaled by ``1 + weight``; ``out`` in ``x``'s dtype."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (h * (1.0 + self.weight.float())).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+    def forward_triton(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """As :meth:`forward_native`: the Triton ``rms_norm`` kernel rounds before scaling and
+        has no unit offset, so the GPU path runs the PyTorch ops (vLLM's ``GemmaRMSNorm`` has
+        no custom kernel either)."""
+        return self.forward_native(x, residual)

@@ -3,7 +3,9 @@
 Following vLLM, projections that read the same input are stacked into one matrix (q/k/v into
 ``qkv_proj``, gate/up into ``gate_up_proj``): one matmul instead of several. Each parameter
 carries a ``weight_loader(param, loaded, shard_id)`` that copies this rank's piece of one
-checkpoint tensor into its place, so the model's name mapping stays a table.
+checkpoint tensor into its place, so the model's name mapping stays a table; a stacked layer
+also takes a checkpoint tensor that is already stacked (Phi-3's fused ``qkv_proj``) and cuts it
+into its shards.
 
 Tensor parallelism follows Megatron-LM (Shoeybi et al. 2019, section 3): a column-parallel
 layer splits its output features across ranks (each rank computes its slice, no
@@ -28,7 +30,13 @@ from kvpilot.engine.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from kvpilot.engine.layers.cpu_gemm import linear, prepack
-from kvpilot.engine.layers.weight_loading import CheckpointTensor, copy_weight, load_shard
+from kvpilot.engine.layers.weight_loading import (
+    CheckpointTensor,
+    copy_weight,
+    load_shard,
+    narrow,
+    shape_of,
+)
 
 __all__ = [
     "ColumnParallelLinear",
@@ -155,6 +163,36 @@ class ColumnParallelLinear(Linear):
         offset, rows, full_rows, start = self.output_shard(shard_id)
         return param.data.narrow(0, offset, rows), (full_rows, *param.shape[1:]), 0, start
 
+    def stacked_shards(self) -> list[tuple[str | int, int]]:
+        """``(shard id, checkpoint rows)`` of each stacked projection in output order; empty
+        for a layer that stacks nothing."""
+        return []
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | int | None = None
+    ) -> None:
+        """Copy this rank's piece of one checkpoint tensor (or one stacked shard of it).
+
+        A stacked layer also takes its whole stacked tensor (``shard_id`` None), as checkpoints
+        that store it fused do (Phi-3's ``qkv_proj`` and ``gate_up_proj``): the tensor is cut
+        into its projections' rows and each loaded as its shard, so every rank still gets its
+        heads or channels of each projection (read lazily from a safetensors slice).
+
+        Raises:
+            ValueError: the tensor's shape does not match its place.
+        """
+        shards = self.stacked_shards()
+        if shard_id is not None or not shards:
+            super().weight_loader(param, loaded, shard_id)
+            return
+        expected = (self.output_size, *param.shape[1:])
+        if shape_of(loaded) != expected:
+            raise ValueError(f"has shape {shape_of(loaded)}, the model expects {expected}")
+        start = 0
+        for stacked_id, rows in shards:
+            super().weight_loader(param, narrow(loaded, 0, start, rows), stacked_id)
+            start += rows
+
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel projections of the same input stacked along the output (gate
@@ -183,9 +221,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             output_size_per_partition=sum(self.output_sizes_per_partition),
         )
 
+    def stacked_shards(self) -> list[tuple[str | int, int]]:
+        return list(enumerate(self.output_sizes))
+
     def output_shard(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
-        if shard_id is None:
-            raise ValueError("is a whole stacked layer; load its shards one by one")
         index = int(shard_id)
         rows = self.output_sizes_per_partition[index]
         offset = sum(self.output_sizes_per_partition[:index])
@@ -244,6 +283,10 @@ class QKVParallelLinear(ColumnParallelLinear):
             bias,
             output_size_per_partition=self.q_size + 2 * self.kv_size,
         )
+
+    def stacked_shards(self) -> list[tuple[str | int, int]]:
+        kv_rows = self.total_num_kv_heads * self.head_dim
+        return [("q", self.total_num_heads * self.head_dim), ("k", kv_rows), ("v", kv_rows)]
 
     def output_shard(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
         if shard_id == "q":

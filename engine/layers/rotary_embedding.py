@@ -23,8 +23,23 @@ from kvpilot.engine.layers.custom_op import CustomOp
 
 def _default_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     base = config.rope_parameters["rope_theta"]
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    # Only the first partial_rotary_factor of each head rotates (Phi-4-mini: 0.75).
+    dim = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
     return 1.0 / (base**exponents), 1.0
+
+
+def _longrope_inv_freq(
+    config: PretrainedConfig, max_model_len: int | None
+) -> tuple[torch.Tensor, float]:
+    # LongRoPE (Ding et al. 2024): transformers rescales by ``long_factor`` for sequences longer
+    # than original_max_position_embeddings and by ``short_factor`` otherwise, switching per
+    # forward call. Cached keys would then hold two rotations, so (as vLLM does) one set is
+    # chosen for the engine's whole life: long iff max_model_len exceeds the original context.
+    original = int(config.rope_parameters["original_max_position_embeddings"])
+    max_len = max_model_len or config.max_position_embeddings
+    seq_len = original + 1 if max_len > original else None
+    return ROPE_INIT_FUNCTIONS["longrope"](config, device="cpu", seq_len=seq_len)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,9 +71,13 @@ class RotaryEmbedding(CustomOp):
     One instance serves every layer of a model: :meth:`prepare` once per forward pass, then
     ``self(rope, query, key)`` in each attention layer.
 
-    ``rope_type`` ``"dynamic"`` and ``"longrope"`` use their frequencies for the config's
-    context length (what transformers uses up to ``original_max_position_embeddings``); they do
-    not switch frequencies as a sequence grows, since cached keys were rotated with the old ones.
+    Frequencies never switch as a sequence grows, since cached keys were rotated with the old
+    ones. ``rope_type`` ``"dynamic"`` uses its frequencies for the config's context length (what
+    transformers uses up to ``original_max_position_embeddings``). ``"longrope"`` (Phi-3) uses
+    its long factors when ``max_model_len`` exceeds ``original_max_position_embeddings`` and its
+    short factors otherwise, for every position (vLLM's rule): transformers picks per forward
+    call by the longest position in it, so the two agree whenever transformers' calls stay on
+    one side of the original context.
 
     Args:
         config: the model config; ``config.rope_parameters`` (transformers' standardised form of
@@ -66,6 +85,8 @@ class RotaryEmbedding(CustomOp):
             ``config.max_position_embeddings`` bounds the Triton path's positions.
         head_dim: features per head; the first ``2 * len(inv_freq)`` of them are rotated.
         kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
+        max_model_len: the longest sequence the engine serves, tokens (default: the config's
+            ``max_position_embeddings``); only ``"longrope"`` reads it.
 
     Attributes:
         inv_freq: ``[rotary_dim / 2]`` float32 inverse frequencies, radians per position.
@@ -78,12 +99,18 @@ class RotaryEmbedding(CustomOp):
     """
 
     def __init__(
-        self, config: PretrainedConfig, head_dim: int, kernel_backend: str = "torch"
+        self,
+        config: PretrainedConfig,
+        head_dim: int,
+        kernel_backend: str = "torch",
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__(kernel_backend)
         rope_type = config.rope_parameters.get("rope_type", "default")
         if rope_type == "default":
             inv_freq, attention_scaling = _default_inv_freq(config, head_dim)
+        elif rope_type == "longrope":
+            inv_freq, attention_scaling = _longrope_inv_freq(config, max_model_len)
         elif rope_type in ROPE_INIT_FUNCTIONS:
             inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device="cpu")
         else:

@@ -30,6 +30,44 @@ def shape_of(loaded: CheckpointTensor) -> tuple[int, ...]:
     return tuple(loaded.get_shape())
 
 
+class _NarrowedSlice:
+    """``length`` indices of a lazy slice from ``start`` along ``dim``, still lazy: indexing it
+    reads only the indexed part of the parent (see :func:`narrow`)."""
+
+    def __init__(self, parent: LazySlice, dim: int, start: int, length: int) -> None:
+        self.parent, self.dim, self.start, self.length = parent, dim, start, length
+
+    def get_shape(self) -> list[int]:
+        shape = list(self.parent.get_shape())
+        shape[self.dim] = self.length
+        return shape
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        index = list(index) if isinstance(index, tuple) else [index]
+        index += [slice(None)] * (self.dim + 1 - len(index))
+        piece = index[self.dim]
+        if not isinstance(piece, slice) or piece.step not in (None, 1):
+            raise TypeError(f"a narrowed checkpoint slice takes contiguous slices, got {piece!r}")
+        first, stop, _ = piece.indices(self.length)
+        index[self.dim] = slice(self.start + first, self.start + max(first, stop))
+        return self.parent[tuple(index)]
+
+
+def narrow(loaded: CheckpointTensor, dim: int, start: int, length: int) -> CheckpointTensor:
+    """``loaded``'s indices ``[start, start + length)`` along ``dim``, as ``Tensor.narrow``; a
+    lazy slice stays lazy (nothing is read until the result is indexed).
+
+    Raises:
+        ValueError: the range is not inside ``loaded``'s size along ``dim``.
+    """
+    size = shape_of(loaded)[dim]
+    if start < 0 or length < 0 or start + length > size:
+        raise ValueError(f"has {size} rows along dim {dim}, fewer than {start} + {length}")
+    if isinstance(loaded, torch.Tensor):
+        return loaded.narrow(dim, start, length)
+    return _NarrowedSlice(loaded, dim, start, length)
+
+
 def load_shard(
     target: torch.Tensor,
     loaded: CheckpointTensor,

@@ -62,6 +62,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device | str,
     attention_backend: str = "torch",
+    max_model_len: int | None = None,
 ) -> torch.nn.Module:
     """Instantiate our implementation of the folder's architecture and load its weights.
 
@@ -78,6 +79,9 @@ def load_model(
         attention_backend: name for
             :func:`~kvpilot.engine.attention.get_attention_backend` (``"torch"`` or
             ``"triton"``); the norms, activations and rotary embedding run the same path.
+        max_model_len: the longest sequence the engine serves, tokens; None for the config's
+            ``max_position_embeddings``. LongRoPE models (Phi-3-128k, Phi-3.5) use their long
+            rotary factors when it exceeds ``original_max_position_embeddings``.
 
     Returns:
         The model in eval mode (see ``kvpilot.engine.models`` for its interface).
@@ -91,7 +95,7 @@ def load_model(
     model_cls = get_model_class(config)
     device = torch.device(device)
     with _default_dtype(dtype), device:
-        model = model_cls(config, attention_backend=attention_backend)
+        model = model_cls(config, attention_backend=attention_backend, max_model_len=max_model_len)
     loaded = model.load_weights(iterate_safetensors(model_dir, lazy=True))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:

@@ -14,6 +14,9 @@ MODEL_REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "kvpilot.engine.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "kvpilot.engine.models.qwen2:Qwen2ForCausalLM",
     "Qwen3ForCausalLM": "kvpilot.engine.models.qwen3:Qwen3ForCausalLM",
+    "GraniteForCausalLM": "kvpilot.engine.models.granite:GraniteForCausalLM",
+    "Phi3ForCausalLM": "kvpilot.engine.models.phi3:Phi3ForCausalLM",
+    "GemmaForCausalLM": "kvpilot.engine.models.gemma:GemmaForCausalLM",
 }
 
 

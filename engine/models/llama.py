@@ -10,8 +10,10 @@ loaders read only that shard of each checkpoint tensor.
 The float operations mirror transformers' ``modeling_llama`` in order, so logits agree with it
 to rounding and greedy decoding picks the same tokens.
 
-Variants differ only in :meth:`LlamaForCausalLM.attention_options` (biases, q/k norm, sliding
-window), which subclasses override.
+Variants differ only in what subclasses override: :meth:`LlamaForCausalLM.attention_options`
+(biases, q/k norm, sliding window, attention scale: per layer) and
+:meth:`LlamaForCausalLM.model_options` (embedding, residual and logits scales, the norm: per
+model); the MLP's gated activation follows the config's ``hidden_act``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from transformers import PretrainedConfig
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.attention.backends import AttentionBackend
-from kvpilot.engine.layers.activation import SiluAndMul
+from kvpilot.engine.layers.activation import get_act_and_mul
 from kvpilot.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvpilot.engine.layers.layernorm import RMSNorm
 from kvpilot.engine.layers.linear import (
@@ -48,12 +50,34 @@ class AttentionOptions:
         o_bias: the output projection has a bias (Llama when ``attention_bias``).
         qk_norm: per-head RMSNorm of q and k before rotation (Qwen3).
         sliding_window: attend to at most this many latest positions (tokens), or None.
+        scale: the factor on ``q . k`` before the softmax, or None for ``head_dim ** -0.5``
+            (Granite's ``attention_multiplier``).
     """
 
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    scale: float | None = None
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What distinguishes one family member outside its attention layers.
+
+    Attributes:
+        embedding_multiplier: factor on the token embeddings (Granite's
+            ``embedding_multiplier``; Gemma's ``sqrt(hidden_size)`` rounded to the model dtype).
+        residual_multiplier: factor on each attention and MLP output before it joins the
+            residual stream (Granite).
+        logits_scaling: the logits are divided by it, in the model dtype (Granite).
+        norm: the RMSNorm class of every norm (Gemma's ``1 + weight`` one).
+    """
+
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+    norm: type[RMSNorm] = RMSNorm
 
 
 def config_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -96,7 +120,7 @@ class LlamaAttention(nn.Module):
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
-        self.scale = self.head_dim**-0.5
+        self.scale = self.head_dim**-0.5 if options.scale is None else options.scale
         self.sliding_window = options.sliding_window
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -140,21 +164,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` with gate/up stacked.
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` with gate/up stacked; SwiGLU for
+    ``hidden_act`` ``silu``, GeGLU for the GELUs (Gemma).
 
     Args:
         config: the model config.
         kernel_backend: the activation's implementation, ``"torch"`` or ``"triton"``.
+
+    Raises:
+        ValueError: an unsupported ``hidden_act`` (named in the message).
     """
 
     def __init__(self, config: PretrainedConfig, kernel_backend: str = "torch") -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        if config.hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r}; only 'silu'")
         size = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
-        self.act_fn = SiluAndMul(kernel_backend)
+        self.act_fn = get_act_and_mul(config.hidden_act, kernel_backend)
         self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,7 +189,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``h += attn(norm(h)); h += mlp(norm(h))``.
+    """Pre-norm block: ``h += m * attn(norm(h)); h += m * mlp(norm(h))`` (``m`` is the residual
+    multiplier, 1 but for Granite).
 
     The residual stream is carried beside the block's output and added by the next norm
     (vLLM's ``RMSNorm.forward(x, residual)``), so the Triton path fuses each add into a norm
@@ -171,10 +198,11 @@ class LlamaDecoderLayer(nn.Module):
 
     Args:
         config: the model config.
-        options: biases, q/k norm and sliding window of this layer.
+        options: biases, q/k norm, sliding window and scale of this layer's attention.
         backend: the attention backend shared by all layers.
         rotary_emb: the rotary embedding shared by all layers; its ``kernel_backend`` is this
             layer's norms' and activation's too.
+        model_options: the norm class and the residual multiplier.
     """
 
     def __init__(
@@ -183,15 +211,18 @@ class LlamaDecoderLayer(nn.Module):
         options: AttentionOptions,
         backend: AttentionBackend,
         rotary_emb: RotaryEmbedding,
+        model_options: ModelOptions,
     ) -> None:
         super().__init__()
         kernel_backend = rotary_emb.kernel_backend
         self.self_attn = LlamaAttention(config, options, backend, rotary_emb)
         self.mlp = LlamaMLP(config, kernel_backend)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel_backend)
-        self.post_attention_layernorm = RMSNorm(
+        norm = model_options.norm
+        self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, kernel_backend)
+        self.post_attention_layernorm = norm(
             config.hidden_size, config.rms_norm_eps, kernel_backend
         )
+        self.residual_multiplier = model_options.residual_multiplier
 
     def forward(
         self,
@@ -218,9 +249,13 @@ class LlamaDecoderLayer(nn.Module):
             hidden = self.input_layernorm(hidden)
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(rope, hidden, kv_cache, attn_metadata)
+        hidden = self._scaled(self.self_attn(rope, hidden, kv_cache, attn_metadata))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        return self._scaled(self.mlp(hidden)), residual
+
+    def _scaled(self, out: torch.Tensor) -> torch.Tensor:
+        # Granite's ``residual + out * residual_multiplier``: the product, then the norm's add.
+        return out if self.residual_multiplier == 1.0 else out * self.residual_multiplier
 
 
 class LlamaModel(nn.Module):
@@ -232,6 +267,9 @@ class LlamaModel(nn.Module):
         backend: the attention backend shared by all layers.
         kernel_backend: the norms', activations' and rotary embedding's implementation,
             ``"torch"`` or ``"triton"`` (:class:`~kvpilot.engine.layers.custom_op.CustomOp`).
+        model_options: embedding and residual multipliers and the norm class.
+        max_model_len: the longest sequence served, tokens (the rotary embedding's LongRoPE
+            factors depend on it); None for the config's ``max_position_embeddings``.
     """
 
     def __init__(
@@ -240,15 +278,20 @@ class LlamaModel(nn.Module):
         options: list[AttentionOptions],
         backend: AttentionBackend,
         kernel_backend: str = "torch",
+        model_options: ModelOptions = ModelOptions(),
+        max_model_len: int | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.rotary_emb = RotaryEmbedding(config, head_dim_of(config), kernel_backend)
+        self.embedding_multiplier = model_options.embedding_multiplier
+        self.rotary_emb = RotaryEmbedding(
+            config, head_dim_of(config), kernel_backend, max_model_len
+        )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_options, backend, self.rotary_emb)
+            LlamaDecoderLayer(config, layer_options, backend, self.rotary_emb, model_options)
             for layer_options in options
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, kernel_backend)
+        self.norm = model_options.norm(config.hidden_size, config.rms_norm_eps, kernel_backend)
 
     def forward(
         self,
@@ -259,6 +302,8 @@ class LlamaModel(nn.Module):
     ) -> torch.Tensor:
         """``input_ids`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden_size]``."""
         hidden = self.embed_tokens(input_ids)
+        if self.embedding_multiplier != 1.0:
+            hidden = hidden * self.embedding_multiplier
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
@@ -274,6 +319,8 @@ class LlamaForCausalLM(nn.Module):
         attention_backend: attention backend name, ``"torch"`` or ``"triton"``; the norms,
             activations and rotary embedding run the same path (the Triton kernels with
             ``"triton"``).
+        max_model_len: the longest sequence the engine serves, tokens; None for the config's
+            ``max_position_embeddings`` (only LongRoPE's frequencies depend on it).
 
     Attributes:
         config: the Hugging Face config.
@@ -291,7 +338,12 @@ class LlamaForCausalLM(nn.Module):
         (".gate_up_proj", ".up_proj", 1),
     )
 
-    def __init__(self, config: PretrainedConfig, attention_backend: str = "torch") -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        attention_backend: str = "torch",
+        max_model_len: int | None = None,
+    ) -> None:
         super().__init__()
         self.config = config
         self.num_layers = config.num_hidden_layers
@@ -300,7 +352,11 @@ class LlamaForCausalLM(nn.Module):
         self.dtype = torch.get_default_dtype()
         backend = get_attention_backend(attention_backend)
         options = [self.attention_options(config, i) for i in range(self.num_layers)]
-        self.model = LlamaModel(config, options, backend, kernel_backend=backend.name)
+        model_options = self.model_options(config, self.dtype)
+        self.logits_scaling = model_options.logits_scaling
+        self.model = LlamaModel(
+            config, options, backend, backend.name, model_options, max_model_len
+        )
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         if self.tie_word_embeddings:
@@ -318,6 +374,16 @@ class LlamaForCausalLM(nn.Module):
         return AttentionOptions(
             qkv_bias=bias, o_bias=bias, sliding_window=config_sliding_window(config, layer_idx)
         )
+
+    @classmethod
+    def model_options(cls, config: PretrainedConfig, dtype: torch.dtype) -> ModelOptions:
+        """Llama: no extra scales, the plain RMSNorm.
+
+        Args:
+            config: the model config.
+            dtype: the parameters' dtype (Gemma rounds its embedding scale to it).
+        """
+        return ModelOptions()
 
     def forward(
         self,
@@ -342,8 +408,12 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` float32."""
-        return self.lm_head(hidden).float()
+        """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` float32 (divided by
+        ``logits_scaling`` in the model dtype first, as Granite does)."""
+        logits = self.lm_head(hidden)
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        return logits.float()
 
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names), or this rank's shards of them, into

@@ -159,6 +159,10 @@ def test_weights_that_do_not_fit_are_named(tiny_model_dir, tmp_path):
     deeper = copy_model(tiny_model_dir("llama"), tmp_path / "n", {"num_hidden_layers": 3})
     with pytest.raises(ValueError, match="model.layers.2.self_attn.qkv_proj.weight"):
         load_model(deeper, torch.float32, CPU)
+    # Phi-3 stores q/k/v fused: 4 + 2 * 2 heads of 16 rows; one KV head in the config wants 96.
+    fused = copy_model(tiny_model_dir("phi3"), tmp_path / "f", {"num_key_value_heads": 1})
+    with pytest.raises(ValueError, match=r"qkv_proj.weight' has shape \(128, 64\), .* \(96, 64\)"):
+        load_model(fused, torch.float32, CPU)
 
 
 def test_llama3_rope_scaling_matches_transformers(tiny_model_dir):

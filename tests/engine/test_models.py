@@ -2,8 +2,9 @@
 
 Every forward goes through the paged KV cache with random, non-contiguous block tables: prefill
 of several sequences in one batch, batched decode, chunked prefill mixed with decode. Logits
-must match transformers' to float32 rounding, and on the real default model greedy decoding
-must pick the same tokens as transformers' ``generate``.
+must match transformers' to float32 rounding, and greedy decoding must pick the same tokens as
+transformers' ``generate`` (on the real default model, and through the whole engine on tiny
+Granite, Phi-3 and Gemma models).
 """
 
 from __future__ import annotations
@@ -14,9 +15,17 @@ import pytest
 import torch
 import transformers
 
+from kvpilot.engine import LLM
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.model_loader import load_model, load_tokenizer
-from tests.engine.helpers import hf_generate
+from tests.engine.helpers import (
+    NEW_TOKENS,
+    assert_no_leak,
+    generate_ids,
+    greedy,
+    hf_generate,
+    hf_greedy,
+)
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 64
@@ -84,8 +93,10 @@ def hf_logits(hf_model: torch.nn.Module, token_ids: list[int]) -> torch.Tensor:
     return hf_model(torch.tensor([token_ids])).logits[0].float()
 
 
-def load_both(folder: pathlib.Path) -> tuple[torch.nn.Module, torch.nn.Module]:
-    ours = load_model(folder, torch.float32, torch.device("cpu"))
+def load_both(
+    folder: pathlib.Path, max_model_len: int | None = None
+) -> tuple[torch.nn.Module, torch.nn.Module]:
+    ours = load_model(folder, torch.float32, torch.device("cpu"), max_model_len=max_model_len)
     theirs = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     return ours, theirs.eval()
 
@@ -115,6 +126,22 @@ PROMPT_B = [
     29,
     5248,
 ]
+
+GRANITE = {
+    "embedding_multiplier": 12.0,
+    "residual_multiplier": 0.22,
+    "attention_multiplier": 0.15,
+    "logits_scaling": 4.0,
+}
+# Phi-3.5-mini's rope_scaling, shrunk: one short and one long factor per rotary frequency.
+PHI3_LONGROPE = {
+    "original_max_position_embeddings": 8,
+    "rope_scaling": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+        "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+    },
+}
 
 CASES = {
     "llama": ("llama", {}),
@@ -149,6 +176,35 @@ CASES = {
     "mistral-sliding-window": ("mistral", {"sliding_window": 7}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {"head_dim": 32}),
+    # Granite 3.x: every multiplier away from 1 (granite-3.3-8b: 12, 0.22, 1/128, 16).
+    "granite": ("granite", GRANITE),
+    "granite-untied-bias": (
+        "granite",
+        {**GRANITE, "tie_word_embeddings": False, "attention_bias": True, "mlp_bias": True},
+    ),
+    # Phi-3: fused qkv_proj / gate_up_proj checkpoints, no GQA (Phi-3-mini), untied.
+    "phi3": ("phi3", {"num_key_value_heads": 4, "tie_word_embeddings": False}),
+    "phi3-sliding-window": ("phi3", {"sliding_window": 7}),
+    "phi3-partial-rotary": ("phi3", {"partial_rotary_factor": 0.75}),
+    # Every forward of the test reaches position 8: transformers uses the long factors
+    # throughout, as we do for a max_model_len (2048) above the original context.
+    "phi3-longrope": ("phi3", PHI3_LONGROPE),
+    # Phi-4-mini's layout: LongRoPE on the first 3/4 of each head (6 factors for 12 features).
+    "phi3-longrope-partial-rotary": (
+        "phi3",
+        {
+            "partial_rotary_factor": 0.75,
+            "original_max_position_embeddings": 8,
+            "rope_scaling": {
+                "rope_type": "longrope",
+                "short_factor": PHI3_LONGROPE["rope_scaling"]["short_factor"][:6],
+                "long_factor": PHI3_LONGROPE["rope_scaling"]["long_factor"][:6],
+            },
+        },
+    ),
+    "gemma": ("gemma", {}),
+    # Gemma-7B's shape: more query features (heads x head_dim) than hidden_size.
+    "gemma-wide-heads": ("gemma", {"head_dim": 32, "num_key_value_heads": 4}),
 }
 
 
@@ -190,6 +246,42 @@ def test_prefill_decode_and_chunked_prefill_match_transformers(tiny_model_dir, c
     torch.testing.assert_close(second[0], hf_logits(theirs, seqs["a"])[-1], atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "case", ["granite-untied-bias", "phi3-sliding-window", "phi3-longrope", "gemma-wide-heads"]
+)
+def test_greedy_generation_matches_transformers_generate(tiny_model_dir, case):
+    """The whole engine (scheduler, paged cache, sampler) on the families beyond Llama/Qwen."""
+    architecture, overrides = CASES[case]
+    model_dir = tiny_model_dir(architecture, **overrides)
+    # Every prompt longer than the LongRoPE case's original context (8), so that transformers
+    # uses the long factors from the first forward on.
+    prompts = [PROMPT_A, PROMPT_B, PROMPT_B[3:15]]
+    llm = LLM(str(model_dir), max_model_len=256, dtype="float32")
+    assert generate_ids(llm, prompts, greedy()) == hf_greedy(model_dir, prompts, NEW_TOKENS)
+    assert_no_leak(llm.llm_engine)
+
+
+def test_longrope_short_factors_while_max_model_len_fits_the_original_context(tiny_model_dir):
+    folder = tiny_model_dir("phi3", **{**PHI3_LONGROPE, "original_max_position_embeddings": 64})
+    # Up to 64 tokens transformers rotates with the short factors, as we do for max_model_len 64.
+    short, theirs = load_both(folder, max_model_len=64)
+    logits = PagedBatch(short).forward(short, [("a", PROMPT_A), ("b", PROMPT_B)])
+    torch.testing.assert_close(
+        logits[: len(PROMPT_A)], hf_logits(theirs, PROMPT_A), atol=ATOL, rtol=0
+    )
+    torch.testing.assert_close(
+        logits[len(PROMPT_A) :], hf_logits(theirs, PROMPT_B), atol=ATOL, rtol=0
+    )
+    # A longer max_model_len takes the long factors for every position, short prompts included.
+    long = load_model(folder, torch.float32, torch.device("cpu"))
+    assert not torch.equal(long.model.rotary_emb.inv_freq, short.model.rotary_emb.inv_freq)
+    logits = PagedBatch(long).forward(long, [("a", PROMPT_A)])
+    assert (logits - hf_logits(theirs, PROMPT_A)).abs().max() > 10 * ATOL
+    # The engine builds its model for its own max_model_len.
+    engine_model = LLM(str(folder), max_model_len=64).llm_engine.executor.worker.model
+    assert torch.equal(engine_model.model.rotary_emb.inv_freq, short.model.rotary_emb.inv_freq)
+
+
 def test_bfloat16_model_tracks_float32(tiny_model_dir):
     folder = tiny_model_dir("qwen3")
     fp32 = load_model(folder, torch.float32, torch.device("cpu"))
@@ -200,6 +292,38 @@ def test_bfloat16_model_tracks_float32(tiny_model_dir):
     got = PagedBatch(bf16).forward(bf16, [("a", PROMPT_A)])
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)
+
+
+def test_gemma_layers_round_like_transformers_in_bfloat16():
+    """The float32 logits tests cannot see roundings: here each Gemma-specific piece is bit for
+    bit transformers' on bfloat16 inputs."""
+    from transformers.activations import ACT2FN
+    from transformers.models.gemma import modeling_gemma
+
+    from kvpilot.engine.layers.activation import get_act_and_mul
+    from kvpilot.engine.layers.layernorm import GemmaRMSNorm
+    from kvpilot.engine.models.gemma import GemmaForCausalLM
+
+    gen = torch.Generator().manual_seed(0)
+    x, residual = torch.randn(2, 5, 3072, generator=gen).bfloat16()
+    weight = (torch.randn(3072, generator=gen) * 0.1).bfloat16()
+    theirs = modeling_gemma.GemmaRMSNorm(3072, 1e-6).bfloat16()
+    ours = GemmaRMSNorm(3072, 1e-6)
+    theirs.weight.data = ours.weight.data = weight
+    assert torch.equal(ours(x), theirs(x))
+    out, new_residual = ours(x, residual)
+    assert torch.equal(new_residual, x + residual) and torch.equal(out, theirs(x + residual))
+    # GeGLU on the stacked [gate | up] output, as GemmaMLP's act(gate(x)) * up(x).
+    gelu = get_act_and_mul("gelu_pytorch_tanh")
+    stacked = torch.cat([x, residual], dim=-1)
+    assert torch.equal(gelu(stacked), ACT2FN["gelu_pytorch_tanh"](x) * residual)
+    # sqrt(3072) = 55.43 is 55.5 in bfloat16: the embeddings are scaled by the rounded factor.
+    config = transformers.GemmaConfig(hidden_size=3072)
+    options = GemmaForCausalLM.model_options(config, torch.bfloat16)
+    embedding = modeling_gemma.GemmaTextScaledWordEmbedding(8, 3072, 0, 3072**0.5).bfloat16()
+    ids = torch.arange(8)
+    assert options.embedding_multiplier == 55.5
+    assert torch.equal(embedding.weight[ids] * options.embedding_multiplier, embedding(ids))
 
 
 def test_model_attributes(tiny_model_dir):

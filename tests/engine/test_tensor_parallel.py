@@ -186,12 +186,14 @@ def test_structured_outputs_reach_every_rank(tiny_model_dir):
     assert all(re.fullmatch("[a-z]+( [0-9]*)?", o.outputs[0].text) for o in outputs)
 
 
+@pytest.mark.parametrize("architecture", ["llama", "phi3"])
 @pytest.mark.parametrize("tp", [2, 4])
-def test_each_rank_loads_its_megatron_shard(tiny_model_dir, monkeypatch, tp):
+def test_each_rank_loads_its_megatron_shard(tiny_model_dir, monkeypatch, tp, architecture):
     """Rank r's tensors are the right slices of the checkpoint (no process group needed: the
     layers only read the rank and size when built). 2 KV heads: split over 2 ranks, replicated
-    over 4 (ranks 0-1 hold head 0, ranks 2-3 head 1)."""
-    model_dir = tiny_model_dir("llama")
+    over 4 (ranks 0-1 hold head 0, ranks 2-3 head 1). Phi-3's checkpoint stores q/k/v and
+    gate/up fused: each rank cuts its pieces out of the fused tensors."""
+    model_dir = tiny_model_dir(architecture)
     full = load_model(model_dir, torch.float32, "cpu")
     config, head_dim = full.config, full.head_dim
     q_rows = config.num_attention_heads * head_dim // tp

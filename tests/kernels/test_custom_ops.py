@@ -1,6 +1,6 @@
 """The engine's layers on the Triton path (interpreter on CPU) against their torch path: RMSNorm
 with and without the fused residual add, SiluAndMul, RotaryEmbedding (plain and rope-scaled),
-and a whole Qwen3 forward pass (q/k norms included)."""
+and whole Qwen3 (q/k norms included), Granite, Phi-3 and Gemma forward passes."""
 
 from __future__ import annotations
 
@@ -153,11 +153,22 @@ def _kernel_backends(model: torch.nn.Module) -> set[str]:
     return {m.kernel_backend for m in model.modules() if isinstance(m, CustomOp)}
 
 
-def test_qwen3_forward_paths_agree(tiny_model_dir: Callable) -> None:
+@pytest.mark.parametrize(
+    ("architecture", "overrides"),
+    [
+        ("qwen3", {}),
+        # The attention kernel with Granite's scale; the rotary kernel on 3/4 of each head.
+        ("granite", {"attention_multiplier": 0.15, "residual_multiplier": 0.5}),
+        ("phi3", {"partial_rotary_factor": 0.75}),
+        # Gemma's norm and GeGLU have no kernels: their Triton path is the torch one.
+        ("gemma", {"head_dim": 32}),
+    ],
+)
+def test_forward_paths_agree(tiny_model_dir: Callable, architecture: str, overrides: dict) -> None:
     # One 6-token prefill and a 3-token chunk over 9 cached tokens, in one batch: the Triton
     # model runs every layer kernel (q/k norms, fused residual norms, rotary, SiLU-and-mul)
     # and the attention kernels.
-    folder = tiny_model_dir("qwen3")
+    folder = tiny_model_dir(architecture, **overrides)
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor([0, 1, 2, 3, 4, 5, 17, 18, 19]),
         query_start_loc=torch.tensor([0, 6, 9], dtype=torch.int32),
@@ -168,10 +179,11 @@ def test_qwen3_forward_paths_agree(tiny_model_dir: Callable) -> None:
     )
     input_ids = torch.randint(3, 49152, (9,), generator=torch.Generator().manual_seed(7))
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 9, 10, 11])
-    cached = _randn(4, 2, 8, 2, 16, seed=8)  # [num_blocks, k/v, block_size, kv_heads, head_dim]
     hidden = {}
     for name in BACKENDS:
         model = load_model(folder, torch.float32, "cpu", attention_backend=name)
+        # [num_blocks, k/v, block_size, kv_heads, head_dim]
+        cached = _randn(4, 2, 8, model.num_kv_heads, model.head_dim, seed=8)
         assert _kernel_backends(model) == {name}
         kv_caches = allocate_kv_caches(model, 4, 8, torch.device("cpu"))
         for k_cache, v_cache in kv_caches:

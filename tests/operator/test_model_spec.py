@@ -11,6 +11,16 @@ Hand computations (bf16 = 2 bytes):
 - Qwen2.5-72B: as Llama with q/k/v biases (8192 + 1024 + 1024 per layer) -> 72,706,203,648.
 - Mixtral-8x7B: Mistral-7B attention, 8 experts * 176,160,768 + router 8*4096 per layer ->
   46,702,792,704.
+- Granite-3.3-8B: layer q,o 2*4096*4096 + k,v 2*4096*1024 = 41,943,040; MLP 3*4096*12800 =
+  157,286,400; norms 8192 -> 199,237,632 * 40; embeddings 49159*4096 once (tied); final norm
+  4096 -> 8,170,864,640. KV/token 2*40*8*128*2 = 163,840.
+- Phi-3-mini-4k: no GQA, head_dim 96; layer qkv 3072*9216 + o 3072*3072 = 37,748,736; MLP
+  3*3072*8192 = 75,497,472; norms 6144 -> 113,252,352 * 32; embeddings 2 * 32064*3072
+  (untied); final norm 3072 -> 3,821,079,552. KV/token 2*32*32*96*2 = 393,216.
+- Gemma-7B: heads x head_dim (16*256 = 4096) wider than hidden 3072; layer q,k,v,o 4 *
+  3072*4096 = 50,331,648; MLP 3*3072*24576 = 226,492,416; norms 6144 -> 276,830,208 * 28;
+  embeddings 256000*3072 once (tied by GemmaConfig's default: config.json does not say);
+  final norm 3072 -> 8,537,680,896. KV/token 2*28*16*256*2 = 458,752.
 """
 
 from __future__ import annotations
@@ -48,10 +58,25 @@ def spec(name: str) -> ModelSpec:
         ("Mistral-7B-v0.1", 7_241_732_096),
         ("Qwen2.5-72B-Instruct", 72_706_203_648),
         ("Mixtral-8x7B-v0.1", 46_702_792_704),
+        ("granite-3.3-8b-instruct", 8_170_864_640),
+        ("Phi-3-mini-4k-instruct", 3_821_079_552),
+        ("gemma-7b", 8_537_680_896),
     ],
 )
 def test_num_parameters_of_public_models(name, parameters):
     assert spec(name).num_parameters() == parameters
+
+
+def test_gemma_ties_its_embeddings_unless_the_config_says_otherwise():
+    # gemma-7b's config.json has no tie_word_embeddings; GemmaConfig defaults it to true.
+    assert spec("gemma-7b").tie_word_embeddings
+    untied = ModelSpec.from_hf_config({**load("gemma-7b"), "tie_word_embeddings": False})
+    assert not untied.tie_word_embeddings
+    assert untied.num_parameters() == 8_537_680_896 + 256000 * 3072
+    # Other families default to untied.
+    assert not ModelSpec.from_hf_config(
+        {k: v for k, v in load("granite-3.3-8b-instruct").items() if k != "tie_word_embeddings"}
+    ).tie_word_embeddings
 
 
 def test_fields_read_from_llama3_8b():
@@ -82,6 +107,11 @@ def test_fields_read_from_llama3_8b():
         ("Meta-Llama-3-70B", "bfloat16", 16, 40_960),
         ("SmolLM2-135M-Instruct", "bfloat16", 1, 23_040),
         ("SmolLM2-135M-Instruct", "float32", 3, 15_360),
+        ("granite-3.3-8b-instruct", "bfloat16", 1, 2 * 40 * 8 * 128 * 2),
+        ("Phi-3-mini-4k-instruct", "bfloat16", 1, 2 * 32 * 32 * 96 * 2),
+        ("Phi-3-mini-4k-instruct", "bfloat16", 4, 2 * 32 * 8 * 96 * 2),
+        ("gemma-7b", "bfloat16", 1, 2 * 28 * 16 * 256 * 2),
+        ("gemma-7b", "float32", 2, 2 * 28 * 8 * 256 * 4),
     ],
 )
 def test_kv_bytes_per_token(name, dtype, tp, kv_bytes):
@@ -196,6 +226,10 @@ TINY = {
         ("qwen3", {"head_dim": 16, "attention_bias": True}),
         ("mistral", {}),
         ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+        ("granite", {"attention_bias": True, "mlp_bias": True}),
+        ("phi3", {"pad_token_id": 0}),
+        ("gemma", {"head_dim": 32}),
+        ("gemma", {"head_dim": 8, "tie_word_embeddings": True}),
     ],
 )
 def test_num_parameters_matches_transformers(model_type, extra):
@@ -234,6 +268,11 @@ def test_supported_architectures_are_the_engines():
 def test_engine_support():
     assert spec("Meta-Llama-3-8B").is_supported_by_engine
     assert spec("Qwen2.5-72B-Instruct").is_supported_by_engine
+    for name in ("granite-3.3-8b-instruct", "Phi-3-mini-4k-instruct", "gemma-7b"):
+        assert spec(name).is_supported_by_engine
+        assert ModelSpec.from_hf_config(
+            {**load(name), "architectures": None}
+        ).is_supported_by_engine
     assert not spec("Mixtral-8x7B-v0.1").is_supported_by_engine
     awq = {**load("Mistral-7B-v0.1"), "quantization_config": {"quant_method": "awq", "bits": 4}}
     assert ModelSpec.from_hf_config(awq).quantization_method == "awq"

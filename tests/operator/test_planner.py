@@ -213,11 +213,11 @@ def test_model_too_large_on_cpu_names_the_memory_limit():
 
 
 def test_unsupported_models():
-    phi = spec("Meta-Llama-3-8B", architectures=["Phi3ForCausalLM"], model_type="phi3")
+    gemma2 = spec("Meta-Llama-3-8B", architectures=["Gemma2ForCausalLM"], model_type="gemma2")
     with pytest.raises(PlanError) as caught:
-        plan(phi, gpu=H100)
+        plan(gemma2, gpu=H100)
     assert caught.value.reason == "UnsupportedArchitecture"
-    assert "Phi3ForCausalLM" in caught.value.message
+    assert "Gemma2ForCausalLM" in caught.value.message
     awq = spec("Mistral-7B-v0.1", quantization_config={"quant_method": "awq", "bits": 4})
     with pytest.raises(PlanError) as caught:
         plan(awq, gpu=H100)
@@ -364,6 +364,31 @@ def test_plan_cli_says_a_folder_has_no_config_json(tmp_path, capsys):
     (tmp_path / "config.json").write_text((CONFIGS / "Meta-Llama-3-8B.json").read_text())
     assert run_plan_cli(str(tmp_path), "--gpu", "L4", "--json") == 0
     assert json.loads(capsys.readouterr().out) == plan(spec("Meta-Llama-3-8B"), gpu=L4).to_status()
+
+
+@pytest.mark.parametrize(
+    ("name", "layers", "kv_heads", "head_dim", "hidden", "intermediate", "vocab", "parameters"),
+    [
+        # Parameter counts worked out in test_model_spec.py's docstring.
+        ("granite-3.3-8b-instruct", 40, 8, 128, 4096, 12800, 49159, 8_170_864_640),
+        ("Phi-3-mini-4k-instruct", 32, 32, 96, 3072, 8192, 32064, 3_821_079_552),
+        ("gemma-7b", 28, 16, 256, 3072, 24576, 256000, 8_537_680_896),
+    ],
+)
+def test_plan_cli_sizes_granite_phi3_and_gemma_folders(
+    tmp_path, capsys, name, layers, kv_heads, head_dim, hidden, intermediate, vocab, parameters
+):
+    (tmp_path / "config.json").write_text((CONFIGS / f"{name}.json").read_text())
+    assert run_plan_cli(str(tmp_path), "--gpu", "H100", "--json") == 0
+    status = json.loads(capsys.readouterr().out)
+    kv_bytes = 2 * layers * kv_heads * head_dim * 2  # K and V, bf16
+    reserve = 8192 * (3 * intermediate + 4 * hidden) * 2 + 256 * vocab * 4 + GiB
+    blocks = (H100_BUDGET - 2 * parameters - reserve) // (kv_bytes * 16)
+    assert (status["tensorParallelSize"], status["dtype"]) == (1, "bfloat16")
+    assert status["kvBytesPerToken"] == kv_bytes
+    assert status["weightBytesPerGpu"] == 2 * parameters
+    assert status["kvCapacityTokens"] == blocks * 16
+    assert status == plan(spec(name), gpu=H100).to_status()
 
 
 def test_plan_cli_refuses_a_claim_and_a_file_that_is_not_json(tmp_path, capsys):
