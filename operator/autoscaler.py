@@ -42,8 +42,10 @@ How it decides, in order (docs/autoscaling.md explains each rule):
    the replicas the last period needed one pod start-up time (plus a tick) ahead are asked
    for now, not rate-limited, so they are ready when the burst comes. While the forecast
    holds, it replaces the scale-down stabilization: replicas follow the latest interval's
-   load down to what the forecast needs within a start-up time. Without a period: rules 1-8
-   unchanged.
+   load down to what the forecast needs within a start-up time. A reactive scale-up during a
+   forecast burst that ends before the new pods would be ready is held at the forecast for
+   when they would be (not below the current replicas), unless the load seen now is above the
+   forecast. Without a period: rules 1-8 unchanged.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from kvpilot.operator.forecast import BUCKET_SECONDS, DemandHistory, predict
+from kvpilot.operator.forecast import BUCKET_SECONDS, DemandHistory, burst_ceiling, predict
 from kvpilot.operator.signals import MetricSample, Signals, summarize
 from kvpilot.operator.spec import AutoscalingSpec, LLMDeploymentSpec, SpecError
 
@@ -261,7 +263,7 @@ class Decision:
         reason: CamelCase reason for status and the Event (``ScaleUp``, ``ScaleDown``,
             ``Panic``, ``Stable``, ``PendingPods``, ``StartingPods``, ``ScaleToZero``,
             ``WakeFromZero``, ``Idle``, ``NoMetrics``, ``BelowMinimum``, ``AboveMaximum``,
-            ``GPUBudget``, ``LongContext``, ``PredictedBurst``).
+            ``GPUBudget``, ``LongContext``, ``PredictedBurst``, ``BurstEndsFirst``).
         message: one human sentence with the numbers behind the reason.
         signals: the stable window's signals, or None without metrics.
         replan: the larger shape to roll out instead of adding replicas, or None.
@@ -429,7 +431,8 @@ def decide(
         fleet.max_num_seqs,
         capacity,
     )
-    memory = replace(memory, demand=memory.demand.record(now, min(load_now, policy.max_replicas)))
+    observed = min(load_now, policy.max_replicas)
+    memory = replace(memory, demand=memory.demand.record(now, observed))
     prediction = (
         predict(memory.demand, now, fleet.startup_seconds + BUCKET_SECONDS)
         if policy.predictive_scaling
@@ -490,6 +493,19 @@ def decide(
     if desired < down_limit:
         desired = down_limit
         message += f", limited to {down_limit} by maxScaleDownRate"
+
+    if prediction is not None and desired > current:
+        ceiling = burst_ceiling(
+            memory.demand, prediction.period_seconds, now, fleet.startup_seconds, observed
+        )
+        limit = max(current, math.ceil(ceiling - 1e-9)) if ceiling is not None else desired
+        if desired > limit:
+            # Pods asked for now would be ready after the burst they were asked for.
+            desired, reason = limit, "BurstEndsFirst"
+            message += (
+                f"; holding at {limit}: the predicted burst ends before new pods are ready "
+                f"(in {fleet.startup_seconds:.0f}s)"
+            )
 
     if prediction is not None and predicted > desired:
         # Not rate-limited: the limits damp a reaction to a noisy window, and a pod asked for

@@ -31,6 +31,10 @@ The algorithm, in four steps:
 4. **Forecast** (:func:`seasonal_naive_peak`): seasonal naive (Hyndman and Athanasopoulos,
    *Forecasting: Principles and Practice*, 3rd ed., section 5.2): the demand at ``t`` is what
    it was at ``t - period``, one bucket wider on each side for the burst's jitter in phase.
+5. **Late pods** (:func:`burst_ceiling`): a pod asked for now is ready a start-up time later.
+   When the forecast says the burst ends before then, and the load seen now is the forecast
+   one (not a surge above it), replicas beyond the forecast for that time would arrive after
+   the burst: the decision asks for no more than that forecast.
 """
 
 from __future__ import annotations
@@ -66,7 +70,15 @@ SIGNIFICANCE = 3.0
 
 BURST_RATIO = 2.0
 """Only a burst is forecast: over the last period, the demand's peak is at least this many
-times its median (Knative's panic threshold, 200%)."""
+times its median (Knative's panic threshold, 200%). The same ratio says a burst is over: the
+forecast falls to at most ``1 / BURST_RATIO`` of its level."""
+
+SURGE_TOLERANCE = 1.25
+"""Demand seen now up to this many times the forecast for now (plus ``SURGE_SLACK_REPLICAS``)
+is the forecast burst; above it, a surge the history did not show, served reactively."""
+
+SURGE_SLACK_REPLICAS = 1.0
+"""... plus this many replicas: a small forecast's rounding is no surge."""
 
 
 @dataclass(frozen=True)
@@ -239,3 +251,40 @@ def predict(history: DemandHistory, now: float, horizon_seconds: float) -> Predi
         return None
     replicas, when = peak
     return Prediction(period, correlation, replicas, when - now)
+
+
+def burst_ceiling(
+    history: DemandHistory,
+    period_seconds: float,
+    now: float,
+    startup_seconds: float,
+    observed: float,
+) -> float | None:
+    """The most replicas worth asking for now, when the forecast burst ends before new pods
+    would be ready (step 5 of the module docstring); None when no such limit applies.
+
+    Pods asked for now serve from ``now + startup_seconds``; the limit is the seasonal-naive
+    forecast over ``[now + startup_seconds, now + startup_seconds + BUCKET_SECONDS]``. It
+    applies only when (1) the burst ends first: that forecast is at most ``1 / BURST_RATIO``
+    of the forecast for ``now``; and (2) the load seen now is the forecast one: ``observed``
+    is at most ``forecast(now) * SURGE_TOLERANCE + SURGE_SLACK_REPLICAS``. A surge above the
+    forecast, or a load that stays, is left to the reactive rules.
+
+    Args:
+        history: the demand history, recorded up to ``now``.
+        period_seconds: the period of the bursts (from :func:`predict`).
+        now: the current time, seconds.
+        startup_seconds: how long a pod asked for now takes to be ready, seconds.
+        observed: the replicas the load seen now needs (what ``history`` records).
+
+    Returns:
+        Replicas (not rounded), or None.
+    """
+    expected = seasonal_naive_peak(history, period_seconds, now, now)
+    ready = now + startup_seconds
+    later = seasonal_naive_peak(history, period_seconds, ready, ready + BUCKET_SECONDS)
+    if expected is None or later is None:
+        return None
+    ends_first = later[0] * BURST_RATIO <= expected[0]
+    foreseen = observed <= expected[0] * SURGE_TOLERANCE + SURGE_SLACK_REPLICAS
+    return later[0] if ends_first and foreseen else None

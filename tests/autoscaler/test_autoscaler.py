@@ -15,6 +15,7 @@ from kvpilot.operator.autoscaler import (
     decide,
     replicas_for_load,
 )
+from kvpilot.operator.forecast import DemandHistory
 from kvpilot.operator.signals import MetricSample, summarize
 from kvpilot.operator.spec import parse_spec
 
@@ -453,6 +454,47 @@ async def test_predicted_bursts_stay_within_max_replicas_and_the_gpu_budget():
     )  # fmt: skip
     assert max(d.desired_replicas for _, d in history) == 5
     assert {d.reason for _, d in history} >= {"GPUBudget"}
+
+
+def in_a_predicted_burst(kv, policy, *, history=True):
+    """One decision at 870 s, in the third of bursts of 10 replicas (2 between, every 300 s
+    from 240 s), with 10 replicas ready (pre-scaled by the forecast) and ``kv`` replicas of
+    KV load over the last minute; pods take 120 s to start."""
+    demand = DemandHistory()
+    for t in range(0, 870, 15) if history else ():
+        demand = demand.record(t, 10.0 if t >= 240 and (t - 240) % 300 < 60 else 2.0)
+    memory = replace(LEARNED, demand=demand)
+    window = [s for t in range(810, 871, 5) for s in pod_samples(float(t), kv, 10)]
+    fleet = FleetState(replicas=10, ready_replicas=10, startup_seconds=120.0)
+    return decide(window, policy, fleet, memory, 870.0)
+
+
+def test_a_scale_up_for_a_predicted_burst_that_ends_first_is_held():
+    policy = AutoscalingPolicy(max_replicas=20)
+    # 9 replicas of KV in 10 pods asks for ceil(9 / 0.7) = 13; 13 <= 10 x 1.25 + 1 is the
+    # forecast burst, over before pods asked for now are ready: hold at 10.
+    decision = in_a_predicted_burst(9.0, policy)
+    assert (decision.desired_replicas, decision.reason) == (10, "BurstEndsFirst")
+    assert decision.message.endswith(
+        "holding at 10: the predicted burst ends before new pods are ready (in 120s)"
+    )
+    # Without a period, or with predictiveScaling off, the same load scales up.
+    for plain in (
+        in_a_predicted_burst(9.0, policy, history=False),
+        in_a_predicted_burst(9.0, replace(policy, predictive_scaling=False)),
+    ):
+        assert (plain.desired_replicas, plain.reason) == (13, "ScaleUp")
+
+
+def test_a_surge_above_the_forecast_is_served_within_the_limits():
+    # 15 replicas of KV (10 in the caches, 50 requests waiting) ask for 19 > 13.5: not the
+    # forecast burst, so it scales up as without a forecast, within maxReplicas and the budget.
+    decision = in_a_predicted_burst(15.0, AutoscalingPolicy(max_replicas=20))
+    assert (decision.desired_replicas, decision.reason) == (19, "ScaleUp")
+    decision = in_a_predicted_burst(15.0, AutoscalingPolicy(max_replicas=16))
+    assert (decision.desired_replicas, decision.reason) == (16, "AboveMaximum")
+    decision = in_a_predicted_burst(15.0, AutoscalingPolicy(max_replicas=20, gpu_budget=12))
+    assert (decision.desired_replicas, decision.reason) == (12, "GPUBudget")
 
 
 NOISE = random.Random(11)

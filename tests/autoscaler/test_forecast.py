@@ -10,6 +10,7 @@ from kvpilot.operator.forecast import (
     BUCKET_SECONDS,
     HISTORY_SECONDS,
     DemandHistory,
+    burst_ceiling,
     detect_period,
     onset_strength,
     predict,
@@ -145,3 +146,18 @@ def test_numpy_and_the_docstring_formula_agree():
     d = x - x.mean()
     expected = (d[:-lag] @ d[lag:]) / (len(x) - lag) / (d @ d / len(x))
     assert r == pytest.approx(expected)
+
+
+def test_a_burst_that_ends_before_new_pods_are_ready_caps_them_at_the_forecast():
+    history = history_of(bursts, 870.0)  # in the third burst (840..900 s)
+    # Pods asked for at 870 s are ready at 990 s, when the forecast is the base load again.
+    assert burst_ceiling(history, PERIOD, 870.0, 120.0, observed=13.0) == 2.0
+    # Up to 1.25 x the forecast for now + 1 replica is the forecast burst; above, a surge.
+    assert burst_ceiling(history, PERIOD, 870.0, 120.0, observed=17.25) == 2.0
+    assert burst_ceiling(history, PERIOD, 870.0, 120.0, observed=17.5) is None
+    # Pods that start in 30 s are ready within the burst: no cap.
+    assert burst_ceiling(history, PERIOD, 870.0, 30.0, observed=13.0) is None
+    # Before a burst the load rises, it does not fall back: no cap.
+    assert burst_ceiling(history_of(bursts, 800.0), PERIOD, 800.0, 120.0, observed=2.0) is None
+    # No period-ago bucket for the pods' time: no cap.
+    assert burst_ceiling(history, 3000.0, 870.0, 120.0, observed=13.0) is None
