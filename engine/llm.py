@@ -126,7 +126,9 @@ class LLM:
 
         Args:
             prompts: one prompt or a list; a prompt is a string or
-                ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``.
+                ``{"prompt_token_ids": [...]}`` / ``{"prompt": "..."}``, a dict optionally with
+                vLLM's ``"cache_salt"`` (a non-empty string): prompts with different salts
+                never share prefix-cache blocks.
             sampling_params: one for all prompts, or one per prompt (default
                 ``SamplingParams()``).
             use_tqdm: show a progress bar over finished requests.
@@ -138,8 +140,9 @@ class LLM:
 
         Raises:
             ValueError: when the numbers of prompts and sampling params (or LoRA requests)
-                differ, or a prompt or adapter is refused (empty, too long, adapter not
-                loadable...); no request of this call is left queued then.
+                differ, or a prompt or adapter is refused (empty, too long, an unknown prompt
+                dict key, an empty ``cache_salt``, adapter not loadable...); no request of this
+                call is left queued then.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]

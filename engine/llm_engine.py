@@ -43,6 +43,18 @@ from kvpilot.engine.tokenization import encode_text
 logger = logging.getLogger("kvpilot.engine")
 
 PromptType = str | dict
+# vLLM's prompt dict: one of the first two keys, optionally a salt for the prefix cache.
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+
+
+def check_cache_salt(cache_salt: object) -> None:
+    """Refuse a prefix-cache salt vLLM refuses: anything but a non-empty string (None: no salt).
+
+    Raises:
+        ValueError: ``cache_salt: must be a non-empty string if provided, ...``.
+    """
+    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
+        raise ValueError(f"cache_salt: must be a non-empty string if provided, got {cache_salt!r}")
 
 
 @dataclass
@@ -355,11 +367,13 @@ class LLMEngine:
 
         Args:
             request_id: unique among unfinished requests.
-            prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``.
+            prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``; a dict may
+                carry vLLM's ``"cache_salt"`` key instead of the ``cache_salt`` argument.
             params: sampling parameters (default ``SamplingParams()``); ``n > 1`` fans out
                 into ``n`` sequences, sequence ``i`` seeded with ``seed + i``.
             arrival_time: ``time.time()`` of arrival (default now).
-            cache_salt: requests with different salts never share prefix-cache blocks.
+            cache_salt: requests with different salts never share prefix-cache blocks; a
+                non-empty string, or None for no salt.
             lora_request: the LoRA adapter to apply (registered now if its name is new), or
                 None for the base model. Needs ``enable_lora``.
 
@@ -367,7 +381,8 @@ class LLMEngine:
         (xgrammar's cache); a server compiles it first, on a worker thread.
 
         Raises:
-            ValueError: naming the problem: a duplicate id, an empty prompt, a prompt longer than
+            ValueError: naming the problem: a duplicate id, an empty prompt, an unknown prompt
+                dict key, an empty ``cache_salt`` or one given twice, a prompt longer than
                 ``max_model_len`` or than the whole KV cache, token ids outside the vocabulary,
                 ``logprobs`` or ``prompt_logprobs`` above the vocabulary size, an invalid
                 ``structured_outputs`` constraint, an adapter without ``enable_lora`` or that
@@ -385,8 +400,13 @@ class LLMEngine:
                     f"{name} must be at most the vocabulary size ({vocab_size}), got "
                     f"{getattr(params, name)}"
                 )
-        if cache_salt is not None and not isinstance(cache_salt, str):
-            raise ValueError(f"cache_salt must be a string, got {type(cache_salt).__name__}")
+        if isinstance(prompt, dict) and "cache_salt" in prompt:
+            if cache_salt is not None:
+                raise ValueError(
+                    "cache_salt: given both in the prompt dict and as an argument; give one"
+                )
+            cache_salt = prompt["cache_salt"]
+        check_cache_salt(cache_salt)
         text, token_ids = self._tokenize(prompt)
         max_tokens = self._max_tokens(len(token_ids), params)
         ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
@@ -491,8 +511,13 @@ class LLMEngine:
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown or len(prompt) != 1:
+            unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS), key=str)
+            if unknown:
+                raise ValueError(
+                    f"prompt dict has unknown keys {unknown}: it takes 'prompt' or "
+                    "'prompt_token_ids', and optionally 'cache_salt'"
+                )
+            if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
                 raise ValueError(
                     "prompt dict must have exactly one of the keys 'prompt' or "
                     f"'prompt_token_ids', got {sorted(prompt)}"

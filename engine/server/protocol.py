@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvpilot.engine.llm_engine import check_cache_salt
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.structured_output import check_json_schema
@@ -98,6 +99,13 @@ class _SamplingFields(OpenAIModel):
     # vLLM's extension: each prompt token's logprob with this many top candidates, returned
     # as prompt_logprobs (on each completion choice; at the top of a chat completion).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+
+    @field_validator("cache_salt")
+    @classmethod
+    def _check_cache_salt(cls, cache_salt: str | None) -> str | None:
+        # vLLM refuses an empty salt (check_cache_salt_support) rather than ignoring it.
+        check_cache_salt(cache_salt)
+        return cache_salt
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingFields:

@@ -141,6 +141,43 @@ def test_cache_salt_never_hits_another_salt(cached, reference):
     assert token_ids([a, b, unsalted, again]) == token_ids(run(reference, [prompt])) * 4
 
 
+def test_llm_generate_takes_the_salt_in_the_prompt_dict(model_dir):
+    # vLLM's offline form: LLM.generate([{"prompt": ..., "cache_salt": ...}]).
+    llm = LLM(str(model_dir), block_size=BS, max_model_len=256)
+    text = "A system prompt that two tenants share, word for word, but not their KV cache."
+    a, b, again, unsalted = llm.generate(
+        [{"prompt": text, "cache_salt": salt} for salt in ("tenant-a", "tenant-b", "tenant-a")]
+        + [{"prompt": text}],
+        PARAMS,
+        use_tqdm=False,
+    )
+    # All four are admitted in the same step: the second "tenant-a" reads the 2 full blocks
+    # (16 of the 19 prompt tokens) the first computes in that very pass; no other salt does.
+    assert len(a.prompt_token_ids) == 19
+    assert [o.num_cached_tokens for o in (a, b, again, unsalted)] == [0, 0, 16, 0]
+    assert len({tuple(o.outputs[0].token_ids) for o in (a, b, again, unsalted)}) == 1
+    with pytest.raises(ValueError, match="cache_salt: must be a non-empty string if provided"):
+        llm.generate({"prompt": text, "cache_salt": ""}, PARAMS, use_tqdm=False)
+    assert_idle_clean(llm.llm_engine)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "kwargs", "message"),
+    [
+        ({"prompt": "hi", "cache_salt": ""}, {}, "cache_salt: must be a non-empty string"),
+        ({"prompt": "hi"}, {"cache_salt": ""}, "cache_salt: must be a non-empty string"),
+        ({"prompt": "hi", "cache_salt": 7}, {}, "non-empty string if provided, got 7"),
+        ({"prompt": "hi", "cache_salt": "a"}, {"cache_salt": "a"}, "given both"),
+        ({"prompt": "hi", "salt": "a"}, {}, r"unknown keys \['salt'\]"),
+        ({"cache_salt": "a"}, {}, "exactly one of the keys"),
+    ],
+)
+def test_bad_salts_and_prompt_keys_are_refused(cached, prompt, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        cached.add_request("bad", prompt, PARAMS, **kwargs)
+    assert not cached.has_unfinished_requests()
+
+
 def test_eviction_under_memory_pressure(model_dir, reference):
     # 12 blocks of 8 tokens: a 40-token prompt plus 12 outputs takes 7 of them.
     engine = LLM(

@@ -91,6 +91,7 @@ CHAT = "/v1/chat/completions"
         (COMPLETIONS, completion(prompt=["text", 1]), "prompt"),
         (COMPLETIONS, completion(seed=2**64), "seed"),
         (COMPLETIONS, completion(seed=2**63 - 1, n=2), "seed"),
+        (COMPLETIONS, completion(cache_salt=""), "cache_salt"),
         (CHAT, chat(messages=[]), "messages"),
         (CHAT, chat(top_logprobs=2), "top_logprobs"),
         (CHAT, chat(prompt_logprobs=-1), "prompt_logprobs"),
