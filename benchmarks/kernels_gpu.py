@@ -362,7 +362,7 @@ def fits(nbytes: int, device: torch.device, share: float = 0.6) -> bool:
 
 def check_correctness(shapes: Shapes, dtype: torch.dtype, device: torch.device) -> list[dict]:
     from kvpilot.kernels import reference
-    from kvpilot.kernels.activation import silu_and_mul
+    from kvpilot.kernels.activation import gelu_and_mul, silu_and_mul
     from kvpilot.kernels.reshape_and_cache import reshape_and_cache
     from kvpilot.kernels.rms_norm import rms_norm
     from kvpilot.kernels.rotary_embedding import rotary_embedding
@@ -393,9 +393,16 @@ def check_correctness(shapes: Shapes, dtype: torch.dtype, device: torch.device) 
     want, want_res = reference.rms_norm(x, w, 1e-5, res)
     record("rms_norm (+residual)", got, want, scale=w.abs().max().item())
     record("rms_norm residual out", got_res, want_res, scale=0.0)
+    got, _ = rms_norm(x, w, 1e-5, res, weight_offset=1.0)
+    want, _ = reference.rms_norm(x, w, 1e-5, res, weight_offset=1.0)
+    record(
+        "rms_norm (+residual, weight_offset 1: Gemma)", got, want, scale=1.0 + w.abs().max().item()
+    )
 
     gate_up = torch.randn(n, 2 * shapes.intermediate, device=device, dtype=dtype)
     record("silu_and_mul", silu_and_mul(gate_up), reference.silu_and_mul(gate_up), scale=4.0)
+    got, want = gelu_and_mul(gate_up, "tanh"), reference.gelu_and_mul(gate_up, "tanh")
+    record("gelu_and_mul (tanh)", got, want, scale=4.0)
 
     head_dim = shapes.head_dim
     freqs = torch.arange(8192, device=device).float()[:, None] / 500000 ** (

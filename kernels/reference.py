@@ -123,11 +123,14 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    weight_offset: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Root-mean-square layer norm (Zhang & Sennrich 2019), optionally fused with a residual add.
 
-    Matches Hugging Face's ``LlamaRMSNorm``: normalise in float32, cast back to the input dtype,
-    then multiply by ``weight``.
+    ``weight_offset`` 0.0 matches Hugging Face's ``LlamaRMSNorm``: normalise in float32, cast
+    back to the input dtype, then multiply by ``weight``. 1.0 matches ``GemmaRMSNorm``:
+    normalise and scale by ``1 + weight`` in float32, cast to the input dtype once at the end.
 
     Args:
         x: ``[num_tokens, hidden_size]``.
@@ -135,10 +138,11 @@ def rms_norm(
         eps: added to the mean square before the reciprocal square root.
         residual: optional ``[num_tokens, hidden_size]``; when given, ``x + residual`` is
             normalised and also returned as the new residual.
+        weight_offset: 0.0 (Llama's ``weight``) or 1.0 (Gemma's ``1 + weight``).
 
     Returns:
-        ``out`` ``[num_tokens, hidden_size]``, or ``(out, x + residual)`` when ``residual`` is
-        given.
+        ``out`` ``[num_tokens, hidden_size]`` (``x``'s dtype with ``weight_offset`` 1.0), or
+        ``(out, x + residual)`` when ``residual`` is given.
     """
     if residual is not None:
         x = x + residual
@@ -146,7 +150,10 @@ def rms_norm(
     dtype = x.dtype
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * h.to(dtype)
+    if weight_offset:
+        out = (h * (weight_offset + weight.float())).to(dtype)
+    else:
+        out = weight * h.to(dtype)
     return out if residual is None else (out, residual)
 
 
@@ -199,3 +206,19 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """
     d = x.shape[-1] // 2
     return F.silu(x[..., :d]) * x[..., d:]
+
+
+def gelu_and_mul(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GeGLU activation (Shazeer 2020): ``gelu(x[..., :d]) * x[..., d:]``, GELU exact
+    (``approximate="none"``) or with PyTorch's tanh approximation (``"tanh"``: Gemma's
+    ``gelu_pytorch_tanh``), as transformers' ``ACT2FN`` computes it in the activation dtype.
+
+    Args:
+        x: ``[..., 2 * d]`` (gate and up projections concatenated).
+        approximate: ``"none"`` or ``"tanh"``, as ``F.gelu``'s argument.
+
+    Returns:
+        ``[..., d]``, ``x``'s dtype.
+    """
+    d = x.shape[-1] // 2
+    return F.gelu(x[..., :d], approximate=approximate) * x[..., d:]

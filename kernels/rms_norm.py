@@ -24,12 +24,16 @@ def rms_norm(
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
+    *,
+    weight_offset: float = 0.0,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Root-mean-square layer norm (Zhang & Sennrich 2019), optionally fused with a residual add.
 
-    Matches Hugging Face's ``LlamaRMSNorm`` and the reference rounding for rounding: the
-    residual sum is rounded to ``x``'s dtype, normalised in float32, rounded to ``x``'s dtype,
-    then multiplied by ``weight``. One program normalises one row.
+    Matches the reference rounding for rounding. The residual sum is rounded to ``x``'s dtype
+    and normalised in float32; with ``weight_offset`` 0.0 (Hugging Face's ``LlamaRMSNorm``) the
+    result is rounded to ``x``'s dtype, then multiplied by ``weight``; with 1.0 (Gemma's
+    ``GemmaRMSNorm``) it is multiplied by ``1 + weight`` in float32 and rounded once. One
+    program normalises one row.
 
     Args:
         x: ``[..., hidden_size]`` float16, bfloat16 or float32, contiguous in the last dim.
@@ -37,17 +41,21 @@ def rms_norm(
         eps: added to the mean square before the reciprocal square root (>= 0).
         residual: optional, ``x``'s shape and dtype; when given, ``x + residual`` is
             normalised and also returned as the new residual.
+        weight_offset: 0.0 (scale by ``weight``) or 1.0 (scale by ``1 + weight``, Gemma).
 
     Returns:
-        ``out`` ``[..., hidden_size]`` in ``promote_types(weight.dtype, x.dtype)`` (as
-        ``weight * h`` does in PyTorch), or ``(out, x + residual)`` when ``residual`` is given.
-        Inputs are not modified.
+        ``out`` ``[..., hidden_size]``, or ``(out, x + residual)`` when ``residual`` is given;
+        ``out`` is in ``promote_types(weight.dtype, x.dtype)`` (as ``weight * h`` does in
+        PyTorch) with ``weight_offset`` 0.0, in ``x``'s dtype with 1.0. Inputs are not
+        modified.
 
     Raises:
         ValueError: wrong dtype, shape, device or layout of an argument, ``eps`` negative or not
-            finite, or ``hidden_size`` above 65536.
+            finite, ``weight_offset`` neither 0.0 nor 1.0, or ``hidden_size`` above 65536.
     """
     fn = "rms_norm"
+    if weight_offset not in (0.0, 1.0) or isinstance(weight_offset, bool):
+        raise ValueError(f"{fn}: weight_offset must be 0.0 or 1.0, got {weight_offset!r}")
     check_tensor(fn, "x", x, dtypes=FLOAT_DTYPES)
     if x.dim() == 0:
         raise ValueError(f"{fn}: x must be [..., hidden_size], got a 0-D tensor")
@@ -66,7 +74,8 @@ def rms_norm(
     check_same_device(fn, tensors)
 
     rows = x.reshape(-1, hidden)
-    out = torch.empty(x.shape, dtype=torch.promote_types(weight.dtype, x.dtype), device=x.device)
+    out_dtype = x.dtype if weight_offset else torch.promote_types(weight.dtype, x.dtype)
+    out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     res_rows = rows if residual is None else residual.reshape(-1, hidden)
     # Row-major like `out`, as the kernel writes both (empty_like keeps a permuted x's strides).
     new_residual = (
@@ -84,6 +93,7 @@ def rms_norm(
             hidden,
             float(eps),
             HAS_RESIDUAL=residual is not None,
+            WEIGHT_OFFSET=float(weight_offset),
             BLOCK=triton.next_power_of_2(hidden),
         )
     return out if residual is None else (out, new_residual)
@@ -101,6 +111,7 @@ def _rms_norm_kernel(
     hidden,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    WEIGHT_OFFSET: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -115,6 +126,12 @@ def _rms_norm_kernel(
         tl.store(new_res_ptr + row * hidden + cols, h, mask=mask)
         h = h.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, axis=0) / hidden + eps)
-    normed = (h * rstd).to(x_dtype).to(tl.float32)
+    normed = h * rstd
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if WEIGHT_OFFSET == 0.0:
+        # Llama rounds the normalised row to x's dtype before scaling.
+        normed = normed.to(x_dtype).to(tl.float32)
+    else:
+        # Gemma scales by (offset + weight) in float32 and rounds once, at the store.
+        w = w + WEIGHT_OFFSET
     tl.store(out_ptr + row * hidden + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)

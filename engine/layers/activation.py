@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kvpilot.engine.layers.custom_op import CustomOp
 from kvpilot.kernels import reference
@@ -56,13 +55,17 @@ class GeluAndMul(CustomOp):
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., 2 * d]`` (gate, then up) -> ``[..., d]``, same dtype."""
-        d = x.shape[-1] // 2
-        return F.gelu(x[..., :d], approximate=self.approximate) * x[..., d:]
+        return reference.gelu_and_mul(x, self.approximate)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
-        """As :meth:`forward_native`: there is no GeGLU Triton kernel yet, so the GPU path runs
-        PyTorch's fused CUDA GELU and one multiply (two elementwise kernels instead of one)."""
-        return self.forward_native(x)
+        """As :meth:`forward_native`, in one kernel; ``x`` contiguous in its last dimension.
+
+        Raises:
+            ValueError: from the kernel's input checks (an odd last dimension, a strided one).
+        """
+        from kvpilot.kernels.activation import gelu_and_mul
+
+        return gelu_and_mul(x, self.approximate)
 
 
 # ``hidden_act`` of a Hugging Face config -> the gated activation over a stacked gate/up output.

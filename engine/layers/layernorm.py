@@ -24,6 +24,9 @@ class RMSNorm(CustomOp):
         kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
     """
 
+    # Added to the weight before scaling (``rms_norm``'s ``weight_offset``); Gemma's is 1.0.
+    weight_offset = 0.0
+
     def __init__(self, hidden_size: int, eps: float, kernel_backend: str = "torch") -> None:
         super().__init__(kernel_backend)
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
@@ -39,7 +42,9 @@ class RMSNorm(CustomOp):
             ``out`` shaped like ``x`` in ``x``'s dtype (for a weight of that dtype), or
             ``(out, x + residual)``: the normalised sum and the new residual stream.
         """
-        return reference.rms_norm(x, self.weight, self.eps, residual)
+        return reference.rms_norm(
+            x, self.weight, self.eps, residual, weight_offset=self.weight_offset
+        )
 
     def forward_triton(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -52,7 +57,7 @@ class RMSNorm(CustomOp):
         """
         from kvpilot.kernels.rms_norm import rms_norm
 
-        return rms_norm(x, self.weight, self.eps, residual)
+        return rms_norm(x, self.weight, self.eps, residual, weight_offset=self.weight_offset)
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -63,7 +68,9 @@ class GemmaRMSNorm(RMSNorm):
     Checkpoints store ``weight`` as the offset from 1 (zeros are the identity scale). Follows
     Hugging Face's ``GemmaRMSNorm``: normalised and scaled in float32, rounded to the input dtype
     once at the end (where :class:`RMSNorm` rounds before scaling); the residual sum is rounded
-    to the input dtype, as ``residual + x`` is in Gemma's decoder layers.
+    to the input dtype, as ``residual + x`` is in Gemma's decoder layers. Both paths are
+    :class:`RMSNorm`'s with ``weight_offset`` 1.0: the reference and the Triton ``rms_norm``
+    kernel (the residual add fused) round alike; ``out`` is in the input dtype.
 
     Args:
         hidden_size: size of the normalised (last) dimension.
@@ -71,22 +78,4 @@ class GemmaRMSNorm(RMSNorm):
         kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
     """
 
-    def forward_native(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`RMSNorm.forward_native`, scaled by ``1 + weight``; ``out`` in ``x``'s dtype."""
-        if residual is not None:
-            x = x + residual
-            residual = x
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (h * (1.0 + self.weight.float())).to(x.dtype)
-        return out if residual is None else (out, residual)
-
-    def forward_triton(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """As :meth:`forward_native`: the Triton ``rms_norm`` kernel rounds before scaling and
-        has no unit offset, so the GPU path runs the PyTorch ops (vLLM's ``GemmaRMSNorm`` has
-        no custom kernel either)."""
-        return self.forward_native(x, residual)
+    weight_offset = 1.0

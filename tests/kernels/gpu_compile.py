@@ -160,6 +160,8 @@ def _cases() -> list[tuple[str, Callable[[], None]]]:
         reshape_and_cache.reshape_and_cache(kv, kv, cache, cache, torch.arange(4))
 
     x = torch.zeros(4, 4096, dtype=bf16)
+    gemma_x = torch.zeros(4, 3072, dtype=bf16)  # Gemma-7B: hidden 3072, intermediate 24576
+    gemma_gate_up = torch.zeros(4, 2 * 24576, dtype=bf16)
     return [
         ("attention llama3-8b bf16 decode", attention_case(bf16, 32, 8, 128, [1, 1, 1, 1])),
         (
@@ -176,12 +178,22 @@ def _cases() -> list[tuple[str, Callable[[], None]]]:
         ("attention gemma3 bf16 head_dim 256", attention_case(bf16, 4, 1, 256, [1, 40])),
         ("reshape_and_cache bf16", cache_write),
         ("rms_norm bf16 residual", lambda: rms_norm.rms_norm(x, x[0], 1e-5, x)),
+        (
+            "rms_norm gemma bf16",
+            lambda: rms_norm.rms_norm(gemma_x, gemma_x[0], 1e-6, weight_offset=1.0),
+        ),
+        (
+            "rms_norm gemma bf16 residual",
+            lambda: rms_norm.rms_norm(gemma_x, gemma_x[0], 1e-6, gemma_x, weight_offset=1.0),
+        ),
         ("rotary_embedding neox", lambda: rope(True)),
         ("rotary_embedding gptj", lambda: rope(False)),
         (
             "silu_and_mul bf16",
             lambda: activation.silu_and_mul(torch.zeros(4, 2 * 14336, dtype=bf16)),
         ),
+        ("gelu_and_mul tanh gemma bf16", lambda: activation.gelu_and_mul(gemma_gate_up, "tanh")),
+        ("gelu_and_mul exact gemma bf16", lambda: activation.gelu_and_mul(gemma_gate_up)),
     ]
 
 

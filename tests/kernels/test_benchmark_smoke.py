@@ -27,7 +27,8 @@ def test_smoke_run_reports_correct_kernels(tmp_path: pathlib.Path) -> None:
     results = json.loads(out.read_text())
     kernels = {row["kernel"].split(" ")[0] for row in results["correctness"]}
     assert kernels == {
-        "rms_norm", "silu_and_mul", "rotary_embedding", "reshape_and_cache", "unified_attention"
+        "rms_norm", "silu_and_mul", "gelu_and_mul", "rotary_embedding",
+        "reshape_and_cache", "unified_attention",
     }  # fmt: skip
     assert all(row["ok"] for row in results["correctness"]), results["correctness"]
     # The flex_attention peer reads the same paged cache and must agree with the reference.

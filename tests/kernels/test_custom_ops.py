@@ -1,22 +1,26 @@
 """The engine's layers on the Triton path (interpreter on CPU) against their torch path: RMSNorm
-with and without the fused residual add, SiluAndMul, RotaryEmbedding (plain and rope-scaled),
-and whole Qwen3 (q/k norms included), Granite, Phi-3 and Gemma forward passes."""
+and GemmaRMSNorm with and without the fused residual add, SiluAndMul, GeluAndMul (exact and
+tanh), RotaryEmbedding (plain and rope-scaled), and whole Qwen3 (q/k norms included), Granite,
+Phi-3 and Gemma forward passes in which every layer op launches its Triton kernel."""
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable
 
 import pytest
 import torch
 import transformers
+import triton
 
 from kvpilot.engine.attention import AttentionMetadata
-from kvpilot.engine.layers.activation import SiluAndMul
+from kvpilot.engine.layers.activation import GeluAndMul, SiluAndMul
 from kvpilot.engine.layers.custom_op import CustomOp
-from kvpilot.engine.layers.layernorm import RMSNorm
+from kvpilot.engine.layers.layernorm import GemmaRMSNorm, RMSNorm
 from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding
 from kvpilot.engine.model_loader import load_model
 from kvpilot.engine.model_runner import allocate_kv_caches
+from kvpilot.kernels import activation, rms_norm, rotary_embedding
 
 pytestmark = pytest.mark.kernel
 
@@ -43,10 +47,11 @@ def _rope_config(**rope: object) -> transformers.LlamaConfig:
     )
 
 
+@pytest.mark.parametrize("norm_cls", [RMSNorm, GemmaRMSNorm])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
-def test_rms_norm_paths_agree(dtype: torch.dtype, with_residual: bool) -> None:
-    norms = {name: RMSNorm(72, 1e-5, name) for name in BACKENDS}
+def test_rms_norm_paths_agree(dtype: torch.dtype, with_residual: bool, norm_cls: type) -> None:
+    norms = {name: norm_cls(72, 1e-5, name) for name in BACKENDS}
     weight = _randn(72, seed=1).to(dtype)
     for norm in norms.values():
         norm.weight.data = weight
@@ -77,12 +82,22 @@ def test_rms_norm_per_head_view() -> None:
     torch.testing.assert_close(outs["triton"], outs["torch"], atol=1e-6, rtol=1e-5)
 
 
+ACT_AND_MULS = {
+    "silu": SiluAndMul,
+    "gelu": lambda backend: GeluAndMul("none", backend),
+    "gelu_tanh": lambda backend: GeluAndMul("tanh", backend),  # Gemma's
+}
+
+
+@pytest.mark.parametrize("act", list(ACT_AND_MULS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_silu_and_mul_paths_agree(dtype: torch.dtype) -> None:
-    x = _randn(2, 3, 2 * 40, dtype=dtype, seed=5)
-    got, want = SiluAndMul("triton")(x), SiluAndMul("torch")(x)
-    assert got.shape == want.shape == (2, 3, 40)
-    torch.testing.assert_close(got, want, **_tolerance(dtype))
+def test_act_and_mul_paths_agree(dtype: torch.dtype, act: str) -> None:
+    x = _randn(2, 3, 2 * 41, dtype=dtype, seed=5).mul(4)
+    got, want = ACT_AND_MULS[act]("triton")(x), ACT_AND_MULS[act]("torch")(x)
+    assert got.shape == want.shape == (2, 3, 41)
+    assert got.dtype == want.dtype == dtype
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else _tolerance(dtype)
+    torch.testing.assert_close(got, want, **tol)
 
 
 ROPE_SCALINGS = {
@@ -153,21 +168,77 @@ def _kernel_backends(model: torch.nn.Module) -> set[str]:
     return {m.kernel_backend for m in model.modules() if isinstance(m, CustomOp)}
 
 
+class _CountingKernel:
+    """Stands in for a Triton kernel: ``kernel[grid](...)`` appends its name to ``launches``,
+    then launches it."""
+
+    def __init__(self, kernel: triton.runtime.jit.KernelInterface, name: str, launches: list):
+        self.kernel, self.name, self.launches = kernel, name, launches
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Callable[..., None]:
+        def launch(*args: object, **kwargs: object) -> None:
+            self.launches.append(self.name)
+            self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def _record_layer_kernel_launches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the layer kernels (norm, activation, rotary) launched from now on."""
+    launches: list[str] = []
+    for module in (activation, rms_norm, rotary_embedding):
+        for name, kernel in list(vars(module).items()):
+            # Launched kernels only: jit helpers are called from inside them.
+            if name.endswith("_kernel") and isinstance(kernel, triton.runtime.jit.KernelInterface):
+                monkeypatch.setattr(module, name, _CountingKernel(kernel, name, launches))
+    return launches
+
+
+def _op_implementations(model: torch.nn.Module, launches: list[str]) -> dict[str, set[str]]:
+    """Hook every layer op of ``model``; the returned dict fills in, per op class, with
+    ``"triton"`` for each call that launched a Triton kernel and ``"torch"`` for one that did
+    not."""
+    ran: dict[str, set[str]] = defaultdict(set)
+    before: dict[int, int] = {}
+
+    def pre_hook(op: torch.nn.Module, args: object) -> None:
+        before[id(op)] = len(launches)
+
+    def post_hook(op: torch.nn.Module, args: object, output: object) -> None:
+        ran[type(op).__name__].add("triton" if len(launches) > before[id(op)] else "torch")
+
+    for op in model.modules():
+        if isinstance(op, CustomOp):
+            op.register_forward_pre_hook(pre_hook)
+            op.register_forward_hook(post_hook)
+    return ran
+
+
 @pytest.mark.parametrize(
-    ("architecture", "overrides"),
+    ("architecture", "overrides", "ops"),
     [
-        ("qwen3", {}),
+        ("qwen3", {}, {"RMSNorm", "SiluAndMul", "RotaryEmbedding"}),
         # The attention kernel with Granite's scale; the rotary kernel on 3/4 of each head.
-        ("granite", {"attention_multiplier": 0.15, "residual_multiplier": 0.5}),
-        ("phi3", {"partial_rotary_factor": 0.75}),
-        # Gemma's norm and GeGLU have no kernels: their Triton path is the torch one.
-        ("gemma", {"head_dim": 32}),
+        (
+            "granite",
+            {"attention_multiplier": 0.15, "residual_multiplier": 0.5},
+            {"RMSNorm", "SiluAndMul", "RotaryEmbedding"},
+        ),
+        ("phi3", {"partial_rotary_factor": 0.75}, {"RMSNorm", "SiluAndMul", "RotaryEmbedding"}),
+        # Gemma's (1 + weight) norm and tanh GeGLU: rms_norm's weight offset, gelu_and_mul.
+        ("gemma", {"head_dim": 32}, {"GemmaRMSNorm", "GeluAndMul", "RotaryEmbedding"}),
     ],
 )
-def test_forward_paths_agree(tiny_model_dir: Callable, architecture: str, overrides: dict) -> None:
+def test_forward_paths_agree(
+    tiny_model_dir: Callable,
+    monkeypatch: pytest.MonkeyPatch,
+    architecture: str,
+    overrides: dict,
+    ops: set[str],
+) -> None:
     # One 6-token prefill and a 3-token chunk over 9 cached tokens, in one batch: the Triton
-    # model runs every layer kernel (q/k norms, fused residual norms, rotary, SiLU-and-mul)
-    # and the attention kernels.
+    # model runs every layer kernel (q/k norms, fused residual norms, rotary, the gated
+    # activation) and the attention kernels; every layer op reports launching its kernel.
     folder = tiny_model_dir(architecture, **overrides)
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor([0, 1, 2, 3, 4, 5, 17, 18, 19]),
@@ -179,16 +250,23 @@ def test_forward_paths_agree(tiny_model_dir: Callable, architecture: str, overri
     )
     input_ids = torch.randint(3, 49152, (9,), generator=torch.Generator().manual_seed(7))
     positions = torch.tensor([0, 1, 2, 3, 4, 5, 9, 10, 11])
+    launches = _record_layer_kernel_launches(monkeypatch)
     hidden = {}
     for name in BACKENDS:
         model = load_model(folder, torch.float32, "cpu", attention_backend=name)
         # [num_blocks, k/v, block_size, kv_heads, head_dim]
         cached = _randn(4, 2, 8, model.num_kv_heads, model.head_dim, seed=8)
         assert _kernel_backends(model) == {name}
+        # Checkpoint norms are ones (Gemma's zeros): perturb them so `1 + weight` matters.
+        norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+        for seed, norm in enumerate(norms):
+            norm.weight.data += 0.1 * _randn(*norm.weight.shape, seed=100 + seed)
+        implementations = _op_implementations(model, launches)
         kv_caches = allocate_kv_caches(model, 4, 8, torch.device("cpu"))
         for k_cache, v_cache in kv_caches:
             k_cache.copy_(cached[:, 0])
             v_cache.copy_(cached[:, 1])
         with torch.inference_mode():
             hidden[name] = model(input_ids, positions, kv_caches, metadata)
+        assert implementations == {op: {name} for op in ops}
     torch.testing.assert_close(hidden["triton"], hidden["torch"], atol=1e-5, rtol=1e-5)

@@ -39,7 +39,7 @@ def test_all_launches_compile(capability: int) -> None:
         "_reshape_and_cache_kernel",
         "_rms_norm_kernel",
         "_rotary_embedding_kernel",
-        "_silu_and_mul_kernel",
+        "_act_and_mul_kernel",
     }
     failed = [f"{r['case']} / {r['kernel']}: {r['error']}" for r in results if not r["ok"]]
     assert not failed, "\n".join(failed)
