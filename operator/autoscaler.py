@@ -45,7 +45,9 @@ How it decides, in order (docs/autoscaling.md explains each rule):
    load down to what the forecast needs within a start-up time. A reactive scale-up during a
    forecast burst that ends before the new pods would be ready is held at the forecast for
    when they would be (not below the current replicas), unless the load seen now is above the
-   forecast. Without a period: rules 1-8 unchanged.
+   forecast. A forecast burst that does not come (the load stays at or below half the
+   forecast) is a miss: the history before it stops counting for the forecast, so a changed
+   period is learned again from the new bursts. Without a period: rules 1-8 unchanged.
 """
 
 from __future__ import annotations
@@ -55,7 +57,13 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
-from kvpilot.operator.forecast import BUCKET_SECONDS, DemandHistory, burst_ceiling, predict
+from kvpilot.operator.forecast import (
+    BUCKET_SECONDS,
+    DemandHistory,
+    ForecastMemory,
+    burst_ceiling,
+    verified_predict,
+)
 from kvpilot.operator.signals import MetricSample, Signals, summarize
 from kvpilot.operator.spec import AutoscalingSpec, LLMDeploymentSpec, SpecError
 
@@ -242,6 +250,8 @@ class AutoscalerMemory:
             that would justify it is gone).
         demand: the replicas each scrape interval's load needed, downsampled and bounded
             (:class:`~kvpilot.operator.forecast.DemandHistory`), for the burst forecast.
+        forecast: the burst forecast and not yet checked, and since when the history counts
+            for the forecast (:class:`~kvpilot.operator.forecast.ForecastMemory`).
     """
 
     recommendations: tuple[tuple[float, int], ...] = ()
@@ -252,6 +262,7 @@ class AutoscalerMemory:
     replica_tokens_per_second: float | None = None
     first_decision: float | None = None
     demand: DemandHistory = field(default_factory=DemandHistory)
+    forecast: ForecastMemory = field(default_factory=ForecastMemory)
 
 
 @dataclass(frozen=True)
@@ -433,11 +444,12 @@ def decide(
     )
     observed = min(load_now, policy.max_replicas)
     memory = replace(memory, demand=memory.demand.record(now, observed))
-    prediction = (
-        predict(memory.demand, now, fleet.startup_seconds + BUCKET_SECONDS)
-        if policy.predictive_scaling
-        else None
-    )
+    prediction = None
+    if policy.predictive_scaling:
+        prediction, forecast = verified_predict(
+            memory.demand, memory.forecast, now, fleet.startup_seconds + BUCKET_SECONDS
+        )
+        memory = replace(memory, forecast=forecast)
     predicted = math.ceil(prediction.replicas - 1e-9) if prediction else 0
     panicking = memory.panic_until is not None and now < memory.panic_until
     if panic_raw >= PANIC_THRESHOLD * fleet.ready_replicas:

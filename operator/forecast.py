@@ -6,7 +6,7 @@ batch client every five minutes, a cron job, the top of the hour) are predictabl
 :func:`kvpilot.operator.autoscaler.decide` uses this module to ask for their replicas one
 start-up time ahead. Pure: no clock, no I/O.
 
-The algorithm, in four steps:
+The algorithm, in six steps:
 
 1. **History** (:class:`DemandHistory`): the replicas the load needed, one value per
    ``BUCKET_SECONDS`` bucket (the largest demand decided in it; a bucket without a decision
@@ -35,6 +35,19 @@ The algorithm, in four steps:
    When the forecast says the burst ends before then, and the load seen now is the forecast
    one (not a surge above it), replicas beyond the forecast for that time would arrive after
    the burst: the decision asks for no more than that forecast.
+6. **Verification** (:func:`verified_predict`): a forecast is judged against the data that
+   came after it (Hyndman and Athanasopoulos, section 5.8). The first burst forecast over
+   the horizon is remembered (:class:`ExpectedBurst`: from the forecast's peak for as long
+   as the forecast stays above ``1 / BURST_RATIO`` of it, the "burst is over" of step 5).
+   Once that window is over, the burst came if the demand recorded over it, one bucket
+   wider on each side, rose above ``1 / BURST_RATIO`` of the forecast peak
+   (:func:`burst_missed`). If it did not, the forecast missed, and the history before the
+   burst it was read from (one period before the missed one) no longer counts: periods are
+   detected, and bursts forecast, only from there on (:attr:`ForecastMemory.since`). That
+   leaves less than two periods, so no period at first: a changed period is learned from
+   the last burst of the old one and the new ones, as at start-up, instead of being
+   outvoted by an hour of the old period; two one-off spikes that made a period give one
+   phantom forecast, after which the one spike left is no period.
 """
 
 from __future__ import annotations
@@ -97,6 +110,13 @@ class DemandHistory:
     def end(self) -> float:
         """End of the last bucket, seconds."""
         return self.start + len(self.values) * BUCKET_SECONDS
+
+    def since(self, start: float | None) -> DemandHistory:
+        """The buckets that begin at ``start`` or later (all of them when ``start`` is None)."""
+        if start is None or start <= self.start:
+            return self
+        dropped = min(math.ceil((start - self.start) / BUCKET_SECONDS - 1e-9), len(self.values))
+        return DemandHistory(self.start + dropped * BUCKET_SECONDS, self.values[dropped:])
 
     def record(self, now: float, demand: float) -> DemandHistory:
         """This history with ``demand`` (replicas) decided at ``now`` (seconds).
@@ -242,8 +262,7 @@ def predict(history: DemandHistory, now: float, horizon_seconds: float) -> Predi
     if found is None:
         return None
     lag, correlation = found
-    last_period = history.values[-lag:]
-    if max(last_period) < BURST_RATIO * float(np.median(last_period)):
+    if max(history.values[-lag:]) < BURST_RATIO * _level(history, lag):
         return None
     period = lag * BUCKET_SECONDS
     peak = seasonal_naive_peak(history, period, now, now + horizon_seconds)
@@ -251,6 +270,12 @@ def predict(history: DemandHistory, now: float, horizon_seconds: float) -> Predi
         return None
     replicas, when = peak
     return Prediction(period, correlation, replicas, when - now)
+
+
+def _level(history: DemandHistory, lag: int) -> float:
+    """The demand's level over the last ``lag`` buckets (their median): what a burst rises
+    ``BURST_RATIO`` times above."""
+    return float(np.median(history.values[-lag:]))
 
 
 def burst_ceiling(
@@ -288,3 +313,115 @@ def burst_ceiling(
     ends_first = later[0] * BURST_RATIO <= expected[0]
     foreseen = observed <= expected[0] * SURGE_TOLERANCE + SURGE_SLACK_REPLICAS
     return later[0] if ends_first and foreseen else None
+
+
+@dataclass(frozen=True)
+class ExpectedBurst:
+    """A burst the forecast expects, checked once its time has passed (step 6).
+
+    Attributes:
+        start: first time the forecast is at its peak, seconds.
+        end: last time, from ``start`` on, that the forecast is above ``1 / BURST_RATIO`` of
+            its peak, seconds.
+        replicas: the forecast peak, replicas.
+        basis: a time just before the burst the forecast was read from (``start`` less a
+            period and ``ONSET_BUCKETS`` buckets, so that its rise is kept): on a miss, the
+            history before it stops counting.
+    """
+
+    start: float
+    end: float
+    replicas: float
+    basis: float
+
+
+@dataclass(frozen=True)
+class ForecastMemory:
+    """What the verification (step 6) keeps between decisions; start from ``ForecastMemory()``.
+
+    Attributes:
+        expected: the burst forecast and not yet checked, or None.
+        since: periods are detected and bursts forecast only from the history recorded from
+            this time on (seconds), set by the last miss; None: the whole history counts.
+    """
+
+    expected: ExpectedBurst | None = None
+    since: float | None = None
+
+
+def expected_burst(
+    history: DemandHistory, period_seconds: float, now: float, horizon_seconds: float
+) -> ExpectedBurst | None:
+    """The burst the seasonal-naive forecast expects within ``[now, now + horizon_seconds]``,
+    or None when the forecast over it stays below ``BURST_RATIO`` times the level (the median
+    of the last period): no burst is due, only the level.
+
+    Args:
+        history: the demand history the period was detected on.
+        period_seconds: the period (from :func:`predict`).
+        now: the current time, seconds.
+        horizon_seconds: how far ahead, seconds.
+    """
+    peak = seasonal_naive_peak(history, period_seconds, now, now + horizon_seconds)
+    lag = round(period_seconds / BUCKET_SECONDS)
+    if peak is None or peak[0] < BURST_RATIO * _level(history, lag):
+        return None
+    replicas, start = peak
+    end = start
+    while end < start + period_seconds:
+        later = seasonal_naive_peak(
+            history, period_seconds, end + BUCKET_SECONDS, end + BUCKET_SECONDS
+        )
+        if later is None or later[0] * BURST_RATIO <= replicas:
+            break
+        end += BUCKET_SECONDS
+    basis = start - period_seconds - ONSET_BUCKETS * BUCKET_SECONDS
+    return ExpectedBurst(start, end, replicas, basis)
+
+
+def burst_missed(history: DemandHistory, expected: ExpectedBurst) -> bool | None:
+    """Whether the expected burst failed to come (step 6).
+
+    Returns:
+        None while its window (plus a bucket, for the metric windows' lag) is not over; True
+        when the demand recorded from a bucket before ``expected.start`` to a bucket after
+        ``expected.end`` stayed at or below ``1 / BURST_RATIO`` of ``expected.replicas``;
+        False when it rose above, or when the history does not hold the window (a gap
+        restarted it: nothing to judge).
+    """
+    if history.end <= expected.end + BUCKET_SECONDS:
+        return None
+    first = max(math.floor((expected.start - history.start) / BUCKET_SECONDS) - 1, 0)
+    last = math.floor((expected.end - history.start) / BUCKET_SECONDS) + 1
+    seen = history.values[first : last + 1]
+    return bool(seen) and max(seen) * BURST_RATIO <= expected.replicas
+
+
+def verified_predict(
+    history: DemandHistory, memory: ForecastMemory, now: float, horizon_seconds: float
+) -> tuple[Prediction | None, ForecastMemory]:
+    """:func:`predict` on the history the verification still trusts (step 6).
+
+    In order: the expected burst, once its window is over, is checked (:func:`burst_missed`;
+    a miss moves ``since`` to its ``basis``); the prediction is made from the history since
+    ``since``; when none is awaited, the burst it forecasts over the horizon (if any) is.
+
+    Args:
+        history: the demand history, recorded up to ``now``.
+        memory: the previous call's (``ForecastMemory()`` the first time).
+        now: the current time, seconds.
+        horizon_seconds: how far ahead, seconds.
+
+    Returns:
+        ``(prediction or None, memory for the next call)``.
+    """
+    expected, since = memory.expected, memory.since
+    if expected is not None and (missed := burst_missed(history, expected)) is not None:
+        if missed:
+            since = max(expected.basis, since if since is not None else -math.inf)
+        expected = None
+    trusted = history.since(since)
+    prediction = predict(trusted, now, horizon_seconds)
+    if prediction is not None and expected is None:
+        expected = expected_burst(trusted, prediction.period_seconds, now, horizon_seconds)
+    return prediction, ForecastMemory(expected, since)

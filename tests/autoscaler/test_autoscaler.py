@@ -418,13 +418,17 @@ STARTUP = dict(tick=15.0, startup=120.0, startup_seconds=120.0)
 LEARNED = AutoscalerMemory(replica_tokens_per_second=1e12)
 
 
+async def drive_bursts(demand, minutes):
+    """``drive`` from 2 replicas with a pod start-up of 120 s, up to 20 replicas: the
+    decisions, and the times of those the forecast made (``PredictedBurst``)."""
+    policy = AutoscalingPolicy(max_replicas=20)
+    history = await drive(demand, policy, minutes=minutes, replicas=2, memory=LEARNED, **STARTUP)
+    return history, [when for when, d in history if d.reason == "PredictedBurst"]
+
+
 @pytest.mark.looptime
 async def test_recurring_bursts_get_their_replicas_one_startup_time_ahead():
-    policy = AutoscalingPolicy(max_replicas=20)
-    history = await drive(
-        recurring_bursts, policy, minutes=30, replicas=2, memory=LEARNED, **STARTUP
-    )
-    predicted = [when for when, d in history if d.reason == "PredictedBurst"]
+    history, predicted = await drive_bursts(recurring_bursts, minutes=30)
     # Two bursts (240 s, 540 s) teach the period; from the third on, pods are asked for a
     # start-up time (plus a tick) ahead, so they are ready when the burst comes. (The forecast
     # grows over two ticks; the pods of its first step, still starting, do not hold the next.)
@@ -437,6 +441,29 @@ async def test_recurring_bursts_get_their_replicas_one_startup_time_ahead():
         assert replicas_at(history, burst - 160) <= 3
     message = next(d.message for when, d in history if d.reason == "PredictedBurst")
     assert "predicted recurring burst in" in message and "(period 300s)" in message
+
+
+def changing_bursts(t):
+    """The bursts of ``recurring_bursts`` up to the one at 1740 s, then every 420 s."""
+    return recurring_bursts(t) if t < 1800 else 6.0 if (t - 1740) % 420 < 60 else 1.0
+
+
+@pytest.mark.looptime
+async def test_a_changed_period_is_learned_again_from_two_new_bursts():
+    history, predicted = await drive_bursts(changing_bursts, minutes=60)
+    # The old period's last forecast burst (2040 s) does not come; then no forecast until
+    # the new bursts (2160, 2580, 3000 s, ...) show their period (before the check, the old
+    # period forecast 2460 s and 2880 s too, and took 46 minutes to find 420 s).
+    assert [when for when in predicted if 1905 < when < 2550] == []
+    period = [when for when, d in history if "(period 420s)" in d.message]
+    assert period[0] == 2550  # too late for pods to be ready by the burst at 2580 s
+    # The third new burst is the first one pre-scaled a start-up time ahead.
+    assert [when for when in predicted if 2580 < when <= 3000 - 120][0] == 2850
+    # ... with what the unserved burst at 2580 s was measured to need (2 pods, full, with a
+    # queue: 8); the burst at 3420 s, with what the served one at 3000 s needed.
+    assert replicas_at(history, 3000 - 120) == 8
+    assert replicas_at(history, 3420 - 120) == BURST_REPLICAS
+    assert history[-1][1].memory.forecast.since == 1680
 
 
 @pytest.mark.looptime

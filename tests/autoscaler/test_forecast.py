@@ -10,20 +10,24 @@ from kvpilot.operator.forecast import (
     BUCKET_SECONDS,
     HISTORY_SECONDS,
     DemandHistory,
+    ExpectedBurst,
+    ForecastMemory,
     burst_ceiling,
+    burst_missed,
     detect_period,
     onset_strength,
     predict,
     seasonal_naive_peak,
+    verified_predict,
 )
 
 PERIOD = 300.0
 BURST = 60.0
 
 
-def bursts(t, base=2.0, peak=13.0, first=240.0):
-    """The bursty trace's shape in replicas: ``peak`` for 60 s every 5 minutes from ``first``."""
-    return peak if t >= first and (t - first) % PERIOD < BURST else base
+def bursts(t, base=2.0, peak=13.0, first=240.0, period=PERIOD):
+    """The bursty trace's shape in replicas: ``peak`` for 60 s every ``period`` from ``first``."""
+    return peak if t >= first and (t - first) % period < BURST else base
 
 
 def history_of(demand, until, *, tick=BUCKET_SECONDS, start=0.0):
@@ -161,3 +165,92 @@ def test_a_burst_that_ends_before_new_pods_are_ready_caps_them_at_the_forecast()
     assert burst_ceiling(history_of(bursts, 800.0), PERIOD, 800.0, 120.0, observed=2.0) is None
     # No period-ago bucket for the pods' time: no cap.
     assert burst_ceiling(history, 3000.0, 870.0, 120.0, observed=13.0) is None
+
+
+def test_since_keeps_the_buckets_that_begin_at_or_after_a_time():
+    history = DemandHistory(100.0, (1, 2, 3, 4))
+    assert history.since(130.0) == history.since(125.0) == DemandHistory(130.0, (3, 4))
+    assert history.since(None) == history.since(50.0) == history
+    assert history.since(1000.0) == DemandHistory(160.0, ())
+
+
+def test_a_burst_is_missed_when_the_demand_stays_at_half_its_forecast_or_below():
+    # The burst was forecast at 45..90 s (13 replicas); it is judged from 30 s to 105 s.
+    expected = ExpectedBurst(start=45.0, end=90.0, replicas=13.0, basis=0.0)
+    came = DemandHistory(0.0, (2, 2, 2, 13, 13, 13, 13, 2, 2, 2))
+    assert burst_missed(came, expected) is False
+    assert burst_missed(DemandHistory(0.0, (2,) * 10), expected) is True
+    # Half the forecast (6.5) is no burst; a bucket above it is.
+    assert burst_missed(DemandHistory(0.0, (2, 2, 6.5, 2, 2, 2, 2, 6.5, 2, 2)), expected) is True
+    assert burst_missed(DemandHistory(0.0, (2, 2, 7, 2, 2, 2, 2, 2, 2, 2)), expected) is False
+    # Outside the window (one bucket either side) does not count.
+    assert burst_missed(DemandHistory(0.0, (13, 2, 2, 2, 2, 2, 2, 2, 13, 2)), expected) is True
+    # Not judged before a bucket after the window is recorded.
+    assert burst_missed(DemandHistory(0.0, (2,) * 7), expected) is None
+    # A gap restarted the history after the window: nothing to judge.
+    assert burst_missed(DemandHistory(600.0, (2,)), expected) is False
+
+
+def forecasts(demand, until):
+    """``verified_predict`` every 15 s against ``demand(t)``, 135 s ahead: the memory after
+    each call and the forecast bursts, as ``(time, period, due)``."""
+    history, memory, memories, predicted = DemandHistory(), ForecastMemory(), [], []
+    t = 0.0
+    while t <= until:
+        history = history.record(t, demand(t))
+        prediction, memory = verified_predict(history, memory, t, 135.0)
+        memories.append((t, memory))
+        if prediction is not None and prediction.replicas >= 13.0:
+            predicted.append((t, prediction.period_seconds, t + prediction.eta_seconds))
+        t += BUCKET_SECONDS
+    return memories, predicted
+
+
+def test_a_burst_that_comes_keeps_the_period():
+    memories, predicted = forecasts(bursts, 1800.0)
+    expected = [m.expected for _, m in memories if m.expected is not None]
+    # The third burst (840..900 s) is awaited from 690 s: forecast from 825 s (a bucket of
+    # slack) to 900 s, 13 replicas, read from the burst one period before.
+    assert expected[0] == ExpectedBurst(start=825.0, end=900.0, replicas=13.0, basis=480.0)
+    # Four bursts awaited and checked, all came: the whole history still counts.
+    assert sorted({e.start for e in expected}) == [825.0, 1125.0, 1425.0, 1725.0]
+    assert all(m.since is None for _, m in memories)
+    assert [p for p in predicted if p[0] == 1590.0] == [(1590.0, PERIOD, 1725.0)]
+
+
+def changing(t):
+    """Bursts every 300 s from 240 s to the one at 1740 s, then every 420 s."""
+    return bursts(t) if t < 1800.0 else bursts(t, first=1740.0, period=420.0)
+
+
+def test_a_missed_burst_drops_the_old_period_and_the_new_one_is_learned_from_two_bursts():
+    memories, predicted = forecasts(changing, 3600.0)
+    since = dict(memories)
+    # The burst due at 2040 s (300 s after the last old one) did not come: judged at 2115 s,
+    # the history before the last burst of the old period (1740 s, less 60 s) stops counting.
+    assert since[2100.0].since is None and since[2115.0].since == 1680.0
+    after = [p for p in predicted if p[0] > 2115.0]
+    # No forecast from the old period after the miss (without the check it would forecast
+    # the old phase, 300 s after each new burst: 2460 s, 2880 s).
+    assert {period for _, period, _ in after} == {420.0}
+    # The new bursts come at 2160, 2580, 3000 s; the two first teach the period (found at
+    # 2550 s, too late to start pods for 2580 s); the third gets its pods a start-up time
+    # ahead.
+    assert after[0] == (2550.0, 420.0, 2565.0)
+    timely = [p for p in after if p[2] - p[0] >= 120.0]
+    assert timely[0] == (2850.0, 420.0, 2985.0)
+
+
+def one_off_spikes(t):
+    """Two spikes of 13 replicas, 600 s apart, never again."""
+    return 13.0 if 600.0 <= t < 660.0 or 1200.0 <= t < 1260.0 else 2.0
+
+
+def test_two_one_off_spikes_give_one_phantom_forecast_and_the_miss_ends_it():
+    memories, predicted = forecasts(one_off_spikes, 3600.0)
+    # The spikes make a 600 s period: one phantom burst forecast, due at 1785 s.
+    ahead = [p for p in predicted if p[2] - p[0] >= 120.0]
+    assert {due for _, _, due in ahead} == {1785.0}
+    # It did not come: from then on only the second spike counts, and one spike is no period.
+    assert dict(memories)[3600.0] == ForecastMemory(expected=None, since=1140.0)
+    assert not [p for p in predicted if p[0] > 1875.0]
