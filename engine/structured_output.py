@@ -86,18 +86,20 @@ class StructuredOutputManager:
 
         Raises:
             ValueError: ``structured_outputs: ...`` naming what is invalid (a JSON Schema that
-                does not parse or uses an unsupported feature, a bad regex or grammar).
+                does not parse, or uses a keyword xgrammar would not enforce (see
+                ``check_xgrammar_support``), a bad regex or grammar).
         """
-        compiler = self._get_compiler()
         kind = params.kind
+        if kind == "json":
+            schema = _parse_json_schema(params.json)
+            try:
+                check_xgrammar_support(schema)
+            except ValueError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
+        compiler = self._get_compiler()
         any_whitespace = not params.disable_any_whitespace
         try:
             if kind == "json":
-                schema = params.json
-                if isinstance(schema, str):
-                    schema = json.loads(schema)
-                if not isinstance(schema, dict):
-                    raise ValueError("a JSON Schema must be a JSON object")
                 return compiler.compile_json_schema(
                     json.dumps(schema), any_whitespace=any_whitespace
                 )
@@ -200,7 +202,10 @@ class StructuredOutputManager:
 def check_json_schema(schema: dict[str, Any]) -> None:
     """Check that ``schema`` is a JSON Schema structured outputs can enforce, without compiling
     it against a vocabulary (xgrammar converts it to a grammar in about a millisecond and needs
-    no tokenizer). Keywords xgrammar does not know are ignored, as JSON Schema allows.
+    no tokenizer). Keywords xgrammar does not know are ignored, as JSON Schema allows, and so
+    are those it would not enforce: ``check_xgrammar_support`` refuses them when the schema
+    constrains an output (tools' parameters under ``tool_choice: "auto"`` only reach the
+    prompt).
 
     Raises:
         ValueError: what is wrong (e.g. ``Unsupported type "objekt"``), as xgrammar reports it.
@@ -211,6 +216,193 @@ def check_json_schema(schema: dict[str, Any]) -> None:
         xgrammar.Grammar.from_json_schema(json.dumps(schema))
     except (RuntimeError, ValueError, TypeError) as exc:
         raise ValueError(_reason(exc)) from None
+
+
+def _parse_json_schema(schema: str | dict[str, Any]) -> dict[str, Any]:
+    """``StructuredOutputsParams.json`` as a dict.
+
+    Raises:
+        ValueError: ``structured_outputs: invalid json: ...`` when it does not parse or is not
+            a JSON object.
+    """
+    try:
+        parsed = json.loads(schema) if isinstance(schema, str) else schema
+    except ValueError as exc:
+        raise ValueError(f"structured_outputs: invalid json: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("structured_outputs: invalid json: a JSON Schema must be a JSON object")
+    return parsed
+
+
+# Keywords xgrammar 0.2.9 ignores wherever they appear (it logs a warning and accepts output
+# that breaks them), checked against it one by one.
+_IGNORED_KEYWORDS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "minContains",
+    "maxContains",
+    "dependentSchemas",
+    "dependentRequired",
+    "dependencies",
+)
+# Keywords that constrain an instance (JSON Schema 2020-12 and draft 7's ``dependencies``);
+# the others (title, description, default, $defs, vendor extensions, ...) only annotate.
+_CONSTRAINTS = frozenset(
+    {
+        "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum",
+        "exclusiveMinimum", "maxLength", "minLength", "pattern", "format", "maxItems",
+        "minItems", "uniqueItems", "maxContains", "minContains", "maxProperties",
+        "minProperties", "required", "dependentRequired", "dependencies", "properties",
+        "patternProperties", "additionalProperties", "propertyNames", "items", "prefixItems",
+        "additionalItems", "contains", "unevaluatedItems", "unevaluatedProperties", "allOf",
+        "anyOf", "oneOf", "not", "if", "then", "else", "dependentSchemas", "$ref",
+    }
+)  # fmt: skip
+# xgrammar compiles these alone and drops every other constraint beside them.
+_EXCLUSIVE_KEYWORDS = ("$ref", "allOf", "anyOf", "oneOf")
+# Where subschemas sit: one schema, a list of schemas, or a map of names to schemas.
+_SUBSCHEMA_KEYWORDS = (
+    "items",
+    "additionalItems",
+    "additionalProperties",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+    "propertyNames",
+)
+_SUBSCHEMA_LIST_KEYWORDS = ("items", "prefixItems", "allOf", "anyOf", "oneOf")
+_SUBSCHEMA_MAP_KEYWORDS = ("properties", "patternProperties", "$defs", "definitions")
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "null": lambda v: v is None,
+    "boolean": lambda v: isinstance(v, bool),
+    "integer": lambda v: type(v) is int or (type(v) is float and v.is_integer()),
+    "number": lambda v: type(v) in (int, float),
+    "string": lambda v: isinstance(v, str),
+    "array": lambda v: isinstance(v, list),
+    "object": lambda v: isinstance(v, dict),
+}
+_PLAIN_KEY = re.compile(r"^[A-Za-z_$][\w$-]*$")
+
+
+def check_xgrammar_support(schema: dict[str, Any]) -> None:
+    """Refuse a JSON Schema that uses a feature xgrammar 0.2.9 does not enforce, as vLLM's
+    xgrammar backend does (``has_xgrammar_unsupported_json_features``): xgrammar only logs a
+    warning and compiles a grammar whose output may break the schema.
+
+    Checked against xgrammar 0.2.9, which accepts output that breaks: ``not``,
+    ``if``/``then``/``else``, ``contains``/``minContains``/``maxContains``,
+    ``dependentSchemas``, ``dependentRequired``, ``dependencies``, ``uniqueItems: true``,
+    ``multipleOf`` except an integral one on ``type: "integer"``, ``patternProperties`` and
+    ``propertyNames`` without ``type: "object"``, ``allOf`` with more than one subschema, any
+    constraint beside ``$ref``/``allOf``/``anyOf``/``oneOf`` (it compiles them alone; a
+    ``type`` every alternative has anyway is let through), beside
+    ``enum``/``const`` (other than ``type``) or ``minLength``/``maxLength`` beside
+    ``pattern``/``format``, and ``enum``/``const`` values of a type ``type`` excludes. It does
+    enforce ``unevaluatedProperties``/``unevaluatedItems`` and typed ``patternProperties``/
+    ``propertyNames``. Every subschema is checked, ``$defs`` included.
+
+    Raises:
+        ValueError: e.g. ``the JSON schema uses 'multipleOf' at $.properties.n, which is not
+            supported``.
+    """
+    _check_subschema(schema, "$")
+
+
+def _check_subschema(schema: Any, path: str) -> None:
+    if not isinstance(schema, dict):
+        return  # true, false, or not a schema (xgrammar reports the latter)
+    feature = _unsupported_feature(schema)
+    if feature is not None:
+        raise ValueError(f"the JSON schema uses {feature} at {path}, which is not supported")
+    types = _schema_types(schema)
+    for keyword in ("enum", "const"):
+        values = schema.get(keyword, []) if keyword == "enum" else [schema.get(keyword)]
+        if keyword in schema and types and isinstance(values, list):
+            for value in values:
+                if not any(_JSON_TYPES.get(t, lambda v: True)(value) for t in types):
+                    raise ValueError(
+                        f"the JSON schema at {path} has {json.dumps(value)} in {keyword!r}, "
+                        f"which its type ({', '.join(sorted(types))}) excludes"
+                    )
+    for keyword, value in schema.items():
+        if keyword in _SUBSCHEMA_KEYWORDS and isinstance(value, dict):
+            _check_subschema(value, f"{path}.{keyword}")
+        elif keyword in _SUBSCHEMA_LIST_KEYWORDS and isinstance(value, list):
+            for index, subschema in enumerate(value):
+                _check_subschema(subschema, f"{path}.{keyword}[{index}]")
+        elif keyword in _SUBSCHEMA_MAP_KEYWORDS and isinstance(value, dict):
+            for name, subschema in value.items():
+                key = f".{name}" if _PLAIN_KEY.match(str(name)) else f"[{json.dumps(name)}]"
+                _check_subschema(subschema, f"{path}.{keyword}{key}")
+
+
+def _unsupported_feature(schema: dict[str, Any]) -> str | None:
+    """The first feature of ``schema`` itself (not its subschemas) xgrammar would not enforce
+    (ignored keywords in the schema's order first),
+    quoted for a message (``'not'``, ``'allOf' with 2 subschemas``), or None."""
+    for keyword in schema:
+        if keyword in _IGNORED_KEYWORDS:
+            return repr(keyword)
+    if schema.get("uniqueItems", False) is not False:
+        return "'uniqueItems'"
+    types = _schema_types(schema)
+    if "multipleOf" in schema:
+        divisor = schema["multipleOf"]
+        integral = type(divisor) in (int, float) and float(divisor).is_integer()
+        if not (integral and "integer" in types and "number" not in types):
+            return "'multipleOf'"
+    for keyword in ("patternProperties", "propertyNames"):
+        if keyword in schema and "object" not in types:
+            return repr(keyword)
+    all_of = schema.get("allOf")
+    if isinstance(all_of, list) and len(all_of) != 1:
+        return f"'allOf' with {len(all_of)} subschemas"
+    for keyword in _EXCLUSIVE_KEYWORDS:
+        if keyword in schema:
+            # "type" named last: the other siblings are the likelier mistake.
+            beside = sorted(
+                (k for k in schema if k in _CONSTRAINTS and k != keyword), key="type".__eq__
+            )
+            if beside == ["type"] and _implies_type(schema[keyword], types):
+                continue  # xgrammar drops it, but every alternative has that type anyway
+            if beside:
+                return f"{beside[0]!r} beside {keyword!r}"
+    for keyword in ("enum", "const"):
+        if keyword in schema:
+            beside = [k for k in schema if k in _CONSTRAINTS - {"enum", "const", "type"}]
+            if beside:
+                return f"{beside[0]!r} beside {keyword!r}"
+    for keyword in ("pattern", "format"):
+        if keyword in schema:
+            for bound in ("minLength", "maxLength"):
+                if bound in schema:
+                    return f"{bound!r} beside {keyword!r}"
+    return None
+
+
+def _implies_type(subschemas: Any, types: set[str]) -> bool:
+    """Whether each of ``subschemas`` (a list of schemas) declares only ``types``, or has
+    ``properties`` (which xgrammar compiles as an object) when ``types`` allow objects."""
+    if not isinstance(subschemas, list) or not types:
+        return False
+    return all(
+        isinstance(sub, dict)
+        and (
+            _schema_types(sub) <= types
+            if _schema_types(sub)
+            else "properties" in sub and "object" in types
+        )
+        for sub in subschemas
+    )
+
+
+def _schema_types(schema: dict[str, Any]) -> set[str]:
+    """The JSON types ``schema``'s ``type`` names (a name or a list of names; empty if none)."""
+    declared = schema.get("type")
+    names = declared if isinstance(declared, list) else [declared]
+    return {name for name in names if isinstance(name, str)}
 
 
 def _reason(exc: Exception) -> str:

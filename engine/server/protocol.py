@@ -4,10 +4,11 @@ Field names are OpenAI's (https://platform.openai.com/docs/api-reference); where
 name for an engine feature, vLLM's extension name is used (``top_k``, ``min_p``,
 ``repetition_penalty``, ``stop_token_ids``, ``include_stop_str_in_output``, ``ignore_eos``,
 ``min_tokens``, ``skip_special_tokens``, ``spaces_between_special_tokens``,
-``structured_outputs``, ``chat_template``). Unknown fields are accepted and ignored, as OpenAI
-and vLLM do; OpenAI's deprecated ``functions``/``function_call`` are refused (they would change
-the answer). Float parameters must be finite: JSON's ``NaN``/``Infinity``, which Python's parser
-accepts, are refused.
+``structured_outputs``, ``chat_template``; older vLLM's ``guided_json``, ``guided_regex``,
+``guided_choice`` and ``guided_grammar`` as deprecated aliases of ``structured_outputs``).
+Unknown fields are accepted and ignored, as OpenAI and vLLM do; OpenAI's deprecated
+``functions``/``function_call`` are refused (they would change the answer). Float parameters
+must be finite: JSON's ``NaN``/``Infinity``, which Python's parser accepts, are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,14 @@ from kvpilot.engine.tokenization import parse_chat_tools
 MAX_LOGPROBS = 20
 # Seeds are 64-bit signed integers (torch.Generator's range, as vLLM bounds them).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# Older vLLM's request fields for structured outputs, accepted as deprecated aliases.
+GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_whitespace_pattern",
+)
 
 
 class OpenAIModel(BaseModel):
@@ -96,6 +105,14 @@ class _SamplingFields(OpenAIModel):
     response_format: ResponseFormat | None = None
     # vLLM's extension: json, regex, choice, grammar or json_object.
     structured_outputs: StructuredOutputsParams | None = None
+    # Older vLLM's names for structured_outputs' json, regex, choice and grammar (deprecated
+    # aliases, moved into structured_outputs by _check_structured_outputs);
+    # guided_whitespace_pattern is refused (xgrammar takes no whitespace pattern).
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
     # vLLM's extension: each prompt token's logprob with this many top candidates, returned
     # as prompt_logprobs (on each completion choice; at the top of a chat completion).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
@@ -120,13 +137,37 @@ class _SamplingFields(OpenAIModel):
 
     @model_validator(mode="after")
     def _check_structured_outputs(self) -> _SamplingFields:
-        if (
-            self.structured_outputs is not None
-            and self.response_format is not None
-            and self.response_format.type != "text"
-        ):
+        guided = self.guided_fields
+        constrains_format = self.response_format is not None and self.response_format.type != "text"
+        if guided:
+            if self.guided_whitespace_pattern is not None:
+                raise ValueError(
+                    "guided_whitespace_pattern: not supported; use structured_outputs with "
+                    "disable_any_whitespace for JSON without optional whitespace"
+                )
+            for other, present in (
+                ("structured_outputs", self.structured_outputs is not None),
+                ("response_format", constrains_format),
+            ):
+                if present:
+                    raise ValueError(f"{guided[0]}: cannot be combined with {other}")
+            if len(guided) > 1:
+                raise ValueError(f"{guided[0]}: set only one of {', '.join(guided)}")
+            try:
+                self.structured_outputs = StructuredOutputsParams(
+                    **{name.removeprefix("guided_"): getattr(self, name) for name in guided}
+                )
+            except ValueError as exc:
+                reason = str(exc).removeprefix("structured_outputs: ")
+                raise ValueError(f"{guided[0]}: {reason}") from None
+        elif self.structured_outputs is not None and constrains_format:
             raise ValueError("structured_outputs: cannot be combined with response_format")
         return self
+
+    @property
+    def guided_fields(self) -> list[str]:
+        """The deprecated ``guided_*`` fields the request sets (``guided_json``, ...)."""
+        return [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
 
     def to_sampling_params(
         self, max_tokens: int | None, logprobs: int | None, vocab_size: int
@@ -199,7 +240,10 @@ class _SamplingFields(OpenAIModel):
 
     @property
     def structured_outputs_param(self) -> str:
-        """The parameter that carries the constraint (named in errors)."""
+        """The parameter that carries the constraint (named in errors): ``response_format``,
+        ``structured_outputs`` or the ``guided_*`` field it came from."""
+        if self.guided_fields:
+            return self.guided_fields[0]
         return "response_format" if self.structured_outputs is None else "structured_outputs"
 
 
@@ -466,6 +510,17 @@ class ChatCompletionRequest(_SamplingFields):
         if self.tool_choice == "required" or self.tool_choice_function_name is not None:
             return "tools"
         return super().structured_outputs_param
+
+    @model_validator(mode="after")
+    def _check_tool_messages(self) -> ChatCompletionRequest:
+        # OpenAI's rule: a tool result names the call it answers.
+        for index, message in enumerate(self.messages):
+            if message.role == "tool" and not message.tool_call_id:
+                raise ValueError(
+                    f"messages: messages[{index}].tool_call_id is required: a 'tool' message "
+                    "answers the tool call with that id"
+                )
+        return self
 
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:

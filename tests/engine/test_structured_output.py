@@ -1,7 +1,8 @@
 """Structured outputs in the engine (``SamplingParams.structured_outputs``, xgrammar): every
 output matches its constraint, unconstrained requests in the same batch are unchanged and cost
-nothing, bad constraints are refused by name, speculative decoding leaves constrained requests
-alone, and the bitmask is applied exactly as xgrammar applies it."""
+nothing, bad constraints and JSON Schema keywords xgrammar would not enforce are refused by
+name, speculative decoding leaves constrained requests alone, and the bitmask is applied
+exactly as xgrammar applies it."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ import jsonschema
 import pytest
 import torch
 import xgrammar
+from xgrammar.testing import _is_grammar_accept_string
 
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.sampling_params import StructuredOutputsParams
-from kvpilot.engine.structured_output import apply_grammar_bitmask
+from kvpilot.engine.structured_output import apply_grammar_bitmask, check_xgrammar_support
 from tests.engine.helpers import assert_no_leak, greedy, tokens
 
 CHOICES = ["yes", "no", "maybe not"]
@@ -145,6 +147,175 @@ def test_invalid_constraints_are_refused_and_leave_nothing(llm, params, message)
         engine.add_request("bad", {"prompt_token_ids": [5, 6]}, greedy(structured_outputs=params))
     assert not engine.has_unfinished_requests()
     assert engine.structured_output_manager.num_requests == 0
+
+
+AB = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}
+# (schema, what the message names, where, an instance that breaks the schema): xgrammar 0.2.9
+# compiles each schema, with a warning at most, into a grammar that accepts that instance.
+UNSUPPORTED = [
+    ({"type": "integer", "not": {"const": 3}}, "'not'", "$", 3),
+    (
+        {"type": "object", "properties": {"n": {"type": "number", "multipleOf": 0.5}}},
+        "'multipleOf'",
+        "$.properties.n",
+        {"n": 0.3},
+    ),
+    ({"multipleOf": 5}, "'multipleOf'", "$", 7),
+    (
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True},
+        "'uniqueItems'",
+        "$",
+        [1, 1],
+    ),
+    (
+        {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer"}, "contains": {"const": 3}},
+        },
+        "'contains'",
+        "$.items",
+        [[1]],
+    ),
+    (
+        {"type": "array", "items": {"type": "integer"}, "minContains": 2, "contains": {"const": 3}},
+        "'minContains'",
+        "$",
+        [1, 1],
+    ),
+    (
+        {"type": "array", "items": {"type": "integer"}, "maxContains": 1, "contains": {"const": 3}},
+        "'maxContains'",
+        "$",
+        [3, 3],
+    ),
+    ({"patternProperties": {"^x": {"type": "integer"}}}, "'patternProperties'", "$", {"xa": "s"}),
+    ({"propertyNames": {"maxLength": 2}}, "'propertyNames'", "$", {"abc": 1}),
+    (
+        {**AB, "if": {"required": ["a"]}, "then": {"required": ["b"]}},
+        "'if'",
+        "$",
+        {"a": 1},
+    ),
+    (
+        {**AB, "dependentRequired": {"a": ["b"]}},
+        "'dependentRequired'",
+        "$",
+        {"a": 1},
+    ),
+    (
+        {**AB, "dependentSchemas": {"a": {"required": ["b"]}}},
+        "'dependentSchemas'",
+        "$",
+        {"a": 1},
+    ),
+    (
+        {"anyOf": [{"type": "string"}, {"allOf": [{"type": "integer"}, {"maximum": 5}]}]},
+        "'allOf' with 2 subschemas",
+        "$.anyOf[1]",
+        9,
+    ),
+    (
+        {"type": "integer", "maximum": 5, "allOf": [{"minimum": 0}]},
+        "'maximum' beside 'allOf'",
+        "$",
+        9,
+    ),
+    (
+        {"$defs": {"small int": {"type": "integer"}}, "$ref": "#/$defs/small int", "maximum": 5},
+        "'maximum' beside '$ref'",
+        "$",
+        9,
+    ),
+    (
+        {
+            "$defs": {"A": {"type": "string", "pattern": "^a+$", "maxLength": 2}},
+            "type": "object",
+            "properties": {"s": {"$ref": "#/$defs/A"}},
+            "required": ["s"],
+        },
+        "'maxLength' beside 'pattern'",
+        "$.$defs.A",
+        {"s": "aaaa"},
+    ),
+    ({"const": "abc", "maxLength": 1}, "'maxLength' beside 'const'", "$", "abc"),
+]
+
+
+@pytest.mark.parametrize(("schema", "feature", "path", "breaking"), UNSUPPORTED)
+def test_json_schema_keywords_xgrammar_ignores_are_refused_by_name_and_path(
+    llm, schema, feature, path, breaking
+):
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    assert _is_grammar_accept_string(grammar, json.dumps(breaking))  # the reason to refuse
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(breaking, schema)
+    message = f"the JSON schema uses {feature} at {path}, which is not supported"
+    with pytest.raises(ValueError, match=f"^structured_outputs: {re.escape(message)}$"):
+        llm.llm_engine.add_request(
+            "unsupported",
+            {"prompt_token_ids": [5, 6]},
+            greedy(structured_outputs=constrained(json=schema)),
+        )
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_enum_values_the_type_excludes_are_refused():
+    with pytest.raises(ValueError) as refused:
+        check_xgrammar_support({"properties": {"n": {"type": "integer", "enum": [1, "two"]}}})
+    assert str(refused.value) == (
+        "the JSON schema at $.properties.n has \"two\" in 'enum', which its type (integer) excludes"
+    )
+
+
+# (schema, an instance that breaks it): keywords xgrammar 0.2.9 does enforce are let through.
+ENFORCED = [
+    ({"type": "integer", "multipleOf": 5}, 7),
+    ({"type": "object", "patternProperties": {"^x": {"type": "integer"}}}, {"xa": "s"}),
+    ({"type": ["object", "null"], "propertyNames": {"maxLength": 2}}, {"abc": 1}),
+    ({"properties": {"a": {"type": "integer"}}, "unevaluatedProperties": False}, {"z": 1}),
+    ({"prefixItems": [{"type": "integer"}], "unevaluatedItems": False}, [1, 2]),
+    ({"allOf": [{"type": "integer", "maximum": 5}], "description": "one subschema"}, 9),
+    ({"$defs": {"I": {"type": "integer", "maximum": 5}}, "$ref": "#/$defs/I", "title": "t"}, 9),
+    ({"type": "object", "anyOf": [{"properties": {"a": {"type": "integer"}}}]}, [1]),
+    ({"type": "string", "const": "a", "enum": ["a"]}, "b"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 1}, [1, 1]),
+]
+
+
+@pytest.mark.parametrize(("schema", "breaking"), ENFORCED)
+def test_json_schema_keywords_xgrammar_enforces_are_accepted(schema, breaking):
+    check_xgrammar_support(schema)
+    grammar = xgrammar.Grammar.from_json_schema(json.dumps(schema))
+    assert not _is_grammar_accept_string(grammar, json.dumps(breaking))
+
+
+def test_supported_schema_with_refs_anyof_enum_and_arrays_constrains_the_output(llm):
+    schema = {
+        "$defs": {"Fruit": {"type": "string", "enum": ["apple", "pear"]}},
+        "type": "object",
+        "properties": {
+            "fruits": {
+                "type": "array",
+                "items": {"$ref": "#/$defs/Fruit"},
+                "minItems": 1,
+                "maxItems": 2,
+            },
+            "kg": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "null"}]},
+        },
+        "required": ["fruits", "kg"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(
+        n=3,
+        temperature=1.0,
+        seed=0,
+        max_tokens=60,
+        structured_outputs=constrained(json=schema, disable_any_whitespace=True),
+    )
+    [output] = llm.generate([{"prompt_token_ids": tokens(8, seed=2)}], params, use_tqdm=False)
+    for seq in output.outputs:
+        assert seq.finish_reason == "stop", seq.text
+        jsonschema.validate(json.loads(seq.text), schema)
 
 
 def test_abort_forgets_the_matchers(llm):

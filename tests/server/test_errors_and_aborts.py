@@ -121,6 +121,18 @@ CHAT = "/v1/chat/completions"
         (CHAT, chat(chat_template_kwargs={"chat_template": "{{ messages }}"}), "chat_template"),
         (CHAT, chat(chat_template_kwargs={"chat_template": 1}), "chat_template_kwargs"),
         (CHAT, chat(function_call="auto"), "function_call"),
+        (CHAT, chat(messages=[{"role": "tool", "content": "21 C"}]), "messages"),
+        (COMPLETIONS, completion(guided_regex="(a"), "guided_regex"),
+        (
+            COMPLETIONS,
+            completion(guided_json={"type": "object"}, structured_outputs={"regex": "a"}),
+            "guided_json",
+        ),
+        (
+            CHAT,
+            chat(guided_choice=["a"], response_format={"type": "json_object"}),
+            "guided_choice",
+        ),
     ],
 )
 def test_invalid_parameters_get_400_with_openai_error_body(http, path, body, param):
@@ -180,6 +192,25 @@ def test_legacy_function_calling_is_refused_toward_tools(server):
     assert refused.value.status_code == 400
     assert refused.value.body["param"] == "functions"
     assert "use tools and tool_choice instead" in refused.value.body["message"]
+
+
+def test_tool_message_without_tool_call_id_is_refused_by_index(http):
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "content": "21 C"},
+    ]
+    response = http.post(CHAT, json=chat(messages=messages))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "messages"
+    assert error["message"] == (
+        "messages: messages[2].tool_call_id is required: a 'tool' message answers the tool "
+        "call with that id"
+    )
+    messages[2]["tool_call_id"] = "call_1"
+    assert http.post(CHAT, json=chat(messages=messages)).status_code == 200
 
 
 def test_untrusted_request_chat_template_is_refused_with_vllms_message(http):
