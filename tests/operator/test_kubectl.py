@@ -17,10 +17,9 @@ import yaml
 from tests.operator.emulator import (
     DEPLOYMENTS,
     LLMD,
-    OPERATOR_TOKEN,
     ApiError,
-    operator_process,
     running_emulator,
+    running_operator,
     settled,
     wait_for,
 )
@@ -33,15 +32,11 @@ pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is not installe
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with running_emulator() as running:
-        operator_config = running.write_kubeconfig(
-            tmp_path_factory.mktemp("operator") / "config", token=OPERATOR_TOKEN
-        )
-        with operator_process(
-            operator_config, tmp_path_factory.mktemp("log") / "operator.log", "--retry-delay=1"
-        ) as operator:
-            yield running
-            assert operator.process.poll() is None, operator.log()
+    with (
+        running_emulator() as running,
+        running_operator(running, tmp_path_factory.mktemp("operator"), "--retry-delay=1"),
+    ):
+        yield running
 
 
 @pytest.fixture(scope="module")

@@ -25,8 +25,10 @@ from tests.operator.emulator import (
     PDBS,
     SERVICES,
     ApiError,
+    llm_deployment,
     operator_process,
     running_emulator,
+    running_operator,
     settled,
     wait_for,
 )
@@ -59,18 +61,11 @@ def apps(cluster, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def operator_kubeconfig(cluster, tmp_path_factory):
-    return cluster.write_kubeconfig(
-        tmp_path_factory.mktemp("operator") / "config", token=OPERATOR_TOKEN
-    )
-
-
-@pytest.fixture(scope="module")
-def operator(operator_kubeconfig, tmp_path_factory):
-    log = tmp_path_factory.mktemp("log") / "operator.log"
-    with operator_process(operator_kubeconfig, log, "--retry-delay=1") as running:
+def operator(cluster, tmp_path_factory):
+    with running_operator(
+        cluster, tmp_path_factory.mktemp("operator"), "--retry-delay=1"
+    ) as running:
         yield running
-        assert running.process.poll() is None, running.log()
 
 
 @pytest.fixture(scope="module")
@@ -79,15 +74,6 @@ def model_source(tmp_path_factory) -> str:
     folder = tmp_path_factory.mktemp("llama-3-8b")
     shutil.copy(CONFIGS / "Meta-Llama-3-8B.json", folder / "config.json")
     return f"file://{folder}"
-
-
-def llm_deployment(name: str, spec: dict) -> dict:
-    return {
-        "apiVersion": "kvpilot.dev/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
 
 
 def gpu_spec(model_source: str, **extra) -> dict:
@@ -377,15 +363,11 @@ def test_a_namespaced_operator_leaves_other_namespaces_alone(model_source, tmp_p
         cluster.install_crd(ROOT / "crds" / "llmdeployment.yaml")
         for namespace in ("watched", "ignored"):
             cluster.create_namespace(namespace)
-        kubeconfig = cluster.write_kubeconfig(tmp_path / "config", token=OPERATOR_TOKEN)
-        with operator_process(
-            kubeconfig, tmp_path / "operator.log", namespaces=("watched",)
-        ) as operator:
+        with running_operator(cluster, tmp_path, namespaces=("watched",)):
             for namespace in ("ignored", "watched"):
                 cluster.store.create(LLMD, namespace, llm_deployment("llm", gpu_spec(model_source)))
             wait_for(lambda: observed(cluster, "watched", "llm", 1), "the watched object's status")
             assert children(cluster, "ignored", "llm") == []
             assert "status" not in cluster.store.get(LLMD, "ignored", "llm")
-            assert operator.process.poll() is None, operator.log()
         operator_calls = [c for c in cluster.emulator.calls if c.user == OPERATOR_TOKEN]
         assert {c.namespace for c in operator_calls} == {"watched"}  # no cluster-wide scan either

@@ -24,8 +24,9 @@ from tests.operator.emulator import (
     OPERATOR_TOKEN,
     ApiCall,
     ApiError,
-    operator_process,
+    llm_deployment,
     running_emulator,
+    running_operator,
     settled,
     wait_for,
 )
@@ -72,15 +73,6 @@ def allowed(call: ApiCall, granted: set[tuple[str, str, str]]) -> bool:
     )
 
 
-def llm_deployment(name: str, spec: dict) -> dict:
-    return {
-        "apiVersion": "kvpilot.dev/v1alpha1",
-        "kind": "LLMDeployment",
-        "metadata": {"name": name},
-        "spec": spec,
-    }
-
-
 def status_of(cluster, name: str) -> dict:
     return cluster.store.get(LLMD, "default", name).get("status") or {}
 
@@ -93,13 +85,8 @@ def recorded_calls(tmp_path_factory) -> list[ApiCall]:
     gpu = {"model": {"source": f"file://{model_dir}"}, "gpu": {"type": "H100-80GB"}}
     with running_emulator() as cluster:
         cluster.install_crd(ROOT / "crds" / "llmdeployment.yaml")
-        kubeconfig = cluster.write_kubeconfig(
-            tmp_path_factory.mktemp("kube") / "config", token=OPERATOR_TOKEN
-        )
-        log = tmp_path_factory.mktemp("log") / "operator.log"
-        with operator_process(
-            kubeconfig, log, "--retry-delay=1", "--autoscale-interval=1"
-        ) as operator:
+        folder = tmp_path_factory.mktemp("operator")
+        with running_operator(cluster, folder, "--retry-delay=1", "--autoscale-interval=1"):
             store = cluster.store
             store.create(
                 SECRETS,
@@ -247,7 +234,6 @@ def recorded_calls(tmp_path_factory) -> list[ApiCall]:
                 return False
 
             wait_for(gone, "plain deleted (finalizer released)")
-            assert operator.process.poll() is None, operator.log()
         return [c for c in cluster.emulator.calls if c.user == OPERATOR_TOKEN]
 
 

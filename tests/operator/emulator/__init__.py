@@ -30,10 +30,11 @@ from .harness import (
     free_port,
     operator_process,
     running_emulator,
+    running_operator,
     settled,
     wait_for,
 )
-from .resources import DEPLOYMENTS, EVENTS, LLMD, PDBS, SERVICES
+from .resources import DEPLOYMENTS, EVENTS, LLMD, PDBS, SERVICES, llm_deployment
 from .server import ApiCall, KubeEmulator
 from .store import ApiError, ObjectStore
 
@@ -53,8 +54,10 @@ __all__ = [
     "RunningEmulator",
     "create_ready_pod",
     "free_port",
+    "llm_deployment",
     "operator_process",
     "running_emulator",
+    "running_operator",
     "settled",
     "wait_for",
 ]

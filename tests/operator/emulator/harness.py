@@ -224,6 +224,26 @@ def operator_process(
             process.wait(10)
 
 
+@contextlib.contextmanager
+def running_operator(
+    cluster: RunningEmulator,
+    folder: pathlib.Path,
+    *extra_args: str,
+    namespaces: tuple[str, ...] = (),
+) -> Iterator[OperatorProcess]:
+    """:func:`operator_process` against ``cluster`` as the operator (``OPERATOR_TOKEN``).
+
+    Its kubeconfig (``config``) and log (``operator.log``) go in ``folder``. When the block
+    exits without an error, asserts that the operator is still running (its log otherwise).
+    """
+    kubeconfig = cluster.write_kubeconfig(folder / "config", token=OPERATOR_TOKEN)
+    with operator_process(
+        kubeconfig, folder / "operator.log", *extra_args, namespaces=namespaces
+    ) as running:
+        yield running
+        assert running.process.poll() is None, running.log()
+
+
 _loopback_hosts = itertools.count()
 
 

@@ -18,6 +18,17 @@ SERVICES = ("", "v1", "services")
 PDBS = ("policy", "v1", "poddisruptionbudgets")
 EVENTS = ("", "v1", "events")
 
+
+def llm_deployment(name: str, spec: dict[str, Any]) -> dict[str, Any]:
+    """An ``LLMDeployment`` object named ``name`` with ``spec``, ready to create."""
+    return {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
+
+
 # Built-in workload types that expose /scale, and where Kubernetes reads the numbers from.
 _BUILTIN_SCALE = {
     ("apps", "deployments"),

@@ -212,16 +212,20 @@ def test_finalizers_delay_deletion(cluster, apps):
         cluster.store.get(DEPLOYMENTS, "default", "finalized")
 
 
+def owner_reference(owner: kubernetes.client.V1Deployment) -> dict:
+    """An ``ownerReferences`` entry pointing at the Deployment ``owner``."""
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": owner.metadata.name,
+        "uid": owner.metadata.uid,
+    }
+
+
 def test_deleting_an_owner_collects_its_dependents(cluster, api, apps):
     core = kubernetes.client.CoreV1Api(api)
     owner = apps.create_namespaced_deployment("default", deployment("owner"))
-    ref = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "name": "owner",
-        "uid": owner.metadata.uid,
-        "controller": True,
-    }
+    ref = {**owner_reference(owner), "controller": True}
     for name in ("child-a", "child-b"):
         core.create_namespaced_config_map(
             "default", {"metadata": {"name": name, "ownerReferences": [ref]}, "data": {}}
@@ -235,14 +239,8 @@ def test_deleting_an_owner_collects_its_dependents(cluster, api, apps):
 def test_orphan_propagation_detaches_dependents(api, apps):
     core = kubernetes.client.CoreV1Api(api)
     owner = apps.create_namespaced_deployment("default", deployment("orphaner"))
-    ref = {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "name": "orphaner",
-        "uid": owner.metadata.uid,
-    }
     core.create_namespaced_config_map(
-        "default", {"metadata": {"name": "orphan", "ownerReferences": [ref]}}
+        "default", {"metadata": {"name": "orphan", "ownerReferences": [owner_reference(owner)]}}
     )
     apps.delete_namespaced_deployment("orphaner", "default", propagation_policy="Orphan")
     assert core.read_namespaced_config_map("orphan", "default").metadata.owner_references in (
