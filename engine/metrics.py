@@ -88,10 +88,7 @@ class _EngineStatsCollector(Collector):
                 stats.max_concurrency,
             ),
         )
-        for name, doc, value in gauges:
-            family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(value))
-            yield family
+        yield from self._families(GaugeMetricFamily, gauges)
         if stats.max_lora:
             yield self._lora_info(stats)
         counters = (
@@ -132,10 +129,7 @@ class _EngineStatsCollector(Collector):
                     spec.num_accepted_tokens,
                 ),
             )
-        for name, doc, value in counters:
-            family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([self.model_name], float(value))
-            yield family
+        yield from self._families(CounterMetricFamily, counters)
         if spec is not None:
             family = CounterMetricFamily(
                 "vllm:spec_decode_num_accepted_tokens_per_pos",
@@ -144,6 +138,17 @@ class _EngineStatsCollector(Collector):
             )
             for position, value in enumerate(spec.num_accepted_tokens_per_pos):
                 family.add_metric([self.model_name, str(position)], float(value))
+            yield family
+
+    def _families(
+        self,
+        family_type: type[GaugeMetricFamily] | type[CounterMetricFamily],
+        rows: tuple[tuple[str, str, float], ...],
+    ) -> Iterator[Metric]:
+        """One ``family_type`` family per ``(name, doc, value)`` row, labelled with the model."""
+        for name, doc, value in rows:
+            family = family_type(name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], float(value))
             yield family
 
     def _lora_info(self, stats: EngineStats) -> Metric:

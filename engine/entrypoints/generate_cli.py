@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             ignore_eos=args.ignore_eos,
         )
         engine_args = EngineArgs.from_cli_args(args)
-        llm = LLM(show_progress=True, **{k: v for k, v in vars(engine_args).items()})
+        llm = LLM(show_progress=True, **vars(engine_args))
         if args.chat_template and llm.get_tokenizer().chat_template:
             conversations = [[{"role": "user", "content": p}] for p in args.prompt]
             outputs = llm.chat(conversations, params)

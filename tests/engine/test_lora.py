@@ -32,6 +32,7 @@ from kvpilot.engine.request import Request, RequestStatus
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.kernels import lora_reference
 from kvpilot.kernels.lora_segments import lora_segments
+from tests.engine.helpers import hf_generate
 
 ATOL = 1e-4
 BLOCK_SIZE = 4
@@ -326,16 +327,7 @@ def greedy(max_tokens: int = NEW_TOKENS) -> SamplingParams:
 
 def reference_greedy(base_dir, adapter_dir, prompt: list[int], max_new_tokens: int) -> list[int]:
     """transformers (+ ``PeftModel``) greedy ``generate()``, EOS ignored."""
-    model = reference_model(base_dir, adapter_dir)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=None,
-        )
-    return out[0, len(prompt) :].tolist()
+    return hf_generate(reference_model(base_dir, adapter_dir), prompt, max_new_tokens)
 
 
 def lora_llm(base_dir, adapter_dirs, max_loras: int, **kwargs) -> LLM:

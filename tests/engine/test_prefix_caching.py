@@ -178,14 +178,19 @@ def test_bad_salts_and_prompt_keys_are_refused(cached, prompt, kwargs, message):
     assert not cached.has_unfinished_requests()
 
 
-def test_eviction_under_memory_pressure(model_dir, reference):
-    # 12 blocks of 8 tokens: a 40-token prompt plus 12 outputs takes 7 of them.
-    engine = LLM(
+def small_cache_engine(model_dir, num_blocks: int) -> LLMEngine:
+    """An engine whose KV cache holds ``num_blocks`` blocks of ``BS`` tokens."""
+    return LLM(
         str(model_dir),
         block_size=BS,
         max_model_len=96,
-        kv_cache_memory=12 * BS * TINY_KV_BYTES_PER_TOKEN,
+        kv_cache_memory=num_blocks * BS * TINY_KV_BYTES_PER_TOKEN,
     ).llm_engine
+
+
+def test_eviction_under_memory_pressure(model_dir, reference):
+    # 12 blocks of 8 tokens: a 40-token prompt plus 12 outputs takes 7 of them.
+    engine = small_cache_engine(model_dir, num_blocks=12)
     prompt = tokens(40, seed=5)
     others = [tokens(40, seed=50 + i) for i in range(3)]
     first = run(engine, [prompt])[0]
@@ -200,12 +205,7 @@ def test_eviction_under_memory_pressure(model_dir, reference):
 
 def test_preempting_a_request_whose_blocks_are_shared(model_dir, reference):
     # 9 blocks of 8 = 72 tokens; 4 requests sharing a 24-token prefix, each 28 + 24 tokens long.
-    engine = LLM(
-        str(model_dir),
-        block_size=BS,
-        max_model_len=96,
-        kv_cache_memory=9 * BS * TINY_KV_BYTES_PER_TOKEN,
-    ).llm_engine
+    engine = small_cache_engine(model_dir, num_blocks=9)
     recorder = WriteRecorder(engine)
     prefix = tokens(24, seed=6)
     prompts = [prefix + tokens(4, seed=60 + i) for i in range(4)]

@@ -45,7 +45,6 @@ def conditional_table(
 def run_trials(
     target: dict,
     draft: dict | None,
-    pass_draft_probs: bool,
     seed: int,
     reported_draft: dict | None = None,
 ) -> list[list[int]]:
@@ -54,7 +53,8 @@ def run_trials(
     Drafts are drawn from ``draft`` (conditional on the drafted prefix), or are the argmax of
     ``target`` (a deterministic proposer) when ``draft`` is None. Target row j is the target's
     distribution after the first j drafts, as a model scoring the drafted sequence gives it.
-    ``reported_draft`` (default ``draft``) is what the sampler is told the drafts came from.
+    ``reported_draft`` (default ``draft``) is what the sampler is told the drafts came from;
+    deterministic drafts pass no draft probabilities.
     """
     reported_draft = reported_draft or draft
     generator = torch.Generator().manual_seed(seed)
@@ -73,11 +73,7 @@ def run_trials(
             drafts[:, j] = torch.multinomial(q, 1, generator=generator).squeeze(1)
         prefixes = [p + (d,) for p, d in zip(prefixes, drafts[:, j].tolist(), strict=True)]
     target_probs = torch.stack(target_rows, dim=1).reshape(-1, VOCAB)
-    draft_probs = (
-        torch.stack(draft_rows, dim=1).reshape(-1, VOCAB)
-        if pass_draft_probs and draft_rows
-        else None
-    )
+    draft_probs = torch.stack(draft_rows, dim=1).reshape(-1, VOCAB) if draft_rows else None
     return rejection_sample(
         draft_token_ids=drafts.reshape(-1),
         num_draft_tokens=[K] * NUM_TRIALS,
@@ -117,7 +113,7 @@ def tables() -> tuple[dict, dict]:
 
 def test_sampled_drafts_keep_target_distribution(tables):
     target, draft = tables
-    outputs = run_trials(target, draft, pass_draft_probs=True, seed=0)
+    outputs = run_trials(target, draft, seed=0)
     statistic, df = chi_square(outputs, target)
     assert df >= 10
     assert statistic < chi_square_critical(df), (statistic, df)
@@ -128,7 +124,7 @@ def test_sampled_drafts_keep_target_distribution(tables):
 
 def test_deterministic_drafts_keep_target_distribution(tables):
     target, _ = tables
-    outputs = run_trials(target, None, pass_draft_probs=False, seed=1)
+    outputs = run_trials(target, None, seed=1)
     statistic, df = chi_square(outputs, target)
     assert statistic < chi_square_critical(df), (statistic, df)
 
@@ -138,25 +134,25 @@ def test_mismatched_draft_probs_are_caught(tables):
     applied on one side only) bias the output; the bound must see it."""
     target, draft = tables
     sharpened = {prefix: q**2 / (q**2).sum() for prefix, q in draft.items()}
-    outputs = run_trials(target, draft, pass_draft_probs=True, seed=0, reported_draft=sharpened)
+    outputs = run_trials(target, draft, seed=0, reported_draft=sharpened)
     statistic, df = chi_square(outputs, target)
     assert statistic > chi_square_critical(df), (statistic, df)
 
 
-def test_deterministic_drafts_without_residual_are_caught(tables, monkeypatch):
-    """Accepting p(d) and then redrawing from p itself (d not excluded) over-emits d."""
-    target, _ = tables
-    monkeypatch.setattr(rejection_sampler, "residual_distribution", lambda p, q, d: p)
-    outputs = run_trials(target, None, pass_draft_probs=False, seed=1)
-    statistic, df = chi_square(outputs, target)
-    assert statistic > chi_square_critical(df), (statistic, df)
-
-
-def test_resampling_from_target_instead_of_residual_is_caught(tables, monkeypatch):
-    """The classic bug: after a rejection, draw from p rather than norm(max(0, p - q))."""
+@pytest.mark.parametrize(
+    ("sampled_drafts", "seed"),
+    [
+        # Deterministic drafts: accepting p(d) and then redrawing from p itself (d not
+        # excluded) over-emits d.
+        pytest.param(False, 1, id="deterministic-drafts-without-residual"),
+        # The classic bug: after a rejection, draw from p rather than norm(max(0, p - q)).
+        pytest.param(True, 0, id="resampling-from-target-instead-of-residual"),
+    ],
+)
+def test_target_in_place_of_residual_is_caught(tables, monkeypatch, sampled_drafts, seed):
     target, draft = tables
     monkeypatch.setattr(rejection_sampler, "residual_distribution", lambda p, q, d: p)
-    outputs = run_trials(target, draft, pass_draft_probs=True, seed=0)
+    outputs = run_trials(target, draft if sampled_drafts else None, seed=seed)
     statistic, df = chi_square(outputs, target)
     assert statistic > chi_square_critical(df), (statistic, df)
 

@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from kvpilot.engine.model_loader import resolve_model
+from tests.engine.test_lora import reference_greedy
 
 BASE = "tiny-base"
 PROMPT = [5, 17, 300, 41, 9, 1200, 77, 8]
@@ -65,18 +66,7 @@ def adapters(base_dir, tmp_path_factory) -> dict[str, pathlib.Path]:
 
 @functools.cache
 def peft_greedy(base_dir: pathlib.Path, adapter_dir: pathlib.Path | None) -> list[int]:
-    model = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
-    if adapter_dir is not None:
-        model = peft.PeftModel.from_pretrained(model, adapter_dir)
-    with torch.no_grad():
-        out = model.generate(
-            input_ids=torch.tensor([PROMPT]),
-            attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            eos_token_id=None,
-        )
-    return out[0, len(PROMPT) :].tolist()
+    return reference_greedy(base_dir, adapter_dir, PROMPT, MAX_TOKENS)
 
 
 @pytest.fixture(scope="module")

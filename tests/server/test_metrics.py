@@ -61,20 +61,23 @@ def test_engine_stats_become_vllm_gauges_and_counters(logger_and_registry):
     logger, registry = logger_and_registry
     logger.record_stats(stats())
     values = read(registry)
-    assert values[("vllm:num_requests_running", ())] == 2
-    assert values[("vllm:num_requests_waiting", ())] == 3
-    assert values[("vllm:kv_cache_usage_perc", ())] == 0.25
-    assert values[("vllm:num_preemptions_total", ())] == 4
-    assert values[("vllm:prefix_cache_queries_total", ())] == 50
-    assert values[("vllm:prefix_cache_hits_total", ())] == 20
-    assert values[("vllm:prompt_tokens_total", ())] == 70
-    assert values[("vllm:generation_tokens_total", ())] == 30
-    assert values[("kvpilot:kv_cache_total_blocks", ())] == 100
-    assert values[("kvpilot:kv_cache_free_blocks", ())] == 75
-    assert values[("kvpilot:kv_cache_capacity_tokens", ())] == 1600
-    assert values[("kvpilot:max_concurrency", ())] == 3.125
     info = (("block_size", "16"), ("enable_prefix_caching", "True"), ("num_gpu_blocks", "100"))
-    assert values[("vllm:cache_config_info", info)] == 1
+    expected = {
+        ("vllm:num_requests_running", ()): 2,
+        ("vllm:num_requests_waiting", ()): 3,
+        ("vllm:kv_cache_usage_perc", ()): 0.25,
+        ("vllm:num_preemptions_total", ()): 4,
+        ("vllm:prefix_cache_queries_total", ()): 50,
+        ("vllm:prefix_cache_hits_total", ()): 20,
+        ("vllm:prompt_tokens_total", ()): 70,
+        ("vllm:generation_tokens_total", ()): 30,
+        ("kvpilot:kv_cache_total_blocks", ()): 100,
+        ("kvpilot:kv_cache_free_blocks", ()): 75,
+        ("kvpilot:kv_cache_capacity_tokens", ()): 1600,
+        ("kvpilot:max_concurrency", ()): 3.125,
+        ("vllm:cache_config_info", info): 1,
+    }
+    assert {key: values[key] for key in expected} == expected
     # Totals are the engine's own: a new snapshot replaces, never adds.
     logger.record_stats(stats(prompt_tokens_total=71))
     assert read(registry)[("vllm:prompt_tokens_total", ())] == 71
