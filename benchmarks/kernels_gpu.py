@@ -39,9 +39,13 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from kvpilot.kernels.testing import PagedBatch
 
 # Peak HBM bandwidth (GB/s) by device name, for drivers that do not report the memory clock
 # and bus width. Vendor datasheet numbers.
@@ -302,51 +306,16 @@ def print_table(title: str, rows: list[dict]) -> None:
 # ----------------------------------------------------------------------------- batches
 
 
-@dataclass
-class PagedBatch:
-    """Queries and a paged K/V cache with shuffled block tables (the engine's layout)."""
-
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-
-    def attention_kwargs(self) -> dict:
-        return {
-            "query_start_loc": self.query_start_loc,
-            "seq_lens": self.seq_lens,
-            "block_tables": self.block_tables,
-            "scale": self.q.shape[-1] ** -0.5,
-        }
-
-
 def paged_batch(
     shapes: Shapes, specs: list[tuple[int, int]], dtype: torch.dtype, device: torch.device
 ) -> PagedBatch:
     """``specs``: ``(q_len, seq_len)`` per sequence."""
-    bs = shapes.block_size
-    needed = [-(-seq_len // bs) for _, seq_len in specs]
-    num_blocks = sum(needed)
-    physical = torch.randperm(num_blocks, device=device).int()
-    tables = torch.zeros(len(specs), max(needed), dtype=torch.int32, device=device)
-    used = 0
-    for i, n in enumerate(needed):
-        tables[i, :n] = physical[used : used + n]
-        used += n
-    q_lens = torch.tensor([q for q, _ in specs], device=device)
-    cache_shape = (num_blocks, bs, shapes.num_kv_heads, shapes.head_dim)
-    return PagedBatch(
-        q=torch.randn(
-            int(q_lens.sum()), shapes.num_heads, shapes.head_dim, device=device, dtype=dtype
-        ),
-        k_cache=torch.randn(cache_shape, device=device, dtype=dtype),
-        v_cache=torch.randn(cache_shape, device=device, dtype=dtype),
-        query_start_loc=torch.cat((q_lens.new_zeros(1), q_lens.cumsum(0))).int(),
-        seq_lens=torch.tensor([s for _, s in specs], dtype=torch.int32, device=device),
-        block_tables=tables,
-    )
+    from kvpilot.kernels.testing import paged_batch
+
+    return paged_batch(
+        specs, num_heads=shapes.num_heads, num_kv_heads=shapes.num_kv_heads,
+        head_dim=shapes.head_dim, block_size=shapes.block_size, dtype=dtype, device=device,
+    )  # fmt: skip
 
 
 def fits(nbytes: int, device: torch.device, share: float = 0.6) -> bool:
@@ -522,14 +491,32 @@ def sdpa_decode_ms(
         return float("nan")
 
 
+def time_config(
+    bench: Bench, name: str, config: object, fn: Callable[[], object]
+) -> tuple[float, str]:
+    """``bench.ms(fn)`` with ``unified_attention.<name>`` set to ``config``, and ``""``; a
+    configuration that does not compile is a result too: ``nan`` and its error's type."""
+    from kvpilot.kernels import unified_attention as ua
+
+    base = getattr(ua, name)
+    setattr(ua, name, config)
+    try:
+        return bench.ms(fn), ""
+    except Exception as exc:
+        return float("nan"), type(exc).__name__
+    finally:
+        setattr(ua, name, base)
+
+
 def decode_config_sweep(
     bench: Bench, shapes: Shapes, dtype: torch.dtype, peak_gbs: float
 ) -> list[dict]:
     """Time alternative decode launch configurations (and split counts) at a few cells."""
     from kvpilot.kernels import unified_attention as ua
 
-    base = ua.DECODE_CONFIG
-    candidates = [replace(base, tile_n=t, num_warps=w) for t, w in shapes.decode_candidates]
+    candidates = [
+        replace(ua.DECODE_CONFIG, tile_n=t, num_warps=w) for t, w in shapes.decode_candidates
+    ]
     rows = []
     for batch_size, context in shapes.sweep_cells:
         nbytes = decode_bytes(batch_size, context, shapes, dtype)
@@ -539,29 +526,14 @@ def decode_config_sweep(
         cell = []
         for config in candidates:
             for splits in (None, 1):
-                ua.DECODE_CONFIG = config
-                try:
-                    ms = bench.ms(
-                        lambda b=batch, s=splits: ua.unified_attention(
-                            b.q, b.k_cache, b.v_cache, num_kv_splits=s, **b.attention_kwargs()
-                        )
-                    )
-                except Exception as exc:  # a configuration that does not compile is a result too
-                    cell.append(
-                        {
-                            "batch": batch_size,
-                            "context": context,
-                            "tile_n": config.tile_n,
-                            "num_warps": config.num_warps,
-                            "splits": splits or "auto",
-                            "us": float("nan"),
-                            "peak_frac": float("nan"),
-                            "error": type(exc).__name__,
-                        }
-                    )
-                    continue
-                finally:
-                    ua.DECODE_CONFIG = base
+                ms, error = time_config(
+                    bench,
+                    "DECODE_CONFIG",
+                    config,
+                    lambda b=batch, s=splits: ua.unified_attention(
+                        b.q, b.k_cache, b.v_cache, num_kv_splits=s, **b.attention_kwargs()
+                    ),
+                )
                 cell.append(
                     {
                         "batch": batch_size,
@@ -571,7 +543,7 @@ def decode_config_sweep(
                         "splits": splits or "auto",
                         "us": ms * 1e3,
                         "peak_frac": nbytes / ms / 1e6 / peak_gbs,
-                        "error": "",
+                        "error": error,
                     }
                 )
         rows += sorted(cell, key=lambda r: (math.isnan(r["us"]), r["us"]))
@@ -721,47 +693,34 @@ def prefill(bench: Bench, shapes: Shapes, dtype: torch.dtype, with_flex: bool) -
 def prefill_config_sweep(bench: Bench, shapes: Shapes, dtype: torch.dtype) -> list[dict]:
     from kvpilot.kernels import unified_attention as ua
 
-    base = ua.PREFILL_CONFIG
     candidates = [
-        replace(base, block_m=m, tile_n=t, num_warps=w) for m, t, w in shapes.prefill_candidates
+        replace(ua.PREFILL_CONFIG, block_m=m, tile_n=t, num_warps=w)
+        for m, t, w in shapes.prefill_candidates
     ]
     length = shapes.prefill_lengths[len(shapes.prefill_lengths) // 2]
     flops = 2 * length * length * shapes.num_heads * shapes.head_dim
     batch = paged_batch(shapes, [(length, length)], dtype, bench.device)
     rows = []
     for config in candidates:
-        ua.PREFILL_CONFIG = config
-        try:
-            ms = bench.ms(
-                lambda: ua.unified_attention(
-                    batch.q, batch.k_cache, batch.v_cache, **batch.attention_kwargs()
-                )
-            )
-            rows.append(
-                {
-                    "tokens": length,
-                    "block_m": config.block_m,
-                    "tile_n": config.tile_n,
-                    "num_warps": config.num_warps,
-                    "ms": ms,
-                    "tflops": flops / ms / 1e9,
-                    "error": "",
-                }
-            )
-        except Exception as exc:
-            rows.append(
-                {
-                    "tokens": length,
-                    "block_m": config.block_m,
-                    "tile_n": config.tile_n,
-                    "num_warps": config.num_warps,
-                    "ms": float("nan"),
-                    "tflops": float("nan"),
-                    "error": type(exc).__name__,
-                }
-            )
-        finally:
-            ua.PREFILL_CONFIG = base
+        ms, error = time_config(
+            bench,
+            "PREFILL_CONFIG",
+            config,
+            lambda: ua.unified_attention(
+                batch.q, batch.k_cache, batch.v_cache, **batch.attention_kwargs()
+            ),
+        )
+        rows.append(
+            {
+                "tokens": length,
+                "block_m": config.block_m,
+                "tile_n": config.tile_n,
+                "num_warps": config.num_warps,
+                "ms": ms,
+                "tflops": flops / ms / 1e9,
+                "error": error,
+            }
+        )
     return sorted(rows, key=lambda r: (math.isnan(r["ms"]), r["ms"]))
 
 

@@ -7,13 +7,12 @@ tables are never sorted; caches hold random values everywhere, so reading a wron
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from kvpilot.kernels import reference
 from kvpilot.kernels._utils import check_dot_dims
+from kvpilot.kernels.testing import PagedBatch, paged_batch
 from kvpilot.kernels.unified_attention import (
     choose_kv_splits,
     launch_config,
@@ -26,24 +25,6 @@ FP16_TOL = {"atol": 2e-3, "rtol": 2e-3}
 FP32_TOL = {"atol": 1e-5, "rtol": 1e-5}
 
 
-@dataclass
-class Batch:
-    q: torch.Tensor
-    k_cache: torch.Tensor
-    v_cache: torch.Tensor
-    query_start_loc: torch.Tensor
-    seq_lens: torch.Tensor
-    block_tables: torch.Tensor
-
-    def kwargs(self) -> dict:
-        return {
-            "query_start_loc": self.query_start_loc,
-            "seq_lens": self.seq_lens,
-            "block_tables": self.block_tables,
-            "scale": self.q.shape[-1] ** -0.5,
-        }
-
-
 def make_batch(
     specs: list[tuple[int, int]],
     *,
@@ -53,28 +34,13 @@ def make_batch(
     block_size: int = 16,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
-) -> Batch:
-    gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [-(-seq_len // block_size) for _, seq_len in specs]
-    num_blocks = sum(blocks_needed) + 2  # two blocks no sequence owns
-    physical = torch.randperm(num_blocks, generator=gen).int()
-    # One spare column, padded with 0 as the model runner does.
-    block_tables = torch.zeros(len(specs), max(blocks_needed) + 1, dtype=torch.int32)
-    used = 0
-    for i, n in enumerate(blocks_needed):
-        block_tables[i, :n] = physical[used : used + n]
-        used += n
-    q_lens = torch.tensor([q_len for q_len, _ in specs])
-    query_start_loc = torch.cat((torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0))).int()
-    cache_shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return Batch(
-        q=torch.randn(int(q_lens.sum()), num_heads, head_dim, generator=gen).to(dtype),
-        k_cache=torch.randn(cache_shape, generator=gen).to(dtype),
-        v_cache=torch.randn(cache_shape, generator=gen).to(dtype),
-        query_start_loc=query_start_loc,
-        seq_lens=torch.tensor([seq_len for _, seq_len in specs], dtype=torch.int32),
-        block_tables=block_tables,
-    )
+) -> PagedBatch:
+    """Seeded, with two blocks no sequence owns and one spare block-table column."""
+    return paged_batch(
+        specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+        block_size=block_size, dtype=dtype, generator=torch.Generator().manual_seed(seed),
+        spare_blocks=2, spare_columns=1,
+    )  # fmt: skip
 
 
 # name -> (specs, num_heads, num_kv_heads, head_dim, block_size)
@@ -100,8 +66,10 @@ def test_matches_reference(case: str, dtype: torch.dtype) -> None:
         specs, num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
         block_size=block_size, dtype=dtype,
     )  # fmt: skip
-    got = unified_attention(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
-    want = reference.unified_attention(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
+    got = unified_attention(batch.q, batch.k_cache, batch.v_cache, **batch.attention_kwargs())
+    want = reference.unified_attention(
+        batch.q, batch.k_cache, batch.v_cache, **batch.attention_kwargs()
+    )
     assert got.dtype == dtype and got.shape == batch.q.shape
     torch.testing.assert_close(got, want, **(FP32_TOL if dtype == torch.float32 else FP16_TOL))
 
@@ -122,24 +90,30 @@ def test_split_kv_matches_reference(case: str) -> None:
         block_size=block_size, dtype=torch.float16, seed=1,
     )  # fmt: skip
     got = unified_attention(
-        batch.q, batch.k_cache, batch.v_cache, num_kv_splits=3, **batch.kwargs()
+        batch.q, batch.k_cache, batch.v_cache, num_kv_splits=3, **batch.attention_kwargs()
     )
-    want = reference.unified_attention(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
+    want = reference.unified_attention(
+        batch.q, batch.k_cache, batch.v_cache, **batch.attention_kwargs()
+    )
     torch.testing.assert_close(got, want, **FP16_TOL)
 
 
 def test_not_causal() -> None:
     batch = make_batch([(3, 10), (1, 5)], num_heads=4, num_kv_heads=2, head_dim=16)
-    got = unified_attention(batch.q, batch.k_cache, batch.v_cache, causal=False, **batch.kwargs())
+    got = unified_attention(
+        batch.q, batch.k_cache, batch.v_cache, causal=False, **batch.attention_kwargs()
+    )
     want = reference.unified_attention(
-        batch.q, batch.k_cache, batch.v_cache, causal=False, **batch.kwargs()
+        batch.q, batch.k_cache, batch.v_cache, causal=False, **batch.attention_kwargs()
     )
     torch.testing.assert_close(got, want, **FP32_TOL)
-    causal = reference.unified_attention(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
+    causal = reference.unified_attention(
+        batch.q, batch.k_cache, batch.v_cache, **batch.attention_kwargs()
+    )
     assert not torch.allclose(got[:3], causal[:3])  # the mask really is off
 
 
-def _sliding_reference(batch: Batch, window: int) -> torch.Tensor:
+def _sliding_reference(batch: PagedBatch, window: int) -> torch.Tensor:
     """Per-sequence SDPA over the gathered cache with a causal sliding-window mask."""
     out = torch.zeros_like(batch.q)
     starts = batch.query_start_loc.tolist()
@@ -163,7 +137,7 @@ def test_sliding_window(num_kv_splits: int) -> None:
     batch = make_batch([(1, 150), (20, 90), (1, 3)], num_heads=4, num_kv_heads=2, head_dim=16)
     got = unified_attention(
         batch.q, batch.k_cache, batch.v_cache, sliding_window=70,
-        num_kv_splits=num_kv_splits, **batch.kwargs(),
+        num_kv_splits=num_kv_splits, **batch.attention_kwargs(),
     )  # fmt: skip
     torch.testing.assert_close(got, _sliding_reference(batch, 70), **FP32_TOL)
 
@@ -178,10 +152,17 @@ def test_out_buffer_strided_q_and_padding_rows(num_kv_splits: int) -> None:
     q = qkv[:, :4]
     out = torch.full((5, 4, 16), 7.0)
     result = unified_attention(
-        q, batch.k_cache, batch.v_cache, out=out, num_kv_splits=num_kv_splits, **batch.kwargs()
+        q,
+        batch.k_cache,
+        batch.v_cache,
+        out=out,
+        num_kv_splits=num_kv_splits,
+        **batch.attention_kwargs(),
     )
     assert result is out
-    want = reference.unified_attention(batch.q, batch.k_cache, batch.v_cache, **batch.kwargs())
+    want = reference.unified_attention(
+        batch.q, batch.k_cache, batch.v_cache, **batch.attention_kwargs()
+    )
     torch.testing.assert_close(out[:3], want, **FP32_TOL)
     assert torch.equal(out[3:], torch.full((2, 4, 16), 7.0))
 
@@ -216,7 +197,7 @@ def _good_args() -> dict:
         "q": batch.q,
         "k_cache": batch.k_cache,
         "v_cache": batch.v_cache,
-        **batch.kwargs(),
+        **batch.attention_kwargs(),
     }
 
 
