@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install tools e2e serve generate test test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling bench-lora clean
+.PHONY: install tools control-plane cluster e2e serve generate test test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling bench-lora clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,17 @@ $(TOOLS):
 
 tools: $(TOOLS)
 
+## The test control plane: kube-apiserver, kube-controller-manager, kube-scheduler, etcd and kwok,
+## built once per machine from the pinned Go modules in hack/control-plane/ into
+## ~/.cache/kvpilot/k8s/ (needs Go; tens of minutes cold, instant once built).
+control-plane:
+	hack/control-plane/build.sh >/dev/null
+
+## A real Kubernetes control plane on this machine, with simulated GPU nodes and the operator
+## installed by its Helm chart; prints the KUBECONFIG to use. Ctrl-C stops it.
+cluster: install tools control-plane
+	$(BIN)/python -m tests.cluster
+
 ## The main job: the OpenAI-compatible server on the default model (SmolLM2-135M-Instruct).
 serve: install
 	$(BIN)/kvpilot serve --host $(HOST) --port $(PORT)
@@ -37,11 +48,11 @@ generate: install
 
 ## The whole suite: the main run, then the Triton kernel tests in their own process
 ## (an out-of-bounds load under the interpreter can take the process down).
-test: install tools
+test: install tools control-plane
 	$(BIN)/pytest -m "not kernel and not e2e"
 	$(BIN)/pytest -m kernel tests/kernels
 
-test-fast: install
+test-fast: install tools control-plane
 	$(BIN)/pytest -m "not kernel and not e2e and not slow"
 
 test-kernels: install

@@ -1,6 +1,6 @@
 # The kvpilot engine image: `kvpilot serve` (OpenAI-compatible server) on a CUDA base.
 # Build from the repository root:
-#   docker build -f docker/engine.Dockerfile -t ghcr.io/kvpilot/kvpilot-engine:0.1.0 .
+#   docker build -f docker/engine.Dockerfile -t ghcr.io/kvpilot/kvpilot-engine:0.2.0 .
 # The same image runs on CPU nodes (the CPU development example): torch falls back to CPU when
 # no GPU is visible. For a much smaller CPU-only image (e2e/run.sh builds one for kind):
 #   --build-arg CUDA_IMAGE=ubuntu:24.04 --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu

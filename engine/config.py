@@ -58,6 +58,37 @@ def parse_bytes(text: str | int) -> int:
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
 
 
+def resolve_max_num_batched_tokens(
+    max_num_batched_tokens: int | None,
+    max_model_len: int,
+    *,
+    enable_chunked_prefill: bool,
+    on_gpu: bool,
+) -> int:
+    """The token budget of one scheduler step (tokens), as the engine runs it.
+
+    The one rule both the engine and the operator's planner use, so that the flags the planner
+    renders are flags the engine accepts: the device default (``GPU_MAX_NUM_BATCHED_TOKENS`` or
+    ``CPU_MAX_NUM_BATCHED_TOKENS``) unless set; without chunked prefill a whole prompt of up to
+    ``max_model_len`` tokens must fit in one step, so the default grows to ``max_model_len``
+    (vLLM's scheduler does the same) and a smaller explicit budget is refused.
+
+    Raises:
+        ValueError: an explicit budget below ``max_model_len`` without chunked prefill.
+    """
+    default = GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS
+    batched = max_num_batched_tokens or default
+    if not enable_chunked_prefill:
+        if max_num_batched_tokens is None:
+            return max(batched, max_model_len)
+        if batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) must be >= max_model_len "
+                f"({max_model_len}) without chunked prefill"
+            )
+    return batched
+
+
 @dataclass
 class EngineArgs:
     """Everything a user may set about the engine; field names are vLLM's ``EngineArgs`` names.

@@ -16,13 +16,12 @@ from tqdm.auto import tqdm
 
 from kvpilot.engine.config import (
     CPU_DEFAULT_KV_CACHE_MEMORY,
-    CPU_MAX_NUM_BATCHED_TOKENS,
     CPU_MAX_NUM_SEQS,
-    GPU_MAX_NUM_BATCHED_TOKENS,
     GPU_MAX_NUM_SEQS,
     CacheConfig,
     EngineArgs,
     SchedulerConfig,
+    resolve_max_num_batched_tokens,
 )
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.executor import WorkerConfig, create_executor
@@ -296,17 +295,12 @@ class LLMEngine:
                 f"({model_max})"
             )
         on_gpu = self.device.type == "cuda"
-        max_num_batched_tokens = args.max_num_batched_tokens or (
-            GPU_MAX_NUM_BATCHED_TOKENS if on_gpu else CPU_MAX_NUM_BATCHED_TOKENS
+        max_num_batched_tokens = resolve_max_num_batched_tokens(
+            args.max_num_batched_tokens,
+            max_model_len,
+            enable_chunked_prefill=args.enable_chunked_prefill,
+            on_gpu=on_gpu,
         )
-        if not args.enable_chunked_prefill:
-            if args.max_num_batched_tokens is None:
-                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
-            elif max_num_batched_tokens < max_model_len:
-                raise ValueError(
-                    f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_model_len "
-                    f"({max_model_len}) without chunked prefill"
-                )
         return SchedulerConfig(
             max_model_len=max_model_len,
             max_num_seqs=args.max_num_seqs or (GPU_MAX_NUM_SEQS if on_gpu else CPU_MAX_NUM_SEQS),

@@ -5,4 +5,4 @@ batching, an OpenAI-compatible server) and the operator (``kvpilot.operator``: a
 that sizes and scales ``LLMDeployment`` resources).
 """
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -1,23 +1,21 @@
-"""Side effects of a reconcile: create or patch child objects and write an object's status.
+"""Side effects of a reconcile: apply child objects and write an object's status.
 
-Apply is "make the live object cover the desired one": a child that does not exist is created;
-one whose fields already equal every desired field is left alone (no request, so a reconcile
-that changes nothing writes nothing); otherwise one JSON merge patch sets the desired fields,
-carries the live ``resourceVersion`` (the API server refuses it with 409 if the object moved
-meanwhile), and sets to ``null`` the fields the previous apply wrote that are no longer desired
-(a three-way merge like ``kubectl apply``: the last applied fields live in the
-``kvpilot.dev/last-applied`` annotation).
+Children are written with server-side apply (``PATCH`` with ``application/apply-patch+yaml``,
+field manager ``FIELD_MANAGER``, ``force``): the API server merges the desired fields, keeps
+what other managers own (defaults, the HPA's or a user's fields), removes the fields this
+manager set before and no longer sends, and changes nothing, not even the resourceVersion,
+when the object already holds them. So the operator never compares objects itself: what the
+server would store after defaulting and normalising is exactly what it compares.
 
 Conflicts (409) and transient failures (429, 5xx, connection errors) are retried with
-exponential backoff and jitter, re-reading the live object each time; when the attempts run
-out, :class:`TransientApiError` tells the caller to try again later (kopf's
-``TemporaryError``). A child controlled by another owner is never taken over
-(:class:`OwnershipConflict`).
+exponential backoff and jitter; when the attempts run out, :class:`TransientApiError` tells the
+caller to try again later (kopf's ``TemporaryError``). A child controlled by another owner is
+never taken over (:class:`OwnershipConflict`); one still controlled by a deleted object of the
+same kind and name (garbage collection is asynchronous) is :class:`StaleOwner`, retried soon.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import random
@@ -33,7 +31,9 @@ from kvpilot import __version__
 T = TypeVar("T")
 
 MERGE_PATCH = "application/merge-patch+json"
-LAST_APPLIED_ANNOTATION = "kvpilot.dev/last-applied"
+APPLY_PATCH = "application/apply-patch+yaml"
+FIELD_MANAGER = "kvpilot-operator"
+"""The server-side apply field manager of everything the operator writes."""
 USER_AGENT = f"kvpilot-operator/{__version__}"
 
 # Kinds the operator writes: (apiVersion, kind) -> plural. All are namespaced.
@@ -45,9 +45,6 @@ PLURALS: dict[tuple[str, str], str] = {
     ("kvpilot.dev/v1alpha1", "LLMDeployment"): "llmdeployments",
 }
 _TRANSIENT_STATUSES = {409, 429, 500, 502, 503, 504}
-# Quantities are compared by value under these keys ("1Gi" == "1024Mi"), as the API server
-# may hand them back in another canonical form.
-_QUANTITY_KEYS = {"limits", "requests", "sizeLimit", "storage"}
 
 
 class KubeApiError(Exception):
@@ -57,13 +54,17 @@ class KubeApiError(Exception):
         status: the HTTP status code.
         reason: the ``reason`` of the returned ``Status`` (``Conflict``, ``NotFound``, ...).
         message: the ``message`` of the returned ``Status``.
+        fields: the fields its ``details.causes`` name (a 422's invalid fields), in order.
     """
 
-    def __init__(self, status: int, reason: str, message: str) -> None:
+    def __init__(
+        self, status: int, reason: str, message: str, fields: tuple[str, ...] = ()
+    ) -> None:
         super().__init__(f"{status} {reason}: {message}")
         self.status = status
         self.reason = reason
         self.message = message
+        self.fields = fields
 
 
 class TransientApiError(Exception):
@@ -72,6 +73,11 @@ class TransientApiError(Exception):
 
 class OwnershipConflict(Exception):
     """A child's name is taken by an object that another controller owns."""
+
+
+class StaleOwner(TransientApiError):
+    """A child's name is taken by the child of a deleted owner of the same kind and name,
+    which the garbage collector has not removed yet: try again shortly."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +133,12 @@ class KubeClient:
         response.read()
         data = json.loads(response.data) if response.data else {}
         if not 200 <= response.status < 300:
+            causes = (data.get("details") or {}).get("causes") or []
             raise KubeApiError(
                 response.status,
                 data.get("reason", ""),
                 data.get("message", response.data.decode(errors="replace")),
+                tuple(c["field"] for c in causes if c.get("field")),
             )
         return data
 
@@ -159,6 +167,16 @@ class KubeClient:
             obj_ref["apiVersion"], obj_ref["kind"], meta["namespace"], meta["name"], subresource
         )
         return self.request("PATCH", path, patch, MERGE_PATCH)
+
+    def apply(self, obj: dict[str, Any], subresource: str | None = None) -> dict[str, Any]:
+        """Server-side apply ``obj`` (created if absent) as ``FIELD_MANAGER``, forcing
+        conflicts with other managers; returns the object as stored."""
+        meta = obj["metadata"]
+        path = object_path(
+            obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], subresource
+        )
+        query = f"?fieldManager={FIELD_MANAGER}&force=true"
+        return self.request("PATCH", path + query, obj, APPLY_PATCH)
 
 
 def with_retries(
@@ -198,118 +216,90 @@ def _delays(attempts: int, base: float, cap: float) -> Iterator[float | None]:
         yield min(cap, base * 2**k) if k < attempts - 1 else None
 
 
-def covers(live: Any, desired: Any, quantity: bool = False) -> bool:
-    """Whether ``live`` already holds every field of ``desired`` with the same value.
-
-    Objects compare key by key (extra live keys, e.g. server defaults, are fine), lists
-    element by element (same length), quantities (under ``limits``, ``requests``,
-    ``sizeLimit``, ``storage``) by value, numbers by value (JSON does not keep 1 and 1.0 apart).
-    """
-    if isinstance(desired, dict):
-        return isinstance(live, dict) and all(
-            k in live and covers(live[k], v, quantity or k in _QUANTITY_KEYS)
-            for k, v in desired.items()
-        )
-    if isinstance(desired, list):
-        return (
-            isinstance(live, list)
-            and len(live) == len(desired)
-            and all(covers(a, b, quantity) for a, b in zip(live, desired, strict=True))
-        )
-    if quantity and isinstance(desired, str) and isinstance(live, str):
-        return live == desired or _same_quantity(live, desired)
-    return live == desired and isinstance(live, bool) == isinstance(desired, bool)
-
-
-def _same_quantity(a: str, b: str) -> bool:
-    try:
-        return kubernetes.utils.parse_quantity(a) == kubernetes.utils.parse_quantity(b)
-    except ValueError:
-        return False
-
-
-def removals(last_applied: Any, desired: Any) -> dict[str, Any]:
-    """A merge patch fragment that nulls the fields of ``last_applied`` absent from ``desired``.
-
-    Only objects are descended (lists are replaced whole by a merge patch anyway).
-    """
-    if not isinstance(last_applied, dict) or not isinstance(desired, dict):
-        return {}
-    patch: dict[str, Any] = {}
-    for key, old in last_applied.items():
-        if key not in desired:
-            patch[key] = None
-        elif nested := removals(old, desired[key]):
-            patch[key] = nested
-    return patch
-
-
-def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    merged = copy.deepcopy(base)
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = _merge(merged[key], value)
-        elif key not in merged:
-            merged[key] = value
-    return merged
-
-
-def _nulls_present(live: Any, nulls: dict[str, Any]) -> bool:
-    # Whether any field the three-way merge would remove is still on the live object.
-    if not isinstance(live, dict):
-        return False
-    return any(k in live and (v is None or _nulls_present(live[k], v)) for k, v in nulls.items())
-
-
-def _controller_uid(obj: dict[str, Any]) -> str | None:
+def _controller(obj: dict[str, Any]) -> dict[str, Any] | None:
     for ref in obj.get("metadata", {}).get("ownerReferences") or []:
         if ref.get("controller"):
-            return ref.get("uid")
+            return ref
     return None
 
 
-def _with_last_applied(desired: dict[str, Any]) -> dict[str, Any]:
-    obj = copy.deepcopy(desired)
-    annotations = obj["metadata"].setdefault("annotations", {})
-    annotations[LAST_APPLIED_ANNOTATION] = json.dumps(
-        desired, sort_keys=True, separators=(",", ":")
-    )
-    return obj
-
-
 def apply_child(client: KubeClient, desired: dict[str, Any], **retry: Any) -> ApplyResult:
-    """Create or patch ``desired`` (a full object with its ownerReferences) until live covers it.
+    """Server-side apply ``desired`` (a full object with its ownerReferences).
 
-    ``retry`` goes to :func:`with_retries` (attempts, delays).
+    ``action`` is ``created`` when the object did not exist, ``unchanged`` when every field the
+    operator applies reads the same, as the API server stores it, before and after, and it owns
+    the same fields (none was removed); what other controllers write meanwhile, status or their
+    own annotations, does not count. Else ``patched``. ``retry`` goes to :func:`with_retries`
+    (attempts, delays).
 
     Raises:
-        OwnershipConflict: the live object is controlled by an owner other than desired's.
+        OwnershipConflict: the live object is controlled by another owner.
+        StaleOwner: it is controlled by a deleted owner of desired's owner's kind and name.
         TransientApiError: conflicts or transient errors outlasted the retries.
         KubeApiError: the API refused the object (e.g. 422 invalid).
     """
-    wanted = _with_last_applied(desired)
     meta = desired["metadata"]
 
     def attempt() -> ApplyResult:
         live = client.get(desired["apiVersion"], desired["kind"], meta["namespace"], meta["name"])
+        if live is not None:
+            _check_owner(live, desired)
+        applied = client.apply(desired)
         if live is None:
-            return ApplyResult("created", client.create(wanted))
-        owner = _controller_uid(live)
-        if owner is not None and owner != _controller_uid(desired):
-            raise OwnershipConflict(
-                f"{desired['kind']} {meta['namespace']}/{meta['name']} exists and is controlled by another owner (uid {owner})"
-            )
-        previous = json.loads(
-            live["metadata"].get("annotations", {}).get(LAST_APPLIED_ANNOTATION, "{}")
-        )
-        nulls = removals(previous, desired)
-        if covers(live, wanted) and not _nulls_present(live, nulls):
-            return ApplyResult("unchanged", live)
-        patch = _merge(wanted, nulls)
-        patch["metadata"]["resourceVersion"] = live["metadata"]["resourceVersion"]
-        return ApplyResult("patched", client.patch(desired, patch))
+            return ApplyResult("created", applied)
+        same = _project(applied, desired) == _project(live, desired) and _owned_fields(
+            applied
+        ) == _owned_fields(live)
+        return ApplyResult("unchanged" if same else "patched", applied)
 
     return with_retries(attempt, **retry)
+
+
+def _project(obj: Any, shape: Any) -> Any:
+    """The parts of ``obj`` under the keys of ``shape``, descending objects (lists whole)."""
+    if isinstance(shape, dict) and isinstance(obj, dict):
+        return {key: _project(obj.get(key), sub) for key, sub in shape.items()}
+    return obj
+
+
+def _owned_fields(obj: dict[str, Any]) -> Any:
+    """The fields ``FIELD_MANAGER`` owns by applying (``managedFields``), or None."""
+    for entry in obj.get("metadata", {}).get("managedFields") or []:
+        if entry.get("manager") == FIELD_MANAGER and entry.get("operation") == "Apply":
+            return entry.get("fieldsV1")
+    return None
+
+
+def _check_owner(live: dict[str, Any], desired: dict[str, Any]) -> None:
+    owner, wanted = _controller(live), _controller(desired)
+    if owner is None or wanted is None or owner.get("uid") == wanted.get("uid"):
+        return
+    meta = desired["metadata"]
+    where = f"{desired['kind']} {meta['namespace']}/{meta['name']}"
+    if (owner.get("kind"), owner.get("name")) == (wanted.get("kind"), wanted.get("name")):
+        raise StaleOwner(
+            f"{where} still belongs to a deleted {owner.get('kind')} {owner.get('name')} "
+            f"(uid {owner.get('uid')}); waiting for the garbage collector"
+        )
+    raise OwnershipConflict(
+        f"{where} exists and is controlled by another owner (uid {owner.get('uid')})"
+    )
+
+
+def status_changed(previous: Any, status: Any) -> bool:
+    """Whether merge-patching ``status`` onto ``previous`` would change any field.
+
+    Objects compare key by key (keys only in ``previous`` stay, a null removes one), anything
+    else by value (numbers by value: JSON does not keep 1 and 1.0 apart).
+    """
+    if isinstance(status, dict):
+        if not isinstance(previous, dict):
+            return True
+        return any(
+            (key in previous) if value is None else status_changed(previous.get(key), value)
+            for key, value in status.items()
+        )
+    return previous != status or isinstance(previous, bool) != isinstance(status, bool)
 
 
 def patch_status(client: KubeClient, obj: dict[str, Any], status: dict[str, Any]) -> bool:
@@ -322,7 +312,7 @@ def patch_status(client: KubeClient, obj: dict[str, Any], status: dict[str, Any]
         KubeApiError: 409 when the object changed since ``obj`` was read (read it again and
             recompute), or any other refusal.
     """
-    if covers(obj.get("status") or {}, status):
+    if not status_changed(obj.get("status") or {}, status):
         return False
     patch = {"metadata": {"resourceVersion": obj["metadata"]["resourceVersion"]}, "status": status}
     client.patch(obj, patch, subresource="status")

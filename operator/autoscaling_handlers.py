@@ -1,28 +1,30 @@
-"""The autoscaling loop: a kopf timer per ``LLMDeployment`` that scrapes, decides and writes.
+"""The autoscaling loop: every ``interval`` seconds, for each LLMDeployment, observe, decide,
+write.
 
-Every ``interval`` seconds, for each LLMDeployment with ``spec.autoscaling.mode: kvpilot``:
+For each LLMDeployment with ``spec.autoscaling.mode: kvpilot``, one tick
+(:meth:`AutoscalingLoop.tick`, run by :mod:`kvpilot.operator.periodic`):
 
-1. read the spec and plan it with the reconciler's own function
-   (:func:`kvpilot.operator.handlers.sized`, with the autoscaler's chosen shape);
-2. list the engine pods (label ``kvpilot.dev/llmdeployment=<name>``), scrape the ready ones
-   (:mod:`kvpilot.operator.scraper`; a Prometheus server instead when configured) and count
-   the unschedulable and the starting ones (:func:`unschedulable`, :func:`starting_pods`);
-3. decide (:func:`kvpilot.operator.autoscaler.decide`) from the object's window of samples;
-4. write ``spec.replicas`` through the ``scale`` subresource when it changes, post an Event
-   for every scaling decision, record a larger shape in ``kvpilot.dev/shape`` when the
-   decision says "bigger, not more", and write ``status.desiredReplicas``,
-   ``status.lastScaleTime``, ``status.lastDecision``, ``status.kvCacheUsage`` and
-   ``status.recommendations`` (:mod:`kvpilot.operator.tuning`), only when they changed:
-   ``lastDecision.time`` is when that decision was first made, and a steady fleet costs no
-   writes;
-5. with ``tuneEngine: true``, move the tuning rollout along (canary, applied, rolled back) in
-   the annotation ``kvpilot.dev/engine-tuning``, with an Event for each phase.
+1. observe (:meth:`AutoscalingLoop.observe`, the only part that reads the API and the pods):
+   the spec planned with the reconciler's own function (:func:`kvpilot.operator.handlers.sized`,
+   with the autoscaler's chosen shape), the engine pods (label ``kvpilot.dev/llmdeployment``),
+   the ready ones' metrics (:mod:`kvpilot.operator.scraper`; a Prometheus server instead when
+   configured), the GPUs the namespace's other LLMDeployments hold, and the model for a larger
+   shape;
+2. decide (:func:`plan_writes`, pure): :func:`kvpilot.operator.autoscaler.decide` over the
+   object's window of samples, live tuning (:func:`tuning_step`), and the writes that follow:
+   ``spec.replicas`` through the ``scale`` subresource when it changes, a larger shape in
+   ``kvpilot.dev/shape`` when the decision says "bigger, not more", the tuning rollout in
+   ``kvpilot.dev/engine-tuning``, the autoscaler's status fields (``desiredReplicas``,
+   ``lastScaleTime``, ``lastDecision``, ``kvCacheUsage``, ``recommendations``) only when they
+   changed, and an Event per scaling decision and tuning phase;
+3. execute (:meth:`AutoscalingLoop.execute`): those writes, through the same client and
+   event sink as the reconciler.
 
 ``mode: external`` objects are never touched: HPA, KEDA or ``kubectl scale`` own the replicas.
 
 Waking from zero: ``kubectl annotate llmd NAME kvpilot.dev/wake="$(date +%s)" --overwrite``
 (any client with ``patch`` on llmdeployments can do it; docs/autoscaling.md shows an activator
-pattern). A change of that annotation wakes the deployment at once; the timer also honours it.
+pattern). A change of that annotation wakes the deployment at once; every tick honours it too.
 
 The window and the decision memory live in the loop object, per LLMDeployment. An operator
 restart starts them afresh except for the learned replica capacity, read back from
@@ -43,7 +45,7 @@ import kopf
 
 from kvpilot.engine.model_spec import ModelSpec
 from kvpilot.operator import manifests
-from kvpilot.operator.apply import KubeApiError, KubeClient
+from kvpilot.operator.apply import KubeClient, status_changed
 from kvpilot.operator.autoscaler import (
     SHAPE_ANNOTATION,
     AutoscalerMemory,
@@ -55,6 +57,7 @@ from kvpilot.operator.autoscaler import (
     starting_hold_seconds,
 )
 from kvpilot.operator.conditions import format_time
+from kvpilot.operator.events import Event
 from kvpilot.operator.gpus import CUSTOM, gpu_type
 from kvpilot.operator.handlers import (
     API_VERSION,
@@ -62,12 +65,12 @@ from kvpilot.operator.handlers import (
     KIND,
     PLURAL,
     VERSION,
-    ModelCache,
+    Runtime,
     Sizing,
     sized,
 )
-from kvpilot.operator.images import ENGINE_IMAGE
 from kvpilot.operator.planner import Plan, PlanError, plan_for_spec
+from kvpilot.operator.pods import starting_pods, startup_seconds, unschedulable
 from kvpilot.operator.scraper import (
     AddressMap,
     PodTarget,
@@ -106,15 +109,13 @@ class AutoscalerConfig:
         interval: seconds between decisions for each LLMDeployment.
         scrape_timeout: seconds allowed per pod scrape (or per Prometheus query).
         prometheus_url: read metrics from this Prometheus instead of the pods, or None.
-        engine_image: image for specs without ``spec.image`` (as the reconciler's).
-        model_config_ttl: seconds a model's config.json is reused.
+
+    The engine image and the model config cache are the reconciler's (``Runtime``).
     """
 
     interval: float = 15.0
     scrape_timeout: float = 2.0
     prometheus_url: str | None = None
-    engine_image: str = ENGINE_IMAGE
-    model_config_ttl: float = 600.0
 
 
 @dataclasses.dataclass
@@ -148,56 +149,6 @@ def wake_time(annotations: dict[str, str]) -> float | None:
         logger.warning("ignoring %s=%r: not Unix seconds or RFC 3339 time", WAKE_ANNOTATION, raw)
         return None
     return moment.timestamp()
-
-
-def _condition(pod: dict[str, Any], kind: str) -> dict[str, Any]:
-    """The pod's status condition of type ``kind`` (``{}`` when it has none)."""
-    for condition in (pod.get("status") or {}).get("conditions") or []:
-        if condition.get("type") == kind:
-            return condition
-    return {}
-
-
-def unschedulable(pod: dict[str, Any]) -> bool:
-    """Whether the scheduler could not place ``pod`` (condition ``PodScheduled`` False)."""
-    return _condition(pod, "PodScheduled").get("status") == "False"
-
-
-def starting_pods(pods: list[dict[str, Any]], now: float, hold_seconds: float) -> int:
-    """How many of ``pods`` are starting: placed (``PodScheduled`` True), not ``Ready``, not
-    being deleted, and created less than ``hold_seconds`` before ``now`` (Unix seconds; see
-    :func:`kvpilot.operator.autoscaler.starting_hold_seconds`). An older one is stuck (crash
-    loop, failed model load) and counts no more; one without a creation time neither."""
-    count = 0
-    for pod in pods:
-        metadata = pod.get("metadata") or {}
-        created = metadata.get("creationTimestamp")
-        if (
-            created
-            and not metadata.get("deletionTimestamp")
-            and _condition(pod, "PodScheduled").get("status") == "True"
-            and _condition(pod, "Ready").get("status") != "True"
-            and now - _parse_time(created) < hold_seconds
-        ):
-            count += 1
-    return count
-
-
-def startup_seconds(pods: list[dict[str, Any]]) -> float:
-    """How long the ready pods took from creation to Ready (the longest, seconds; 0 when no
-    pod says), so scale-ups can lead a rising load by that much."""
-    longest = 0.0
-    for pod in pods:
-        created = (pod.get("metadata") or {}).get("creationTimestamp")
-        ready = _condition(pod, "Ready")
-        ready_at = ready.get("lastTransitionTime")
-        if ready.get("status") == "True" and created and ready_at:
-            longest = max(longest, _parse_time(ready_at) - _parse_time(created))
-    return longest
-
-
-def _parse_time(value: str) -> float:
-    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
 def larger_shape(
@@ -318,11 +269,6 @@ def without_nulls(value: Any) -> Any:
     return value
 
 
-def status_changed(previous: dict[str, Any], status: dict[str, Any]) -> bool:
-    """Whether merge-patching ``status`` onto ``previous`` would change any field."""
-    return any(without_nulls(previous.get(key)) != without_nulls(v) for key, v in status.items())
-
-
 def decision_status(
     decision: Decision, previous: dict[str, Any], now: datetime.datetime
 ) -> dict[str, Any]:
@@ -364,13 +310,134 @@ def decision_status(
     return status
 
 
-class AutoscalingLoop:
-    """The side effects of one LLMDeployment's tick; the kopf handlers are thin wrappers."""
+@dataclasses.dataclass(frozen=True)
+class Observation:
+    """What one tick read about an LLMDeployment, before deciding anything.
 
-    def __init__(self, config: AutoscalerConfig, client: KubeClient | None = None) -> None:
+    Attributes:
+        body: the LLMDeployment as read.
+        sizing: its spec planned as the reconciler plans it.
+        pods: its engine pods.
+        samples: metric samples scraped from the ready ones.
+        replicas: ``spec.replicas`` now.
+        gpus_elsewhere: GPUs the namespace's other LLMDeployments hold.
+        larger_shape: the next larger replica shape, or None.
+        now: when the samples were taken (Unix seconds).
+    """
+
+    body: dict[str, Any]
+    sizing: Sizing
+    pods: list[dict[str, Any]]
+    samples: list[MetricSample]
+    replicas: int
+    gpus_elsewhere: int
+    larger_shape: Shape | None
+    now: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Writes:
+    """What a tick decided to write (empty fields: nothing to write).
+
+    Attributes:
+        decision: the scaling decision.
+        replicas: ``spec.replicas`` to set through the scale subresource, or None.
+        annotations: annotations to merge into the object's metadata.
+        status: status fields to merge, or None when they are unchanged.
+        events: Events to post, as (type, reason, message).
+    """
+
+    decision: Decision
+    replicas: int | None = None
+    annotations: dict[str, str] = dataclasses.field(default_factory=dict)
+    status: dict[str, Any] | None = None
+    events: tuple[Event, ...] = ()
+
+
+def plan_writes(
+    observation: Observation,
+    policy: AutoscalingPolicy,
+    window: list[MetricSample],
+    memory: AutoscalerMemory,
+    now: datetime.datetime,
+) -> Writes:
+    """Decide the replicas and the tuning for ``observation`` and what to write (pure).
+
+    ``window`` holds the samples of the stable window (this tick's included); ``memory`` is the
+    previous decision's. The returned ``decision.memory`` goes into the next tick.
+    """
+    body, sizing = observation.body, observation.sizing
+    assert sizing.spec is not None and sizing.spec.autoscaling is not None
+    assert sizing.plan is not None and sizing.user_spec is not None
+    meta = body["metadata"]
+    annotations = meta.get("annotations") or {}
+    pods, t = observation.pods, observation.now
+    startup = startup_seconds(pods)
+    fleet = FleetState(
+        replicas=observation.replicas,
+        ready_replicas=len(ready_targets(pods)),
+        pending_replicas=sum(1 for pod in pods if unschedulable(pod)),
+        starting_replicas=starting_pods(pods, t, starting_hold_seconds(startup)),
+        gpus_per_replica=sizing.plan.gpus_per_replica,
+        gpus_used_elsewhere=observation.gpus_elsewhere,
+        tensor_parallel_fixed=sizing.user_spec.tensor_parallel_size is not None,
+        larger_shape=observation.larger_shape,
+        max_num_seqs=sizing.plan.max_num_seqs,
+        startup_seconds=startup,
+        wake_requested_at=wake_time(annotations),
+    )
+    decision = decide(window, policy, fleet, memory, t)
+    tuning = tuning_step(
+        annotations,
+        pods,
+        window,
+        sizing.plan,
+        apply=sizing.spec.autoscaling.tune_engine,
+        now=t,
+        canary_seconds=CANARY_WINDOWS * policy.stable_window_seconds,
+    )
+    previous = body.get("status") or {}
+    status = decision_status(decision, previous, now)
+    status["recommendations"] = tuning.status
+    new_annotations = {}
+    if decision.replan is not None:
+        new_annotations[SHAPE_ANNOTATION] = decision.replan.to_annotation()
+    events = []
+    if tuning.changed and tuning.rollout is not None:
+        rollout = tuning.rollout
+        new_annotations[TUNING_ANNOTATION] = rollout.to_annotation()
+        events.append(
+            Event(
+                "Warning" if rollout.phase == "RolledBack" else "Normal",
+                f"Tuning{rollout.phase}",
+                f"engine settings {rollout.settings.as_dict()}: {rollout.reason}",
+            )
+        )
+    scaled = decision.desired_replicas != observation.replicas
+    if scaled or decision.replan is not None:
+        events.append(
+            Event(
+                "Normal",
+                decision.reason,
+                f"replicas {observation.replicas} -> {decision.desired_replicas}: {decision.message}",
+            )
+        )
+    return Writes(
+        decision=decision,
+        replicas=decision.desired_replicas if scaled else None,
+        annotations=new_annotations,
+        status=status if status_changed(previous, status) else None,
+        events=tuple(events),
+    )
+
+
+class AutoscalingLoop:
+    """The autoscaler's state and side effects; :mod:`kvpilot.operator.periodic` calls
+    :meth:`tick` per LLMDeployment, the wake handler calls it at once."""
+
+    def __init__(self, config: AutoscalerConfig, runtime: Runtime) -> None:
         self.config = config
-        self._client = client
-        self._models: ModelCache | None = None
+        self.runtime = runtime
         self.address_map = AddressMap.from_env()
         self.states: dict[tuple[str, str], ObjectState] = {}
 
@@ -378,40 +445,63 @@ class AutoscalingLoop:
         """The window and memory of one LLMDeployment (created empty on first use)."""
         return self.states.setdefault((namespace, name), ObjectState(TimeWindow(60.0)))
 
-    @property
-    def client(self) -> KubeClient:
-        # Created on first use: the kubernetes configuration is loaded by then.
-        if self._client is None:
-            self._client = KubeClient()
-        return self._client
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop the state of a deleted LLMDeployment."""
+        self.states.pop((namespace, name), None)
 
     @property
-    def models(self) -> ModelCache:
-        if self._models is None:
-            self._models = ModelCache(self.client, self.config.model_config_ttl)
-        return self._models
+    def client(self) -> KubeClient:
+        return self.runtime.client
 
     def sizing(self, body: dict[str, Any]) -> Sizing:
         """The sizing the reconciler deploys (:func:`kvpilot.operator.handlers.sized`)."""
         namespace = body["metadata"]["namespace"]
 
         def load(source: ModelSource) -> ModelSpec:
-            return self.models.load(source, namespace)
+            return self.runtime.models.load(source, namespace)
 
-        return sized(body, load, self.config.engine_image)
+        return sized(body, load, self.runtime.config.engine_image)
 
     async def tick(self, body: dict[str, Any]) -> Decision | None:
-        """One scrape-decide-write round for ``body``; None when it is not ours to scale."""
+        """One observe-decide-write round for ``body``; None when it is not ours to scale.
+
+        Raises:
+            KubeApiError: an API read or write was refused.
+        """
         meta = body["metadata"]
         state = self.state(meta["namespace"], meta["name"])
         async with state.lock:
-            return await self._tick(body, state)
+            observation = await self.observe(body)
+            if observation is None:
+                return None
+            assert observation.sizing.spec is not None
+            assert observation.sizing.spec.autoscaling is not None
+            if state.memory == AutoscalerMemory():
+                state.memory = remembered(body)
+            policy = AutoscalingPolicy.from_spec(observation.sizing.spec.autoscaling)
+            if state.window.max_age_seconds != policy.stable_window_seconds:
+                state.window = TimeWindow(policy.stable_window_seconds)
+            try:
+                state.window.extend(observation.now, observation.samples)
+            except ValueError:
+                # The wall clock stepped back (NTP): old samples cannot be ordered with new ones.
+                state.window = TimeWindow(policy.stable_window_seconds)
+                state.window.extend(observation.now, observation.samples)
+            writes = plan_writes(
+                observation,
+                policy,
+                list(state.window),
+                state.memory,
+                datetime.datetime.now(datetime.UTC),
+            )
+            state.memory = writes.decision.memory
+            await asyncio.to_thread(self.execute, body, writes)
+            return writes.decision
 
-    async def _tick(self, body: dict[str, Any], state: ObjectState) -> Decision | None:
+    async def observe(self, body: dict[str, Any]) -> Observation | None:
+        """Read what a decision needs (None: not autoscaled by kvpilot, or not sized)."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        if state.memory == AutoscalerMemory():
-            state.memory = remembered(body)
         sizing = await asyncio.to_thread(self.sizing, body)
         spec, user_spec = sizing.spec, sizing.user_spec
         if spec is None or spec.autoscaling is None or spec.autoscaling.mode != "kvpilot":
@@ -426,58 +516,39 @@ class AutoscalingLoop:
             )
             return None
         assert sizing.plan is not None
-        policy = AutoscalingPolicy.from_spec(spec.autoscaling)
-        if state.window.max_age_seconds != policy.stable_window_seconds:
-            state.window = TimeWindow(policy.stable_window_seconds)
-
         pods = await asyncio.to_thread(self._pods, namespace, name)
-        targets = ready_targets(pods)
         now = time.time()
-        result = await self._scrape(namespace, targets, now)
+        result = await self._scrape(namespace, ready_targets(pods), now)
         for pod, error in result.errors.items():
             logger.warning("%s/%s: pod %s not scraped: %s", namespace, name, pod, error)
-        try:
-            state.window.extend(now, result.samples)
-        except ValueError:
-            # The wall clock stepped back (NTP): the old samples cannot be ordered with new ones.
-            state.window = TimeWindow(policy.stable_window_seconds)
-            state.window.extend(now, result.samples)
-
-        replicas = (body.get("spec") or {}).get("replicas", spec.replicas)
         shape = None
         if user_spec.tensor_parallel_size is None:
-            model = await asyncio.to_thread(self.models.load, spec.model, namespace)
+            model = await asyncio.to_thread(self.runtime.models.load, spec.model, namespace)
             # From the shape in force (maybe one chosen earlier), the next larger one.
             current = dataclasses.replace(spec, tensor_parallel_size=None)
-            allowed = spec.autoscaling.allowed_gpu_types
-            shape = larger_shape(current, sizing.plan, model, allowed)
-        startup = startup_seconds(pods)
-        fleet = FleetState(
-            replicas=replicas,
-            ready_replicas=len(targets),
-            pending_replicas=sum(1 for pod in pods if unschedulable(pod)),
-            starting_replicas=starting_pods(pods, now, starting_hold_seconds(startup)),
-            gpus_per_replica=sizing.plan.gpus_per_replica,
-            gpus_used_elsewhere=await asyncio.to_thread(self._gpus_elsewhere, namespace, name),
-            tensor_parallel_fixed=user_spec.tensor_parallel_size is not None,
+            shape = larger_shape(current, sizing.plan, model, spec.autoscaling.allowed_gpu_types)
+        return Observation(
+            body=body,
+            sizing=sizing,
+            pods=pods,
+            samples=list(result.samples),
+            replicas=(body.get("spec") or {}).get("replicas", spec.replicas),
+            gpus_elsewhere=await asyncio.to_thread(self._gpus_elsewhere, namespace, name),
             larger_shape=shape,
-            max_num_seqs=sizing.plan.max_num_seqs,
-            startup_seconds=startup,
-            wake_requested_at=wake_time(meta.get("annotations") or {}),
-        )
-        decision = decide(list(state.window), policy, fleet, state.memory, now)
-        state.memory = decision.memory
-        tuning = tuning_step(
-            meta.get("annotations") or {},
-            pods,
-            list(state.window),
-            sizing.plan,
-            apply=spec.autoscaling.tune_engine,
             now=now,
-            canary_seconds=CANARY_WINDOWS * policy.stable_window_seconds,
         )
-        await asyncio.to_thread(self._write, body, decision, replicas, tuning)
-        return decision
+
+    def execute(self, body: dict[str, Any], writes: Writes) -> None:
+        """Send ``writes`` (scale, annotations, status, Events) for ``body``."""
+        ref = {"apiVersion": API_VERSION, "kind": KIND, "metadata": body["metadata"]}
+        if writes.replicas is not None:
+            self.client.patch(ref, {"spec": {"replicas": writes.replicas}}, "scale")
+        if writes.annotations:
+            self.client.patch(ref, {"metadata": {"annotations": writes.annotations}})
+        if writes.status is not None:
+            self.client.patch(ref, {"status": writes.status}, "status")
+        for event in writes.events:
+            self.runtime.post_event(body, event)
 
     async def _scrape(self, namespace: str, targets: list[PodTarget], now: float) -> ScrapeResult:
         if self.config.prometheus_url:
@@ -494,8 +565,7 @@ class AutoscalingLoop:
         )
 
     def _pods(self, namespace: str, name: str) -> list[dict[str, Any]]:
-        selector = ",".join(f"{k}={v}" for k, v in manifests.selector_labels(name).items())
-        query = urllib.parse.urlencode({"labelSelector": selector})
+        query = urllib.parse.urlencode({"labelSelector": manifests.selector(name)})
         answer = self.client.request("GET", f"/api/v1/namespaces/{namespace}/pods?{query}")
         return answer.get("items") or []
 
@@ -510,52 +580,9 @@ class AutoscalingLoop:
             total += per_replica * (other.get("spec") or {}).get("replicas", 1)
         return total
 
-    def _write(
-        self, body: dict[str, Any], decision: Decision, replicas: int, tuning: TuningStep
-    ) -> None:
-        ref = {"apiVersion": API_VERSION, "kind": KIND, "metadata": body["metadata"]}
-        if decision.desired_replicas != replicas:
-            self.client.patch(ref, {"spec": {"replicas": decision.desired_replicas}}, "scale")
-        annotations = {}
-        if decision.replan is not None:
-            annotations[SHAPE_ANNOTATION] = decision.replan.to_annotation()
-        if tuning.changed and tuning.rollout is not None:
-            annotations[TUNING_ANNOTATION] = tuning.rollout.to_annotation()
-        if annotations:
-            self.client.patch(ref, {"metadata": {"annotations": annotations}})
-        previous = body.get("status") or {}
-        status = decision_status(decision, previous, datetime.datetime.now(datetime.UTC))
-        status["recommendations"] = tuning.status
-        if status_changed(previous, status):
-            self.client.patch(ref, {"status": status}, "status")
-        if tuning.changed and tuning.rollout is not None:
-            rollout = tuning.rollout
-            kopf.event(
-                body,
-                type="Warning" if rollout.phase == "RolledBack" else "Normal",
-                reason=f"Tuning{rollout.phase}",
-                message=f"engine settings {rollout.settings.as_dict()}: {rollout.reason}",
-            )
-        if decision.desired_replicas != replicas or decision.replan is not None:
-            kopf.event(
-                body,
-                type="Normal",
-                reason=decision.reason,
-                message=f"replicas {replicas} -> {decision.desired_replicas}: {decision.message}",
-            )
 
-
-def register(registry: kopf.OperatorRegistry, config: AutoscalerConfig) -> AutoscalingLoop:
-    """Add the autoscaling timer and the wake handler to ``registry``; returns the loop."""
-    loop = AutoscalingLoop(config)
-
-    @kopf.timer(GROUP, VERSION, PLURAL, id="autoscale", interval=config.interval, registry=registry)
-    async def autoscale(body: kopf.Body, **_: Any) -> None:
-        plain = dict(body)
-        try:
-            await loop.tick(plain)
-        except KubeApiError as error:
-            raise kopf.TemporaryError(f"autoscaling write failed: {error}", delay=5) from error
+def register(registry: kopf.OperatorRegistry, loop: AutoscalingLoop) -> None:
+    """Add the wake handler to ``registry``: a new wake request ticks a deployment at zero."""
 
     # The annotation's key has dots, so the field is given as a path of keys.
     @kopf.on.field(
@@ -566,10 +593,3 @@ def register(registry: kopf.OperatorRegistry, config: AutoscalerConfig) -> Autos
         plain = dict(body)
         if (plain.get("spec") or {}).get("replicas", 1) == 0:
             await loop.tick(plain)
-
-    @kopf.on.delete(GROUP, VERSION, PLURAL, id="forget-autoscaling", registry=registry,
-                    optional=True)  # fmt: skip
-    def forget(meta: kopf.Meta, **_: Any) -> None:
-        loop.states.pop((meta["namespace"], meta["name"]), None)
-
-    return loop

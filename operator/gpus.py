@@ -24,6 +24,10 @@ CPU = "cpu"
 DEFAULT_RESOURCE_NAME = "nvidia.com/gpu"
 """The extended resource the NVIDIA device plugin advertises."""
 
+PRODUCT_LABEL = "nvidia.com/gpu.product"
+"""The node label GPU Feature Discovery (NVIDIA's GPU operator) sets to the GPU's product name,
+the NVML name with spaces as dashes (``NVIDIA-H100-80GB-HBM3``)."""
+
 
 @dataclass(frozen=True)
 class GpuType:
@@ -35,12 +39,15 @@ class GpuType:
         per_node: GPUs per node, the upper bound of ``tensor_parallel_size``.
         nvlink: whether the GPUs of one node talk over NVLink (tensor parallelism over PCIe
             works but its all-reduces are slower).
+        products: the ``PRODUCT_LABEL`` values of nodes with this GPU (its SXM and PCIe
+            variants of the same memory); engine pods are scheduled only onto those.
     """
 
     name: str
     memory_bytes: int
     per_node: int = 8
     nvlink: bool = False
+    products: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.memory_bytes < 1:
@@ -52,14 +59,31 @@ class GpuType:
 CATALOGUE: dict[str, GpuType] = {
     gpu.name: gpu
     for gpu in (
-        GpuType("L4", 23_034 * MiB),
-        GpuType("A10G", 23_028 * MiB),
-        GpuType("L40S", 46_068 * MiB),
-        GpuType("A100-40GB", 40_960 * MiB, nvlink=True),
-        GpuType("A100-80GB", 81_920 * MiB, nvlink=True),
-        GpuType("H100-80GB", 81_559 * MiB, nvlink=True),
-        GpuType("H200-141GB", 143_771 * MiB, nvlink=True),
-        GpuType("B200", 183_359 * MiB, nvlink=True),
+        GpuType("L4", 23_034 * MiB, products=("NVIDIA-L4",)),
+        GpuType("A10G", 23_028 * MiB, products=("NVIDIA-A10G",)),
+        GpuType("L40S", 46_068 * MiB, products=("NVIDIA-L40S",)),
+        GpuType(
+            "A100-40GB",
+            40_960 * MiB,
+            nvlink=True,
+            products=("NVIDIA-A100-SXM4-40GB", "NVIDIA-A100-PCIE-40GB"),
+        ),
+        GpuType(
+            "A100-80GB",
+            81_920 * MiB,
+            nvlink=True,
+            products=("NVIDIA-A100-SXM4-80GB", "NVIDIA-A100-80GB-PCIe"),
+        ),
+        GpuType(
+            "H100-80GB",
+            81_559 * MiB,
+            nvlink=True,
+            products=("NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe"),
+        ),
+        GpuType(
+            "H200-141GB", 143_771 * MiB, nvlink=True, products=("NVIDIA-H200", "NVIDIA-H200-NVL")
+        ),
+        GpuType("B200", 183_359 * MiB, nvlink=True, products=("NVIDIA-B200",)),
     )
 }
 """Every named GPU type ``spec.gpu.type`` accepts besides ``custom``."""
@@ -91,7 +115,7 @@ def gpu_type(name: str, *, memory_gib: float | None = None, per_node: int | None
     known = CATALOGUE[name]
     if per_node is None:
         return known
-    return GpuType(known.name, known.memory_bytes, per_node, known.nvlink)
+    return GpuType(known.name, known.memory_bytes, per_node, known.nvlink, known.products)
 
 
 def resolve_gpu_name(name: str, names: Iterable[str] = (*CATALOGUE, CUSTOM)) -> str:

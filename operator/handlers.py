@@ -1,9 +1,10 @@
 """kopf handlers for ``LLMDeployment``: thin wrappers around one level-triggered reconcile.
 
 Every trigger runs the same :func:`reconcile`, which reads the object as it is now and makes
-the world match it: create, update and resume of an LLMDeployment, a periodic resync timer
-(repairs drift of the children), and any event of a child Deployment (its rollout and
-readiness feed the parent's status). Running it twice changes nothing the second time.
+the world match it: create, update and resume of an LLMDeployment, the periodic resync
+(:mod:`kvpilot.operator.periodic`: repairs drift of the children), and changes of a child
+Deployment or of an engine pod's scheduling or readiness (they feed the parent's status).
+Running it twice changes nothing the second time.
 
 One reconcile:
 
@@ -11,19 +12,29 @@ One reconcile:
    validates the spec (``spec.parse_spec``), reads the model's config.json (``model_source``,
    cached) and plans it (``planner.plan_for_spec``); :func:`shaped` then plans the replica
    shape the autoscaler chose, if any.
-2. Apply the children (``manifests.children``, owned by the LLMDeployment) with
-   :func:`kvpilot.operator.apply.apply_child`: created, patched, or left alone. The live
-   tuning the autoscaler recorded (:func:`tuning_rollout`) is rendered with them: a canary
-   Deployment, or every pod on the tuned or rolled-back settings.
-3. :func:`desired_status` (pure): conditions ``Sized``, ``Progressing``, ``Ready``,
+2. Apply the children (``manifests.children``, owned by the LLMDeployment) with server-side
+   apply (:func:`kvpilot.operator.apply.apply_child`); one child's failure does not stop the
+   others. The model cache claim's spec is immutable once created: only its size grows
+   (``manifests.claim_update``). The live tuning the autoscaler recorded
+   (:func:`tuning_rollout`) is rendered with them: a canary Deployment, or every pod on the
+   tuned or rolled-back settings.
+3. Observe the engine pods (by label) and the model cache claim.
+4. :func:`desired_status` (pure): conditions ``Sized``, ``Progressing``, ``Ready``,
    ``Degraded`` with ``observedGeneration``, plus ``plan``, ``replicas``, ``readyReplicas``,
    ``selector``, ``endpoint``, ``model``; written to the status subresource only if it differs.
-4. Kubernetes Events for decisions and errors: :func:`transition_events` (a condition that
+   ``Degraded`` names the first failure: the spec or the plan, a child the API server refused,
+   a claim nothing binds, pods the scheduler cannot place, a container that cannot start or
+   keeps crashing, the Deployment controller's ``ReplicaFailure`` (e.g. a ResourceQuota) or
+   ``ProgressDeadlineExceeded``.
+5. Kubernetes Events for decisions and errors: :func:`transition_events` (a condition that
    changed) and one per child created or updated; none when nothing changed.
 
 An invalid spec or a model that does not fit is reported in the conditions (and an Event) and
 creates nothing; the handler still succeeds, so there is no retry loop. API conflicts and
 outages are retried inside the reconcile, then handed to kopf as ``TemporaryError``.
+
+No handler needs a finalizer, and the operator sets none: an LLMDeployment deleted while the
+operator is down (or uninstalled) goes at once, and the garbage collector removes its children.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ import datetime
 import logging
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import Any
 
@@ -45,17 +57,22 @@ from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
 from kvpilot.engine.model_spec import ModelSpec
 from kvpilot.operator import conditions, manifests
 from kvpilot.operator.apply import (
+    ApplyResult,
     KubeApiError,
     KubeClient,
     OwnershipConflict,
+    StaleOwner,
     TransientApiError,
     apply_child,
     patch_status,
 )
 from kvpilot.operator.autoscaler import apply_shape
+from kvpilot.operator.events import Event, EventSink
 from kvpilot.operator.model_source import load_model_spec
 from kvpilot.operator.operator_metrics import OperatorMetrics
 from kvpilot.operator.planner import Plan, PlanError, plan_for_spec
+from kvpilot.operator.pods import claim_failure, pod_failure
+from kvpilot.operator.pods import condition as pod_condition
 from kvpilot.operator.spec import (
     LLMDeploymentSpec,
     ModelSource,
@@ -71,6 +88,10 @@ KIND = "LLMDeployment"
 INVALID_SPEC = "InvalidSpec"
 # A reconcile re-reads its object and tries again this often when its status write conflicts.
 STATUS_CONFLICT_ATTEMPTS = 5
+STALE_OWNER_DELAY = 2.0
+"""Seconds before retrying a reconcile whose children still belong to a deleted namesake."""
+WATCH_TIMEOUT = 300
+"""Seconds the API server keeps each of the operator's watches open (then kopf re-watches)."""
 
 logger = logging.getLogger("kvpilot.operator.handlers")
 
@@ -115,15 +136,6 @@ class Sizing:
     def ok(self) -> bool:
         """Whether there is a plan to deploy."""
         return self.plan is not None
-
-
-@dataclasses.dataclass(frozen=True)
-class Event:
-    """A Kubernetes Event to post about the LLMDeployment (``type`` Normal or Warning)."""
-
-    type: str
-    reason: str
-    message: str
 
 
 # ---- pure decisions ---------------------------------------------------------------------------
@@ -280,6 +292,7 @@ def desired_status(
     now: datetime.datetime,
     apply_failure: tuple[str, str] | None = None,
     canary: dict[str, Any] | None = None,
+    observed_failure: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
     """The status the LLMDeployment should have, from its sizing and its live Deployment.
 
@@ -291,6 +304,8 @@ def desired_status(
         apply_failure: (reason, message) when the children could not be applied.
         canary: the live tuning canary Deployment, or None; its replicas count with the
             main Deployment's.
+        observed_failure: (reason, message) from the pods and the model cache claim
+            (:func:`kvpilot.operator.pods.claim_failure`, :func:`~kvpilot.operator.pods.pod_failure`).
 
     Returns:
         A ``status`` with every field the operator owns (the autoscaler's are left out).
@@ -369,7 +384,10 @@ def desired_status(
     failure = (
         (sizing.reason or INVALID_SPEC, sizing.message)
         if not sizing.ok
-        else apply_failure or _deployment_failure(deployment) or _deployment_failure(canary)
+        else apply_failure
+        or observed_failure
+        or _deployment_failure(deployment)
+        or _deployment_failure(canary)
     )
     if failure is None:
         conds = put(conds, conditions.DEGRADED, False, "AsExpected", "no failures")
@@ -500,34 +518,56 @@ def _owned(child: dict[str, Any], owner: dict[str, Any]) -> dict[str, Any]:
     return child
 
 
-def _apply_children(
-    rt: Runtime, body: dict[str, Any], sizing: Sizing
-) -> tuple[dict[str, dict[str, Any]], list[Event], tuple[str, str] | None]:
-    """Apply every child; returns (live Deployments by name, child events, failure)."""
+@dataclasses.dataclass
+class Applied:
+    """What applying the children did: live Deployments by name, the model cache claim, child
+    Events, and the first failure (reason, message)."""
+
+    deployments: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    claim: dict[str, Any] | None = None
+    events: list[Event] = dataclasses.field(default_factory=list)
+    failure: tuple[str, str] | None = None
+
+
+def _apply_one(rt: Runtime, desired: dict[str, Any]) -> ApplyResult:
+    if desired["kind"] != "PersistentVolumeClaim":
+        return apply_child(rt.client, desired)
+    meta = desired["metadata"]
+    live = rt.client.get("v1", "PersistentVolumeClaim", meta["namespace"], meta["name"])
+    return apply_child(rt.client, manifests.claim_update(desired, live).desired)
+
+
+def _apply_children(rt: Runtime, body: dict[str, Any], sizing: Sizing) -> Applied:
+    """Apply every child (a refused one does not stop the others).
+
+    Raises:
+        StaleOwner: a child still belongs to a deleted LLMDeployment of the same name.
+        TransientApiError: API conflicts or outages outlasted the retries.
+    """
     meta = body["metadata"]
+    applied = Applied()
     if not sizing.ok:
         live = rt.client.get("apps/v1", "Deployment", meta["namespace"], meta["name"])
-        return ({meta["name"]: live} if live else {}), [], None
+        if live is not None:
+            applied.deployments[meta["name"]] = live
+        return applied
     assert sizing.spec is not None and sizing.plan is not None
-    deployments: dict[str, dict[str, Any]] = {}
-    events = []
     rollout = tuning_rollout(body, sizing)
     for child in manifests.children(
         meta["name"], meta["namespace"], sizing.spec, sizing.plan, rollout
     ):
+        where = f"{child['kind']} {child['metadata']['name']}"
         try:
-            result = apply_child(rt.client, _owned(child, body))
+            result = _apply_one(rt, _owned(child, body))
         except OwnershipConflict as exc:
-            return deployments, events, ("ChildConflict", str(exc))
+            applied.failure = applied.failure or ("ChildConflict", str(exc))
+            continue
         except KubeApiError as exc:
-            return (
-                deployments,
-                events,
-                ("ApplyFailed", f"{child['kind']} {child['metadata']['name']}: {exc}"),
-            )
+            applied.failure = applied.failure or ("ApplyFailed", f"{where}: {exc}")
+            continue
         if result.action != "unchanged":
             verb = "Created" if result.action == "created" else "Updated"
-            events.append(
+            applied.events.append(
                 Event(
                     "Normal",
                     verb,
@@ -535,8 +575,33 @@ def _apply_children(
                 )
             )
         if child["kind"] == "Deployment":
-            deployments[child["metadata"]["name"]] = result.obj
-    return deployments, events, None
+            applied.deployments[child["metadata"]["name"]] = result.obj
+        elif child["kind"] == "PersistentVolumeClaim":
+            applied.claim = result.obj
+            refused = manifests.claim_update(child, result.obj).refused
+            if refused and applied.failure is None:
+                applied.failure = ("ModelCacheClaimUnchanged", refused)
+    return applied
+
+
+def _observe(
+    rt: Runtime, body: dict[str, Any], sizing: Sizing, applied: Applied
+) -> tuple[str, str] | None:
+    """What the engine pods and the model cache claim say (a failure, or None)."""
+    meta = body["metadata"]
+    query = urllib.parse.urlencode({"labelSelector": manifests.selector(meta["name"])})
+    pods = (
+        rt.client.request("GET", f"/api/v1/namespaces/{meta['namespace']}/pods?{query}").get(
+            "items"
+        )
+        or []
+    )
+    claim = applied.claim
+    if claim is None and sizing.spec is not None:
+        name = manifests.model_cache_claim_name(meta["name"], sizing.spec)
+        if name is not None:
+            claim = rt.client.get("v1", "PersistentVolumeClaim", meta["namespace"], name)
+    return claim_failure(claim, pods) or pod_failure(pods)
 
 
 def _reconcile_once(rt: Runtime, body: dict[str, Any]) -> bool:
@@ -546,22 +611,25 @@ def _reconcile_once(rt: Runtime, body: dict[str, Any]) -> bool:
         return rt.models.load(source, meta["namespace"])
 
     sizing = sized(body, load, rt.config.engine_image)
-    deployments, events, failure = _apply_children(rt, body, sizing)
-    for event in events:  # posted now: a conflicting status write below repeats no child write
+    applied = _apply_children(rt, body, sizing)
+    for (
+        event
+    ) in applied.events:  # posted now: a conflicting status write below repeats no child write
         rt.post_event(body, event)
     status = desired_status(
         body,
         sizing,
-        deployments.get(meta["name"]),
+        applied.deployments.get(meta["name"]),
         now=datetime.datetime.now(datetime.UTC),
-        apply_failure=failure,
-        canary=deployments.get(manifests.canary_name(meta["name"])),
+        apply_failure=applied.failure,
+        canary=applied.deployments.get(manifests.canary_name(meta["name"])),
+        observed_failure=_observe(rt, body, sizing, applied) if sizing.ok else None,
     )
     written = patch_status(rt.client, body, status)
     previous = (body.get("status") or {}).get("conditions") or []
     for event in transition_events(previous, status["conditions"]):
         rt.post_event(body, event)
-    return written or bool(events)
+    return written or bool(applied.events)
 
 
 def reconcile(rt: Runtime, body: dict[str, Any], trigger: str) -> None:
@@ -571,7 +639,9 @@ def reconcile(rt: Runtime, body: dict[str, Any], trigger: str) -> None:
     meanwhile).
 
     Raises:
-        kopf.TemporaryError: API conflicts or outages outlasted the retries.
+        kopf.TemporaryError: API conflicts or outages outlasted the retries (retried after
+            ``retry_delay``), or a child still belongs to a deleted LLMDeployment of the same
+            name (retried after ``STALE_OWNER_DELAY``).
     """
     meta = body["metadata"]
     with rt.metrics.track(trigger) as outcome, _object_lock(meta["namespace"], meta["name"]):
@@ -590,6 +660,11 @@ def reconcile(rt: Runtime, body: dict[str, Any], trigger: str) -> None:
             raise TransientApiError(
                 f"status of {meta['namespace']}/{meta['name']} kept conflicting"
             )
+        except StaleOwner as exc:
+            outcome.error_reason = "StaleOwner"
+            raise kopf.TemporaryError(
+                str(exc), delay=min(STALE_OWNER_DELAY, rt.config.retry_delay)
+            ) from exc
         except (TransientApiError, KubeApiError, urllib3.exceptions.HTTPError) as exc:
             outcome.error_reason = "ApiError"
             rt.post_event(body, Event("Warning", "ReconcileFailed", str(exc)))
@@ -602,42 +677,57 @@ def reconcile(rt: Runtime, body: dict[str, Any], trigger: str) -> None:
 # ---- kopf wiring ------------------------------------------------------------------------------
 
 
-def _post_kopf_event(body: dict[str, Any], event: Event) -> None:
-    kopf.event(body, type=event.type, reason=event.reason, message=event.message)
-
-
-def operator_settings(*, namespaced: bool) -> kopf.OperatorSettings:
+def operator_settings(
+    *, scanning: bool, watch_timeout: float = WATCH_TIMEOUT
+) -> kopf.OperatorSettings:
     """kopf settings for the operator.
 
     Args:
-        namespaced: watching listed namespaces only; then kopf does not scan cluster-wide for
-            CRDs (a namespaced install has no ClusterRole for that).
+        scanning: whether kopf scans the cluster for namespaces (globs) and the CRD; off when
+            it watches listed namespaces only (a namespaced install has no ClusterRole for it).
+        watch_timeout: whole seconds the API server keeps a watch open before it ends it
+            (kopf then starts a new one; the API server refuses a fraction); the client gives
+            up on a silent watch a little later, so a dropped connection is noticed.
     """
     settings = kopf.OperatorSettings()
     # kopf would post an Event for every handler run; the handlers post the meaningful ones.
     settings.posting.level = logging.WARNING
-    settings.scanning.disabled = namespaced
-    # A deleted object keeps kopf's finalizer until its timers (resync, autoscale) have stopped;
-    # kopf re-checks a timer that is mid-run only after this many seconds (default 60).
-    settings.background.cancellation_polling = 2.0
+    settings.scanning.disabled = not scanning
+    settings.watching.server_timeout = watch_timeout
+    settings.watching.client_timeout = watch_timeout + 30
+    settings.watching.connect_timeout = 30
+    # Only the operator's own children and pods are listed and watched (server-side).
+    for resource in (("apps", "v1", "deployments"), ("", "v1", "pods")):
+        settings.watching.label_selectors[resource] = manifests.LLMDEPLOYMENT_LABEL
     return settings
 
 
-def build_registry(config: HandlerConfig, metrics: OperatorMetrics) -> kopf.OperatorRegistry:
-    """A kopf registry with the operator's handlers (nothing registers at import time).
+def _owner(rt: Runtime, child: kopf.Body) -> dict[str, Any] | None:
+    """The live LLMDeployment that controls ``child``, if it is still the one named."""
+    for ref in child.metadata.get("ownerReferences") or []:
+        if ref.get("apiVersion") == API_VERSION and ref.get("kind") == KIND:
+            owner = rt.client.get(API_VERSION, KIND, child.metadata["namespace"], ref["name"])
+            if owner is not None and owner["metadata"]["uid"] == ref.get("uid"):
+                return owner
+    return None
 
-    Call it after loading the Kubernetes configuration (kubeconfig or in-cluster): the API
-    client the handlers share is built here from it.
-    """
-    registry = kopf.OperatorRegistry()
-    client = KubeClient()
-    rt = Runtime(
-        client=client,
-        models=ModelCache(client, config.model_config_ttl),
-        metrics=metrics,
-        config=config,
-        post_event=_post_kopf_event,
+
+def _pod_state(body: kopf.Body) -> tuple[Any, ...]:
+    status = body.get("status") or {}
+    waiting = tuple(
+        ((c.get("state") or {}).get("waiting") or {}).get("reason")
+        for c in status.get("containerStatuses") or []
     )
+    return (
+        status.get("phase"),
+        pod_condition(dict(body), "PodScheduled").get("status"),
+        pod_condition(dict(body), "Ready").get("status"),
+        waiting,
+    )
+
+
+def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
+    """Add the reconcile handlers to ``registry`` (nothing registers at import time)."""
 
     def on_llmdeployment(trigger: str) -> Callable[..., None]:
         def handle(body: kopf.Body, **_: Any) -> None:
@@ -651,38 +741,58 @@ def build_registry(config: HandlerConfig, metrics: OperatorMetrics) -> kopf.Oper
         ("resume", kopf.on.resume),
     ):
         decorator(
-            GROUP, VERSION, PLURAL, id="reconcile", backoff=config.retry_delay, registry=registry
+            GROUP, VERSION, PLURAL, id="reconcile", backoff=rt.config.retry_delay, registry=registry
         )(on_llmdeployment(trigger))
-    kopf.timer(
-        GROUP,
-        VERSION,
-        PLURAL,
-        id="resync",
-        interval=config.resync_interval,
-        initial_delay=config.resync_interval,
-        backoff=config.retry_delay,
-        registry=registry,
-    )(on_llmdeployment("timer"))
 
-    @kopf.on.event(
-        "apps",
-        "v1",
-        "deployments",
-        labels={manifests.LLMDEPLOYMENT_LABEL: kopf.PRESENT},
-        registry=registry,
-    )
+    @kopf.on.event("apps", "v1", "deployments", registry=registry)
     def child_changed(body: kopf.Body, **_: Any) -> None:
+        owner = _owner(rt, body)
+        if owner is not None:
+            reconcile(rt, owner, "child")
+
+    seen: dict[str, tuple[Any, ...]] = {}
+
+    @kopf.on.event("", "v1", "pods", registry=registry)
+    def pod_changed(body: kopf.Body, type: str | None, **_: Any) -> None:
+        # Pods change often (every probe result); only scheduling and readiness matter here.
+        uid = body.metadata.get("uid", "")
+        if type == "DELETED":
+            seen.pop(uid, None)
+            return
+        state = _pod_state(body)
+        if seen.get(uid) == state:
+            return
+        seen[uid] = state
         for ref in body.metadata.get("ownerReferences") or []:
-            if ref.get("apiVersion") == API_VERSION and ref.get("kind") == KIND:
-                owner = rt.client.get(API_VERSION, KIND, body.metadata["namespace"], ref["name"])
-                if owner is not None and owner["metadata"]["uid"] == ref.get("uid"):
-                    reconcile(rt, owner, "child")
+            if ref.get("kind") == "ReplicaSet":
+                name = (body.metadata.get("labels") or {}).get(manifests.LLMDEPLOYMENT_LABEL)
+                owner = (
+                    rt.client.get(API_VERSION, KIND, body.metadata["namespace"], name)
+                    if name
+                    else None
+                )
+                if owner is not None:
+                    reconcile(rt, owner, "pod")
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
         return kopf.login_via_client(**kwargs)
 
-    return registry
+
+def build_runtime(config: HandlerConfig, metrics: OperatorMetrics) -> Runtime:
+    """The one runtime every handler and the autoscaler share.
+
+    Call it after loading the Kubernetes configuration (kubeconfig or in-cluster): the API
+    client is built here from it.
+    """
+    client = KubeClient()
+    return Runtime(
+        client=client,
+        models=ModelCache(client, config.model_config_ttl),
+        metrics=metrics,
+        config=config,
+        post_event=EventSink(client).post,
+    )
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:

@@ -1,10 +1,13 @@
 """``kvpilot operator``: run the LLMDeployment controller (kopf).
 
-Runs kopf with the handlers of :mod:`kvpilot.operator.handlers` (reconcile) and
-:mod:`kvpilot.operator.autoscaling_handlers` (the autoscaling loop), a liveness endpoint for the
-kubelet's probe, the namespaces to watch (``--namespace`` repeated, or ``--all-namespaces``),
-standalone or peering mode, and the operator's own Prometheus metrics
-(:mod:`kvpilot.operator.operator_metrics`) on ``--metrics-port``.
+Builds one runtime (:func:`kvpilot.operator.handlers.build_runtime`: the API client, the model
+config cache, metrics, settings and the Event sink) and runs kopf with the handlers of
+:mod:`kvpilot.operator.handlers` (reconcile), :mod:`kvpilot.operator.autoscaling_handlers` (the
+wake handler) and :mod:`kvpilot.operator.periodic` (resync and autoscaling ticks), a liveness
+endpoint for the kubelet's probe, the namespaces to watch (``--namespace`` repeated, names or
+kopf globs such as ``team-*``; or ``--all-namespaces``), standalone or peering mode, and the
+operator's own Prometheus metrics (:mod:`kvpilot.operator.operator_metrics`) on
+``--metrics-port``.
 
 Credentials: in a pod, the service account (in-cluster config); elsewhere ``$KUBECONFIG`` or
 ``~/.kube/config``. kopf logs in the same way through the kubernetes client.
@@ -13,11 +16,19 @@ Credentials: in a pod, the service account (in-cluster config); elsewhere ``$KUB
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import re
 from collections.abc import Callable
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+_GLOB = re.compile(r"[*?\[]")
+
+
+def has_globs(namespaces: list[str]) -> bool:
+    """Whether any ``--namespace`` is a kopf glob (``*``, ``?`` or ``[...]``) rather than a name."""
+    return any(_GLOB.search(namespace) for namespace in namespaces)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="NAMESPACE",
-        help="watch LLMDeployments in this namespace (repeatable; kopf globs like 'team-*' work)",
+        help="watch LLMDeployments in this namespace (repeatable); a glob such as 'team-*' "
+        "watches every namespace it matches, then and later (needs list/watch on namespaces)",
     )
     scope.add_argument(
         "-A", "--all-namespaces", action="store_true", help="watch LLMDeployments cluster-wide"
@@ -123,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     import kubernetes
 
-    from kvpilot.operator import autoscaling_handlers, handlers
+    from kvpilot.operator import autoscaling_handlers, handlers, periodic
     from kvpilot.operator.images import ENGINE_IMAGE
     from kvpilot.operator.operator_metrics import OperatorMetrics
 
@@ -137,7 +149,13 @@ def run(args: argparse.Namespace) -> int:
     try:
         kubernetes.config.load_incluster_config()
     except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config()
+        try:
+            kubernetes.config.load_kube_config()
+        except (kubernetes.config.ConfigException, OSError) as exc:
+            fail(
+                f"no cluster to talk to ({exc}): run it in a pod, or point KUBECONFIG (or "
+                "~/.kube/config) at a cluster"
+            )
 
     metrics = OperatorMetrics()
     if args.metrics_port:
@@ -147,17 +165,33 @@ def run(args: argparse.Namespace) -> int:
         resync_interval=args.resync_interval,
         retry_delay=args.retry_delay,
     )
-    registry = handlers.build_registry(config, metrics)
-    autoscaling_handlers.register(
-        registry,
+    runtime = handlers.build_runtime(config, metrics)
+    registry = kopf.OperatorRegistry()
+    handlers.register(registry, runtime)
+    autoscaler = autoscaling_handlers.AutoscalingLoop(
         autoscaling_handlers.AutoscalerConfig(
             interval=args.autoscale_interval,
             scrape_timeout=args.scrape_timeout,
             prometheus_url=args.prometheus_url,
-            engine_image=config.engine_image,
         ),
+        runtime,
     )
-    settings = handlers.operator_settings(namespaced=not args.all_namespaces)
+    autoscaling_handlers.register(registry, autoscaler)
+
+    async def resync(body: dict) -> None:
+        await asyncio.to_thread(handlers.reconcile, runtime, body, "timer")
+
+    jobs = periodic.Periodic(
+        [
+            periodic.Job(
+                "resync", args.resync_interval, resync, initial_delay=args.resync_interval
+            ),
+            periodic.Job("autoscale", args.autoscale_interval, autoscaler.tick),
+        ]
+    )
+    jobs.forgotten.append(lambda key: autoscaler.forget(*key))
+    periodic.register(registry, jobs, handlers.GROUP, handlers.VERSION, handlers.PLURAL)
+    settings = handlers.operator_settings(scanning=args.all_namespaces or has_globs(args.namespace))
     kopf.run(
         registry=registry,
         settings=settings,

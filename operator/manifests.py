@@ -1,12 +1,16 @@
-"""An LLMDeployment's children as plain dicts: spec + plan -> Deployment, Service, PDB (pure).
+"""An LLMDeployment's children as plain dicts: spec + plan -> Deployment, Service, PDB, and the
+model cache claim (pure).
 
-The handlers adopt these (``kopf.adopt`` adds the owner reference) and create or patch them.
-Every object carries the same labels; the pods are selected by ``LLMDEPLOYMENT_LABEL`` alone,
-which never changes, because a Deployment's selector is immutable.
+The handlers add the owner reference and server-side apply them. Every object carries the
+same labels; the pods are selected by ``LLMDEPLOYMENT_LABEL`` alone, which never changes,
+because a Deployment's selector is immutable.
 
-The pod template carries ``TEMPLATE_HASH_ANNOTATION``, a hash of the template itself: any spec or
-plan change that alters the pods changes it, which rolls the Deployment, and the handlers compare
-it with the live object's to skip a patch when nothing changed.
+The pod template carries ``TEMPLATE_HASH_ANNOTATION``, a hash of the template itself, so
+``kubectl describe`` shows at a glance whether two ReplicaSets run the same pods.
+
+GPU pods ask for the GPU count and for nodes of the planned GPU type: a required node affinity
+on GPU Feature Discovery's ``nvidia.com/gpu.product`` label (the type's products), so an
+H100 plan never lands on an L4 node. A ``spec.nodeSelector`` on that label replaces it.
 
 Live engine tuning (:class:`kvpilot.operator.tuning.Rollout`, recorded by the autoscaler) is
 rendered here too. ``Canary``: a second Deployment ``<name>-canary`` runs one of the replicas
@@ -19,11 +23,15 @@ beyond create and patch is needed to retire it.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import json
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity
+
+from kvpilot.operator.gpus import PRODUCT_LABEL
 from kvpilot.operator.planner import Plan
 from kvpilot.operator.spec import Adapter, LLMDeploymentSpec
 from kvpilot.operator.tuning import CANARY_LABEL, EngineSettings, Rollout
@@ -46,6 +54,10 @@ SHM_SIZE = "2Gi"
 # Model downloads and GGUF conversions can take long: the startup probe allows an hour.
 STARTUP_PERIOD_SECONDS = 10
 STARTUP_FAILURE_THRESHOLD = 360
+# The Deployment controller reports ProgressDeadlineExceeded after this long without progress
+# (default 600 s): longer than the startup probe allows, or every slow start would be reported
+# as a failure while the kubelet still waits for it.
+PROGRESS_DEADLINE_SECONDS = STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD + 600
 # Adapters resident in the engine at once (--max-loras): each slot holds one adapter's weights
 # on the device; more adapters than slots are swapped in least-recently-used order. The LoRA
 # flags are not reserved: engine.extraArgs (which come last) may override them, e.g.
@@ -256,6 +268,7 @@ def _deployment(
         "spec": {
             "replicas": replicas,
             "revisionHistoryLimit": 3,
+            "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
             "selector": {"matchLabels": selector},
             "strategy": {"type": "RollingUpdate", "rollingUpdate": rolling},
             "template": template,
@@ -293,8 +306,9 @@ def pod_template(
         pod_spec["nodeSelector"] = dict(spec.node_selector)
     if tolerations:
         pod_spec["tolerations"] = tolerations
-    if spec.affinity:
-        pod_spec["affinity"] = spec.affinity
+    affinity = _affinity(spec)
+    if affinity:
+        pod_spec["affinity"] = affinity
     return {
         "metadata": {
             "labels": {**labels(name), CANARY_LABEL: "true"} if canary else labels(name),
@@ -306,6 +320,33 @@ def pod_template(
         },
         "spec": pod_spec,
     }
+
+
+def gpu_node_requirement(spec: LLMDeploymentSpec) -> dict[str, Any] | None:
+    """The node selector requirement that places a replica on its GPU type, or None (CPU mode,
+    a ``custom`` type, or ``spec.nodeSelector`` already choosing the product)."""
+    if spec.gpu is None or PRODUCT_LABEL in (spec.node_selector or {}):
+        return None
+    products = spec.gpu.gpu_type().products
+    if not products:
+        return None
+    return {"key": PRODUCT_LABEL, "operator": "In", "values": list(products)}
+
+
+def _affinity(spec: LLMDeploymentSpec) -> dict[str, Any] | None:
+    """``spec.affinity`` with :func:`gpu_node_requirement` added to every required node
+    selector term (terms are ORed, requirements within one ANDed)."""
+    affinity = copy.deepcopy(spec.affinity) if spec.affinity else {}
+    requirement = gpu_node_requirement(spec)
+    if requirement is not None:
+        node = affinity.setdefault("nodeAffinity", {})
+        required = node.setdefault("requiredDuringSchedulingIgnoredDuringExecution", {})
+        terms = required.setdefault("nodeSelectorTerms", [])
+        if not terms:
+            terms.append({})
+        for term in terms:
+            term.setdefault("matchExpressions", []).append(requirement)
+    return affinity or None
 
 
 def service(name: str, namespace: str) -> dict[str, Any]:
@@ -353,7 +394,9 @@ def model_cache_claim_name(name: str, spec: LLMDeploymentSpec) -> str | None:
 def model_cache_claim(name: str, namespace: str, spec: LLMDeploymentSpec) -> dict[str, Any] | None:
     """The PVC the operator creates for ``modelCache: {size, storageClassName}``, else None.
 
-    ReadWriteMany, because every replica mounts it: the first pod downloads, the others reuse.
+    Every replica mounts it (the first pod downloads, the others reuse): ``accessMode``
+    ReadWriteOnce by default, which every block storage class binds (replicas then share it
+    only on one node); ReadWriteMany for classes that can.
     """
     cache = spec.model_cache
     if cache is None or not cache.creates_claim:
@@ -367,12 +410,56 @@ def model_cache_claim(name: str, namespace: str, spec: LLMDeploymentSpec) -> dic
             "labels": labels(name),
         },
         "spec": {
-            "accessModes": ["ReadWriteMany"],
+            "accessModes": [cache.access_mode],
             "storageClassName": cache.storage_class_name,
             "volumeMode": "Filesystem",
             "resources": {"requests": {"storage": cache.size}},
         },
     }
+
+
+@dataclasses.dataclass(frozen=True)
+class ClaimUpdate:
+    """The claim to apply over a live one, and what of the desired spec had to be left out."""
+
+    desired: dict[str, Any]
+    refused: str = ""
+
+
+def claim_update(desired: dict[str, Any], live: dict[str, Any] | None) -> ClaimUpdate:
+    """``desired`` (a :func:`model_cache_claim`) as it may be applied over the ``live`` claim.
+
+    A claim's spec is immutable once created, except that a bound claim's storage request may
+    grow (expansion, if its class allows it): the live access modes, class and volume mode are
+    kept, and a smaller size, or a larger one before the claim is bound, keeps the live size.
+    ``refused`` says which change was left out and how to get it (delete the claim), or is
+    empty.
+    """
+    if live is None:
+        return ClaimUpdate(desired)
+    out = copy.deepcopy(desired)
+    spec, live_spec = out["spec"], live.get("spec") or {}
+    name = desired["metadata"]["name"]
+    refused = []
+    for key in ("accessModes", "storageClassName", "volumeMode"):
+        if key in live_spec and spec.get(key) != live_spec[key]:
+            refused.append(f"{key} {live_spec[key]!r} -> {spec.get(key)!r}")
+            spec[key] = live_spec[key]
+    wanted = spec["resources"]["requests"]["storage"]
+    current = ((live_spec.get("resources") or {}).get("requests") or {}).get("storage")
+    if current is not None and parse_quantity(wanted) != parse_quantity(current):
+        bound = (live.get("status") or {}).get("phase") == "Bound"
+        if parse_quantity(wanted) < parse_quantity(current) or not bound:
+            why = "a claim cannot shrink" if bound else "the claim is not bound yet"
+            refused.append(f"size {current} -> {wanted} ({why})")
+            spec["resources"]["requests"]["storage"] = current
+    message = ""
+    if refused:
+        message = (
+            f"PersistentVolumeClaim {name} keeps its spec ({'; '.join(refused)}): a claim's spec is "
+            f"immutable but for a bound claim's size; delete the claim to recreate it with the new one"
+        )
+    return ClaimUpdate(out, message)
 
 
 def children(

@@ -29,10 +29,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engine.config import (
-    CPU_MAX_NUM_BATCHED_TOKENS,
     CPU_MAX_NUM_SEQS,
-    GPU_MAX_NUM_BATCHED_TOKENS,
     GPU_MAX_NUM_SEQS,
+    resolve_max_num_batched_tokens,
 )
 from kvpilot.engine.model_spec import (
     DTYPE_BYTES,
@@ -182,6 +181,7 @@ def plan(
     memory_bytes: int | None = None,
     max_num_seqs: int | None = None,
     max_num_batched_tokens: int | None = None,
+    enable_chunked_prefill: bool = True,
     concurrency: int = 1,
     block_size: int = 16,
 ) -> Plan:
@@ -196,7 +196,10 @@ def plan(
         gpu_memory_utilization: fixed by the user; default ``default_gpu_memory_utilization``.
         memory_bytes: CPU mode only: the container's memory limit, bytes.
         max_num_seqs: sequences per step; default the engine's for the device.
-        max_num_batched_tokens: tokens per step; default the engine's for the device.
+        max_num_batched_tokens: tokens per step; default the engine's for the device, resolved
+            by the engine's own rule (``resolve_max_num_batched_tokens``: without chunked
+            prefill, at least ``max_model_len``).
+        enable_chunked_prefill: whether the engine chunks long prompts.
         concurrency: sequences of ``max_model_len`` the KV cache must hold at once (>= 1).
         block_size: tokens per KV block.
 
@@ -220,9 +223,17 @@ def plan(
             f"maxModelLen {max_len} exceeds the model's maximum context of {limit} tokens "
             "(max_position_embeddings with its rope scaling)",
         )
+    try:
+        batched = resolve_max_num_batched_tokens(
+            max_num_batched_tokens,
+            max_len,
+            enable_chunked_prefill=enable_chunked_prefill,
+            on_gpu=gpu is not None,
+        )
+    except ValueError as exc:
+        raise PlanError("InvalidEngineLimits", f"maxNumBatchedTokens: {exc}") from exc
     if gpu is None:
         seqs = max_num_seqs or CPU_MAX_NUM_SEQS
-        batched = max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS
         candidates = [tensor_parallel_size or 1]
         if candidates != [1]:
             raise PlanError("InvalidTensorParallelSize", "CPU mode runs one process: TP must be 1")
@@ -236,7 +247,6 @@ def plan(
             )
     else:
         seqs = max_num_seqs or GPU_MAX_NUM_SEQS
-        batched = max_num_batched_tokens or GPU_MAX_NUM_BATCHED_TOKENS
         candidates = _tensor_parallel_candidates(model, gpu, tensor_parallel_size)
         utilization = gpu_memory_utilization or default_gpu_memory_utilization(gpu)
         budget = int(gpu.memory_bytes * utilization)
@@ -351,6 +361,7 @@ def plan_for_spec(spec: LLMDeploymentSpec, model: ModelSpec, *, concurrency: int
         memory_bytes=spec.memory_limit_bytes if spec.gpu is None else None,
         max_num_seqs=spec.engine.max_num_seqs,
         max_num_batched_tokens=spec.engine.max_num_batched_tokens,
+        enable_chunked_prefill=spec.engine.enable_chunked_prefill is not False,
         concurrency=concurrency,
     )
 

@@ -60,7 +60,9 @@ class PodTarget:
 
     @property
     def address(self) -> str:
-        return f"{self.ip}:{self.port}"
+        """``host:port`` as a URL writes it: an IPv6 address in brackets (``[fd00::7]:8000``)."""
+        host = f"[{self.ip}]" if ":" in self.ip else self.ip
+        return f"{host}:{self.port}"
 
 
 @dataclass(frozen=True)

@@ -32,11 +32,23 @@ GPU_TYPES = (*CATALOGUE, CUSTOM)
 carries one canonical spelling that the API server, this module and selectors agree on."""
 RESOURCE_KEYS = ("cpu", "memory", "ephemeral-storage")
 
-DEFAULT_CPU_RESOURCES = {"requests": {"cpu": "1", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
-"""CPU mode: the memory limit is the planner's budget for weights, activations and KV cache."""
+DEFAULT_CPU_RESOURCES = {
+    "requests": {"cpu": "1", "memory": "4Gi"},
+    "limits": {"cpu": "1", "memory": "4Gi"},
+}
+"""CPU mode: the memory limit is the planner's budget for weights, activations and KV cache.
+Limits equal requests, so a namespace ResourceQuota that requires limits admits the pods (and
+they get the Guaranteed QoS class)."""
 
-DEFAULT_GPU_RESOURCES = {"requests": {"cpu": "4", "memory": "16Gi"}}
-"""GPU mode: host CPU and memory for the tokenizer, the API server and loading weights."""
+DEFAULT_GPU_RESOURCES = {
+    "requests": {"cpu": "4", "memory": "16Gi"},
+    "limits": {"cpu": "4", "memory": "16Gi"},
+}
+"""GPU mode: host CPU and memory for the tokenizer, the API server and loading weights; limits
+as in CPU mode."""
+
+ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
+"""``spec.modelCache.accessMode`` values; a created claim is ``ReadWriteOnce`` by default."""
 
 HF_TOKEN_DEFAULT_KEY = "token"
 
@@ -182,6 +194,7 @@ class ModelCacheSpec:
     claim_name: str | None = None
     size: str | None = None
     storage_class_name: str | None = None
+    access_mode: str = "ReadWriteOnce"
 
     @property
     def creates_claim(self) -> bool:
@@ -487,8 +500,9 @@ def _resources(r: _Reader | None) -> dict[str, dict[str, str]] | None:
 def _model_cache(r: _Reader | None) -> ModelCacheSpec | None:
     if r is None:
         return None
-    r.only("claimName", "size", "storageClassName")
+    r.only("claimName", "size", "storageClassName", "accessMode")
     claim = r.str("claimName", pattern=_DNS_SUBDOMAIN)
+    access_mode = r.enum("accessMode", ACCESS_MODES)
     size = r.quantity("size") if "size" in r.raw else None
     storage_class = r.str("storageClassName", pattern=_DNS_SUBDOMAIN)
     if claim is not None and (size is not None or storage_class is not None):
@@ -498,7 +512,17 @@ def _model_cache(r: _Reader | None) -> ModelCacheSpec | None:
         )
     if storage_class is not None and size is None:
         raise SpecError("spec.modelCache.size", "required with storageClassName")
-    return ModelCacheSpec(claim_name=claim, size=size, storage_class_name=storage_class)
+    if access_mode is not None and storage_class is None:
+        raise SpecError(
+            "spec.modelCache.accessMode",
+            "is for a claim the operator creates (with storageClassName)",
+        )
+    return ModelCacheSpec(
+        claim_name=claim,
+        size=size,
+        storage_class_name=storage_class,
+        access_mode=access_mode or "ReadWriteOnce",
+    )
 
 
 def _adapters(r: _Reader) -> tuple[Adapter, ...]:

@@ -183,9 +183,12 @@ class KubeAI:
 
 
 class AibrixKpa:
-    """AIBrix's KPA (Knative's algorithm): stable window 180 s, panic window 60 s, panic
-    threshold 200%, max scale-up rate 1000, max scale-down rate 2, ticking every 15 s, on the
-    per-pod KV-cache usage with kvpilot's target (0.7) so that only the algorithm differs."""
+    """AIBrix's KPA (Knative's algorithm) as AIBrix's own KPA example configures it: per-pod
+    ``gpu_cache_usage_perc`` with ``targetValue`` 0.3 and the
+    ``kpa.autoscaling.aibrix.ai/scale-down-delay`` annotation at 5 minutes; AIBrix's KPA
+    windows (stable 180 s, panic 60 s), panic threshold 200%, max scale-up rate 1000, max
+    scale-down rate 2, ticking every 15 s. A scale-down happens only once every recommendation
+    of the last ``scale_down_delay`` seconds was at most the new size."""
 
     name = "aibrix-kpa"
     interval = 15.0
@@ -194,14 +197,17 @@ class AibrixKpa:
         self,
         min_replicas: int,
         max_replicas: int,
-        target: float = 0.7,
+        target: float = 0.3,
         stable_window: float = 180.0,
         panic_window: float = 60.0,
+        scale_down_delay: float = 300.0,
     ) -> None:
         self.min_replicas, self.max_replicas = min_replicas, max_replicas
         self.target = target
         self.stable_window, self.panic_window = stable_window, panic_window
+        self.scale_down_delay = scale_down_delay
         self.points: deque[tuple[float, float]] = deque()
+        self.recommendations: deque[tuple[float, int]] = deque()
         self.panic_since: float | None = None
         self.max_panic = 0
 
@@ -231,4 +237,11 @@ class AibrixKpa:
             desired = self.max_panic
         else:
             desired = stable
-        return max(self.min_replicas, min(self.max_replicas, desired))
+        desired = max(self.min_replicas, min(self.max_replicas, desired))
+        # Scale-down delay: the largest recommendation of the delay window wins.
+        self.recommendations.append((view.time, desired))
+        while self.recommendations[0][0] < view.time - self.scale_down_delay:
+            self.recommendations.popleft()
+        if desired < view.replicas:
+            desired = min(view.replicas, max(r for _, r in self.recommendations))
+        return desired

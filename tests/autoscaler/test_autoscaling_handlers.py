@@ -9,6 +9,7 @@ import pytest
 
 from kvpilot.engine.model_spec import ModelSpec
 from kvpilot.operator import autoscaling_handlers, handlers
+from kvpilot.operator.apply import status_changed
 from kvpilot.operator.autoscaler import (
     SHAPE_ANNOTATION,
     AutoscalerMemory,
@@ -25,14 +26,11 @@ from kvpilot.operator.autoscaling_handlers import (
     decision_status,
     larger_shape,
     remembered,
-    starting_pods,
-    startup_seconds,
-    status_changed,
-    unschedulable,
     wake_time,
     without_nulls,
 )
 from kvpilot.operator.planner import plan_for_spec
+from kvpilot.operator.pods import starting_pods, startup_seconds, unschedulable
 from kvpilot.operator.signals import MetricSample, summarize
 from kvpilot.operator.spec import SpecError, parse_spec
 
@@ -204,9 +202,11 @@ def test_the_loop_sizes_with_the_reconcilers_function(monkeypatch, llama):
         return handlers.sized(body, lambda _source: llama, image)
 
     monkeypatch.setattr(autoscaling_handlers, "sized", sized)
-    loop = autoscaling_handlers.AutoscalingLoop(
-        autoscaling_handlers.AutoscalerConfig(engine_image="engine:1"), client=object()
+    config = handlers.HandlerConfig(engine_image="engine:1")
+    runtime = handlers.Runtime(
+        client=object(), models=object(), metrics=object(), config=config, post_event=print
     )
+    loop = autoscaling_handlers.AutoscalingLoop(autoscaling_handlers.AutoscalerConfig(), runtime)
     shape = json.dumps({"tensorParallelSize": 2, "gpuType": "L4"})
     body = {
         "metadata": {"name": "llama", "namespace": "ml", "annotations": {SHAPE_ANNOTATION: shape}},

@@ -159,3 +159,25 @@ async def test_prometheus_source_gives_the_same_samples_as_scraping(serve, expos
     direct = {name: parse_metrics(text, name, 7.0) for name, text in texts.items()}
     assert {s.pod: s for s in result.samples} == direct
     assert "lacks" in result.errors["llm-2"]
+
+
+async def test_an_ipv6_pod_is_scraped_at_its_bracketed_address(exposition):
+    """Issue 15, bug 7: ``http://<podIP>:<port>`` without brackets is no URL for an IPv6 pod.
+    A real HTTP server on the IPv6 loopback stands for the pod; nothing maps its address."""
+    app = web.Application()
+    app.router.add_get("/metrics", lambda _request: web.Response(text=exposition(kv=0.4)))
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    site = web.TCPSite(runner, "::1", 0)
+    await site.start()
+    try:
+        port = runner.addresses[0][1]
+        target = PodTarget("v6", "::1", port)
+        assert target.address == f"[::1]:{port}"
+        assert AddressMap().metrics_url(target) == f"http://[::1]:{port}/metrics"
+        result = await scrape_pods([target], 1.0, address_map=AddressMap())
+        assert result.errors == {}
+        (sample,) = result.samples
+        assert (sample.pod, sample.kv_cache_usage) == ("v6", pytest.approx(0.4))
+    finally:
+        await runner.cleanup()

@@ -1,4 +1,5 @@
-"""The chart ships crds/ unchanged, and its RBAC names the CRD's group, plural and subresources."""
+"""The chart ships crds/ unchanged (as a template, so upgrades apply it, kept on uninstall), and
+its RBAC names the CRD's group, plural and subresources."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from kubernetes_validate import utils as kubernetes_validate
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 SOURCE = REPO / "crds"
-CHART_CRDS = REPO / "charts" / "kvpilot" / "crds"
+CHART_CRDS = REPO / "charts" / "kvpilot" / "files" / "crds"
 
 
 def _crds() -> list[dict]:
@@ -23,14 +24,25 @@ def test_chart_crds_are_exact_copies() -> None:
     assert source, "crds/ holds no CRD"
     assert copies.keys() == source.keys(), "run hack/sync-crds.sh"
     for name, content in source.items():
-        assert copies[name] == content, f"charts/kvpilot/crds/{name} differs: run hack/sync-crds.sh"
+        assert copies[name] == content, f"{CHART_CRDS}/{name} differs: run hack/sync-crds.sh"
 
 
-def test_rendered_crds_are_valid(render) -> None:
-    rendered = [o for o in render(include_crds=True) if o["kind"] == "CustomResourceDefinition"]
-    assert rendered == _crds()
+def test_rendered_crds_are_the_source_with_helm_labels_and_kept(render) -> None:
+    rendered = [o for o in render() if o["kind"] == "CustomResourceDefinition"]
+    assert [{**o, "metadata": {"name": o["metadata"]["name"]}} for o in rendered] == _crds()
     for crd in rendered:
         kubernetes_validate.validate(crd, kubernetes_validate.latest_version(), strict=True)
+        assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+        assert crd["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "Helm"
+
+
+def test_crds_can_be_left_to_the_user_or_removed_on_uninstall(render, tmp_path) -> None:
+    values = tmp_path / "values.yaml"
+    values.write_text("crds:\n  install: false\n")
+    assert not [o for o in render(values) if o["kind"] == "CustomResourceDefinition"]
+    values.write_text("crds:\n  keep: false\n")
+    (crd,) = [o for o in render(values) if o["kind"] == "CustomResourceDefinition"]
+    assert "annotations" not in crd["metadata"]
 
 
 def test_rbac_names_the_crd(default_objects: list[dict]) -> None:
@@ -44,5 +56,7 @@ def test_rbac_names_the_crd(default_objects: list[dict]) -> None:
         served |= {f"{plural}/{sub}" for sub in version.get("subresources", {})}
     (role,) = [o for o in default_objects if o["kind"] == "ClusterRole"]
     granted = {r for rule in role["rules"] if group in rule["apiGroups"] for r in rule["resources"]}
-    assert granted <= served
+    # finalizers is no subresource the CRD serves: it is what the OwnerReferencesPermission-
+    # Enforcement admission plugin checks before a child may set blockOwnerDeletion.
+    assert granted <= served | {f"{plural}/finalizers"}
     assert plural in granted

@@ -21,6 +21,7 @@ from kvpilot.engine.model_spec import ModelSpec
 from kvpilot.operator import manifests
 from kvpilot.operator.planner import plan_for_spec
 from kvpilot.operator.spec import parse_spec
+from tests.chart.conftest import run_helm
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvpilot"
@@ -104,6 +105,7 @@ def test_default_install_objects(default_objects: list[dict]) -> None:
     kinds = sorted(o["kind"] for o in default_objects)
     assert kinds == sorted(
         [
+            "CustomResourceDefinition",
             "ServiceAccount",
             "ClusterRole",
             "ClusterRoleBinding",
@@ -113,7 +115,7 @@ def test_default_install_objects(default_objects: list[dict]) -> None:
         ]
     )
     for obj in default_objects:
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"):
             assert obj["metadata"]["namespace"] == NAMESPACE
 
 
@@ -163,7 +165,9 @@ def test_rbac_has_no_wildcards(rendered: list[dict]) -> None:
             for field in ("apiGroups", "resources", "verbs"):
                 assert "*" not in rule[field], f"{role['kind']} rule {rule} uses a wildcard"
             assert set(rule["verbs"]) <= RBAC_VERBS
-            assert "resourceNames" not in rule and "nonResourceURLs" not in rule
+            assert "nonResourceURLs" not in rule
+            # Named resources only for Secrets read cluster-wide (rbac.secretNames).
+            assert "resourceNames" not in rule or rule["resources"] == ["secrets"]
 
 
 def test_cluster_role_follows_crds_when_watching_every_namespace(
@@ -213,10 +217,15 @@ def test_namespaced_rbac_grants_nothing_cluster_wide(render, default_objects: li
         assert binding["subjects"] == [
             {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
         ]
-    # A Role carries the same namespaced rules as the ClusterRole; only the cluster-scoped CRD
-    # rule is left out (Roles cannot grant cluster-scoped resources).
+    # A Role carries the same namespaced rules as the ClusterRole; the cluster-scoped CRD rule is
+    # left out (Roles cannot grant cluster-scoped resources), and Secrets are readable by any
+    # name, but only in the Role's own namespace.
     cluster_rules = _rules(_one(default_objects, "ClusterRole"))
-    namespaced_rules = [r for r in cluster_rules if r["apiGroups"] != ["apiextensions.k8s.io"]]
+    namespaced_rules = [
+        {k: v for k, v in r.items() if k != "resourceNames"}
+        for r in cluster_rules
+        if r["apiGroups"] != ["apiextensions.k8s.io"]
+    ]
     for role in roles:
         assert _rules(role) == namespaced_rules
     args = _operator_container(objects)["args"]
@@ -224,6 +233,40 @@ def test_namespaced_rbac_grants_nothing_cluster_wide(render, default_objects: li
         f"--namespace={n}" for n in namespaces
     ]
     assert "--all-namespaces" not in args
+
+
+def secret_rules(objects: list[dict]) -> dict[tuple[str, str | None], list]:
+    """(kind, namespace) of each role that grants Secrets -> the names it is limited to."""
+    return {
+        (role["kind"], role["metadata"].get("namespace")): rule.get("resourceNames")
+        for role in _of_kind(objects, "ClusterRole") + _of_kind(objects, "Role")
+        for rule in _rules(role)
+        if "secrets" in rule["resources"]
+    }
+
+
+def test_secrets_are_readable_only_where_needed(render, default_objects, tmp_path) -> None:
+    """Issue 15, bug 15: watching every namespace, only the Secret names of rbac.secretNames;
+    watching listed namespaces, any Secret of those namespaces and none elsewhere."""
+    assert secret_rules(default_objects) == {("ClusterRole", None): ["hf-token"]}
+    values = tmp_path / "values.yaml"
+    values.write_text("operator:\n  watchNamespaces: [team-a, team-b]\n")
+    assert secret_rules(render(values)) == {("Role", "team-a"): None, ("Role", "team-b"): None}
+
+
+def test_namespace_globs_get_cluster_scanning_and_no_roles(render, helm, tmp_path) -> None:
+    """Issue 15, bug 13: a glob in watchNamespaces makes kopf follow namespaces, which needs
+    list/watch on them (and the CRD) cluster-wide; per-namespace Roles cannot name a glob."""
+    values = tmp_path / "values.yaml"
+    values.write_text("operator:\n  watchNamespaces: [team-*]\n")
+    objects = render(values)
+    rules = _rules(_one(objects, "ClusterRole"))
+    assert {"apiGroups": [""], "resources": ["namespaces"], "verbs": ["list", "watch"]} in rules
+    assert not _of_kind(objects, "Role")
+    assert "--namespace=team-*" in _operator_container(objects)["args"]
+    values.write_text("operator:\n  watchNamespaces: [team-*]\nrbac:\n  namespaced: true\n")
+    result = run_helm(helm, "template", "kvp", str(CHART), "--values", str(values))
+    assert result.returncode != 0 and "glob" in result.stderr
 
 
 def test_no_rbac_and_an_existing_service_account(render) -> None:

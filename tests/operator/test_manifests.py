@@ -158,11 +158,53 @@ def test_cache_claim_created_for_size_and_storage_class():
     assert claim["kind"] == "PersistentVolumeClaim"
     kubernetes_validate.validate(claim, K8S_VERSION, strict=True)
     assert claim["metadata"]["name"] == "big-model-cache"
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+    # Issue 15, bug 2: ReadWriteOnce unless asked, which every block storage class binds.
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
     assert claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
     pod = by_kind(objects)["Deployment"]["spec"]["template"]["spec"]
     cache = next(v for v in pod["volumes"] if v["name"] == "model-cache")
     assert cache["persistentVolumeClaim"] == {"claimName": "big-model-cache"}
+    shared = {**spec_dict, "modelCache": {**spec_dict["modelCache"], "accessMode": "ReadWriteMany"}}
+    assert render(shared, "Meta-Llama-3-70B", name="big")[2][0]["spec"]["accessModes"] == [
+        "ReadWriteMany"
+    ]
+
+
+def test_a_claims_immutable_spec_is_kept_and_the_refusal_said():
+    """Issue 15, bug 2: only a bound claim's size may change (grow); the rest stays as created
+    and the refusal names what and how to get it."""
+    spec_dict = {**GPU_SPEC, "modelCache": {"size": "200Gi", "storageClassName": "fast"}}
+    desired = render(spec_dict, "Meta-Llama-3-70B", name="big")[2][0]
+    assert manifests.claim_update(desired, None) == manifests.ClaimUpdate(desired)
+    live = {
+        **desired,
+        "spec": {
+            **desired["spec"],
+            "storageClassName": "slow",
+            "resources": {"requests": {"storage": "100Gi"}},
+        },
+        "status": {"phase": "Pending"},
+    }
+    update = manifests.claim_update(desired, live)
+    assert update.desired["spec"]["storageClassName"] == "slow"
+    assert update.desired["spec"]["resources"]["requests"]["storage"] == "100Gi"
+    assert "storageClassName 'slow' -> 'fast'" in update.refused
+    assert "size 100Gi -> 200Gi (the claim is not bound yet)" in update.refused
+    assert "delete the claim" in update.refused
+    bound = {
+        **live,
+        "spec": {**live["spec"], "storageClassName": "fast"},
+        "status": {"phase": "Bound"},
+    }
+    grown = manifests.claim_update(desired, bound)
+    assert (grown.desired["spec"]["resources"]["requests"]["storage"], grown.refused) == (
+        "200Gi",
+        "",
+    )
+    smaller = {**bound, "spec": {**bound["spec"], "resources": {"requests": {"storage": "300Gi"}}}}
+    shrink = manifests.claim_update(desired, smaller)
+    assert shrink.desired["spec"]["resources"]["requests"]["storage"] == "300Gi"
+    assert "a claim cannot shrink" in shrink.refused
 
 
 def test_pvc_source_is_mounted_read_only():
@@ -391,3 +433,36 @@ def test_many_adapters_share_the_resident_slots():
     assert flag(args, "--max-loras") == str(manifests.MAX_RESIDENT_ADAPTERS) == "8"
     assert len(args) - args.index("--lora-modules") - 1 == 10
     assert "--enable-lora" not in container(render(CPU_SPEC, "SmolLM2-135M-Instruct")[2])["args"]
+
+
+def engine_args_accepted(args: list[str]):
+    """``kvpilot serve ARGS`` as the engine's own parser and EngineArgs validation see them."""
+    import argparse
+
+    from kvpilot.engine.config import EngineArgs
+    from kvpilot.engine.server import cli
+
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    return EngineArgs.from_cli_args(parser.parse_args(args[1:]))
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_rendered_engine_limits_are_ones_the_engine_accepts(chunked):
+    """Issue 15, bug 6: without chunked prefill the engine needs a step budget of at least
+    maxModelLen; planner and engine resolve it with one function, so the rendered flags are
+    what the engine runs with (8,192 would have been refused beside a 32,768 context)."""
+    from kvpilot.engine.config import resolve_max_num_batched_tokens
+
+    spec_dict = {**GPU_SPEC, "engine": {"maxModelLen": 8192, "enableChunkedPrefill": chunked}}
+    spec, plan, objects = render(spec_dict, "Meta-Llama-3-70B")
+    args = container(objects)["args"]
+    expected = resolve_max_num_batched_tokens(
+        None, 8192, enable_chunked_prefill=chunked, on_gpu=True
+    )
+    assert plan.max_num_batched_tokens == int(flag(args, "--max-num-batched-tokens")) == expected
+    engine = engine_args_accepted(args)
+    assert engine.enable_chunked_prefill is chunked
+    long_spec = parse_spec({**spec_dict, "engine": {"enableChunkedPrefill": chunked}})
+    long_plan = plan_for_spec(long_spec, model("Qwen2.5-72B-Instruct"))
+    assert long_plan.max_num_batched_tokens == (8192 if chunked else long_plan.max_model_len)

@@ -1,14 +1,17 @@
 {{/*
-What the operator calls, and nothing more (tests/operator/test_rbac.py records every call the
-operator makes against the API emulator and checks it against these rules).
+What the operator calls, and nothing more: tests/operator/test_rbac.py runs the operator with
+its ServiceAccount's token against a real API server and reads the API server's audit log; every
+call must be allowed (no 403) and every rule used.
 "kvpilot.namespacedRules": what it does inside the namespaces it watches;
-"kvpilot.clusterRules": what kopf needs at cluster scope to follow the CRD, when it watches
-every namespace (with --namespace, kvpilot runs kopf with cluster scanning off).
+"kvpilot.secretRules": reading a hub token Secret (spec.model.hfTokenSecretRef) to size a gated
+  model; granted per watched namespace, or cluster-wide only for the names in rbac.secretNames;
+"kvpilot.clusterRules": what kopf needs at cluster scope when it scans (every namespace, or
+  namespace globs such as team-*): the CRD, and the namespaces a glob matches.
 kopf runs standalone (no peering), so no kopfpeerings rules.
 */}}
 {{- define "kvpilot.namespacedRules" -}}
-# kopf watches LLMDeployments and patches them (finalizer, last-handled state annotations);
-# a change to an engine Deployment makes the handler get its owner.
+# kopf watches LLMDeployments and patches them (its last-handled state annotations); a change
+# to an engine Deployment makes the handler get its owner.
 - apiGroups: ["kvpilot.dev"]
   resources: ["llmdeployments"]
   verbs: ["get", "list", "watch", "patch"]
@@ -20,8 +23,15 @@ kopf runs standalone (no peering), so no kopfpeerings rules.
 - apiGroups: ["kvpilot.dev"]
   resources: ["llmdeployments/scale"]
   verbs: ["patch"]
-# Children, adopted with ownerReferences: the garbage collector deletes them with their parent.
-# Deployments are also watched, so a child's change (readiness, drift) triggers a reconcile.
+# Children carry ownerReferences with blockOwnerDeletion: with the
+# OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) that needs update on
+# the owner's finalizers, though the operator never sets one.
+- apiGroups: ["kvpilot.dev"]
+  resources: ["llmdeployments/finalizers"]
+  verbs: ["update"]
+# Children, written with server-side apply (a patch, and a create for the first one): the
+# garbage collector deletes them with their parent. Deployments are also watched (by label),
+# so a child's change triggers a reconcile.
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
@@ -31,22 +41,25 @@ kopf runs standalone (no peering), so no kopfpeerings rules.
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create", "patch"]
-# The model cache claim, for spec.modelCache with a size (patched to expand it).
+# The model cache claim, for spec.modelCache with a storage class (its size patched to expand).
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "create", "patch"]
-# A hub model's token (spec.model.hfTokenSecretRef), to fetch its config.json for sizing.
-- apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get"]
-# The autoscaler scrapes each ready engine pod's /metrics.
+# The engine pods (by label): the autoscaler scrapes the ready ones' /metrics; unschedulable
+# or failing ones are reported in the LLMDeployment's conditions.
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "watch"]
 # Events for decisions and errors (the handlers' own, and kopf's warnings).
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
+{{- end }}
+
+{{- define "kvpilot.secretRules" -}}
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["get"]
 {{- end }}
 
 {{- define "kvpilot.clusterRules" -}}
@@ -54,4 +67,15 @@ kopf runs standalone (no peering), so no kopfpeerings rules.
 - apiGroups: ["apiextensions.k8s.io"]
   resources: ["customresourcedefinitions"]
   verbs: ["list", "watch"]
+{{- if include "kvpilot.namespaceGlobs" . }}
+# Namespace globs (operator.watchNamespaces): kopf follows the namespaces that match them.
+- apiGroups: [""]
+  resources: ["namespaces"]
+  verbs: ["list", "watch"]
+{{- end }}
+{{- end }}
+
+{{/* "true" when operator.watchNamespaces holds a kopf glob (*, ? or [...]), else empty. */}}
+{{- define "kvpilot.namespaceGlobs" -}}
+{{- range .Values.operator.watchNamespaces }}{{ if regexMatch "[*?\\[]" . }}true{{ end }}{{ end }}
 {{- end }}
