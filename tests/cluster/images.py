@@ -56,10 +56,13 @@ def dockerfile_entrypoint(dockerfile: pathlib.Path) -> tuple[list[str], list[str
     return entrypoint, cmd
 
 
-def container_argv(container: dict[str, Any]) -> list[str] | None:
-    """The process a container of one of the project's images runs, or None for other images.
+def container_argv(container: dict[str, Any]) -> tuple[list[str], list[str]] | None:
+    """The process a container of one of the project's images runs, as (program, arguments),
+    or None for other images.
 
-    ``kvpilot`` at the start becomes this interpreter's ``-m kvpilot``.
+    ``kvpilot`` at the start becomes this interpreter's ``-m kvpilot``: the program is part of
+    the image, so paths in it are never mapped to the pod's volumes; the arguments are the
+    container's own.
     """
     dockerfile = IMAGES.get(repository(container.get("image", "")))
     if dockerfile is None:
@@ -72,5 +75,5 @@ def container_argv(container: dict[str, Any]) -> list[str] | None:
     else:
         argv = entrypoint + list(args if args is not None else cmd)
     if argv and argv[0] == "kvpilot":
-        argv = [sys.executable, "-m", "kvpilot", *argv[1:]]
-    return argv
+        return [sys.executable, "-m", "kvpilot"], argv[1:]
+    return argv[:1], argv[1:]

@@ -82,12 +82,17 @@ def bind_to_pod_ip(values: list[str], pod_ip: str) -> list[str]:
 def map_paths(value: str, mounts: dict[str, pathlib.Path]) -> str:
     """``value`` with every path under a mount point replaced by the mount's host folder.
 
-    ``mounts`` maps a container mount path to its folder; the longest match wins.
+    ``mounts`` maps a container mount path to its folder; the longest match wins, and one pass
+    replaces them all (a host folder is never mapped again).
     """
-    for mount_path in sorted(mounts, key=len, reverse=True):
-        pattern = re.escape(mount_path.rstrip("/")) + r"(?=/|$|[\s:,;=\"'])"
-        value = re.sub(pattern, lambda _m, p=mount_path: str(mounts[p]), value)
-    return value
+    if not mounts:
+        return value
+    by_length = sorted((m.rstrip("/") for m in mounts), key=len, reverse=True)
+    pattern = "|".join(re.escape(m) for m in by_length)
+    folders = {m.rstrip("/"): str(folder) for m, folder in mounts.items()}
+    return re.sub(
+        rf"(?<![\w.-])({pattern})(?=/|$|[\s:,;=\"'])", lambda m: folders[m.group(1)], value
+    )
 
 
 def emulate_gpus(argv: list[str]) -> list[str]:
@@ -233,7 +238,7 @@ class KubeletStandIn:
             try:
                 self._sync()
             except Exception:  # noqa: BLE001 - the API server may be restarting; try again
-                logger.debug("kubelet stand-in: sync failed", exc_info=True)
+                logger.warning("kubelet stand-in: sync failed", exc_info=True)
             self._stop.wait(POLL_SECONDS)
 
     def _sync(self) -> None:
@@ -379,10 +384,11 @@ class KubeletStandIn:
             for m in container.spec.get("volumeMounts") or []
             if m["name"] in folders
         }
-        argv = images.container_argv(container.spec)
-        if argv is None:
+        command = images.container_argv(container.spec)
+        if command is None:
             container.argv = None
             return
+        program, argv = command
         argv = bind_to_pod_ip(argv, run.ip)
         if asks_for_gpus(container.spec):
             argv = emulate_gpus(argv)
@@ -410,7 +416,7 @@ class KubeletStandIn:
                     namespace=run.namespace,
                 )
             )
-        container.argv = [map_paths(a, mounts) for a in argv]
+        container.argv = program + [map_paths(a, mounts) for a in argv]
         container.env = {**base, **env}
         run.mounts[container.name] = mounts
 
@@ -463,7 +469,14 @@ class KubeletStandIn:
             container.ready = True
             return
         log = run.sandbox / "logs" / f"{container.name}.log"
-        container.process = processes.spawn(container.argv, log, env=container.env, cwd=run.sandbox)
+        try:
+            container.process = processes.spawn(
+                container.argv, log, env=container.env, cwd=run.sandbox
+            )
+        except OSError as exc:  # as a runtime reports an entrypoint it cannot exec
+            container.started_at = None
+            container.waiting_reason = "RunContainerError"
+            container.waiting_message = str(exc)
 
     def _probe(self, run: PodRun, container: ContainerRun) -> None:
         if container.argv is None or container.process is None:
