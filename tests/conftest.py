@@ -27,7 +27,7 @@ from kvpilot.engine.model_loader import resolve_model
 # The real control plane's fixtures (kube, namespace, crd, tiny_model_source): tests/cluster/.
 pytest_plugins = ["tests.cluster.fixtures"]
 
-# Must be set before the first Triton launch (ENVIRONMENT.md): kernels run in the interpreter
+# Must be set before the first Triton launch: kernels run in the interpreter
 # when there is no GPU.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")

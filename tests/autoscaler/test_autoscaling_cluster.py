@@ -121,7 +121,7 @@ def scaling_events(kube: Cluster, namespace: str, name: str) -> list[dict]:
 
 
 def test_load_scales_up_then_down_then_to_zero_and_a_wake_brings_it_back(
-    kube: Cluster, crd, namespace, tiny_model_source
+    kube: Cluster, watched, tiny_model_source
 ):
     spec = {
         "model": {"source": tiny_model_source},
@@ -130,65 +130,62 @@ def test_load_scales_up_then_down_then_to_zero_and_a_wake_brings_it_back(
         "autoscaling": {
             "minReplicas": 0, "maxReplicas": 3, "targetWaitingRequests": 1,
             "stableWindowSeconds": 4, "panicWindowSeconds": 2,
-            "scaleDownStabilizationSeconds": 6, "idleSeconds": 20, "predictiveScaling": False,
+            "scaleDownStabilizationSeconds": 4, "idleSeconds": 10, "predictiveScaling": False,
         },
     }  # fmt: skip
     model = tiny_model_source.removeprefix("file://")
-    with kube.operator(namespace):
-        kube.create_llmd(namespace, "chat", spec)
-        wait_for(lambda: ready_ips(kube, namespace, "chat"), "the first engine", timeout=300)
-        with Load(kube, namespace, "chat", model) as load:
-            wait_for(lambda: replicas(kube, namespace, "chat") >= 2, "a scale-up", timeout=300)
-            up = wait_for(
-                lambda: [
-                    e
-                    for e in scaling_events(kube, namespace, "chat")
-                    if e["reason"] in ("ScaleUp", "Panic")
-                ],
-                "the scale-up Event",
-            )
-            assert up[0]["message"].startswith("replicas 1 -> "), dump(up)
-            status = kube.llmd(namespace, "chat")["status"]
-            assert status["lastDecision"]["signals"]["requestsWaiting"] > 1, dump(status)
-            wait_for(
-                lambda: len(ready_ips(kube, namespace, "chat")) >= 2,
-                "the new engines serve",
-                timeout=300,
-            )
-            assert load.answered > 0
-        # The load stops: back down after the stabilization window, then to zero once idle.
-        wait_for(lambda: replicas(kube, namespace, "chat") == 0, "scaled to zero", timeout=300)
-        wait_for(
-            lambda: "ScaleToZero" in [e["reason"] for e in scaling_events(kube, namespace, "chat")],
-            "the scale-to-zero Event",
-        )
-        wait_for(lambda: not ready_ips(kube, namespace, "chat"), "no engine left", timeout=120)
-        wait_for(
-            lambda: condition(kube.llmd(namespace, "chat"), "Ready")["reason"] == "ScaledToZero",
-            "Ready=False, ScaledToZero",
-        )
-
-        # A wake request (what a router or an activator sets) brings one replica back.
-        kube.kubectl(
-            "annotate",
-            "llmd",
-            "chat",
-            "-n",
-            namespace,
-            f"kvpilot.dev/wake={time.time():.0f}",
-            "--overwrite",
-        )
-        wait_for(lambda: replicas(kube, namespace, "chat") == 1, "a wake")
-        (ip,) = wait_for(lambda: ready_ips(kube, namespace, "chat"), "an engine again", timeout=300)
-        woke = wait_for(
+    kube.create_llmd(watched, "chat", spec)
+    wait_for(lambda: ready_ips(kube, watched, "chat"), "the first engine", timeout=300)
+    with Load(kube, watched, "chat", model) as load:
+        wait_for(lambda: replicas(kube, watched, "chat") >= 2, "a scale-up", timeout=300)
+        up = wait_for(
             lambda: [
-                e for e in scaling_events(kube, namespace, "chat") if e["reason"] == "WakeFromZero"
+                e
+                for e in scaling_events(kube, watched, "chat")
+                if e["reason"] in ("ScaleUp", "Panic")
             ],
-            "the wake Event",
+            "the scale-up Event",
         )
-        assert "replicas 0 -> 1" in woke[-1]["message"], dump(woke)
-        models = json.load(urllib.request.urlopen(f"http://{ip}:8000/v1/models", timeout=30))
-        assert models["data"][0]["id"] == model
+        assert up[0]["message"].startswith("replicas 1 -> "), dump(up)
+        status = kube.llmd(watched, "chat")["status"]
+        assert status["lastDecision"]["signals"]["requestsWaiting"] > 1, dump(status)
+        wait_for(
+            lambda: len(ready_ips(kube, watched, "chat")) >= 2,
+            "the new engines serve",
+            timeout=300,
+        )
+        assert load.answered > 0
+    # The load stops: back down after the stabilization window, then to zero once idle.
+    wait_for(lambda: replicas(kube, watched, "chat") == 0, "scaled to zero", timeout=300)
+    wait_for(
+        lambda: "ScaleToZero" in [e["reason"] for e in scaling_events(kube, watched, "chat")],
+        "the scale-to-zero Event",
+    )
+    wait_for(lambda: not ready_ips(kube, watched, "chat"), "no engine left", timeout=120)
+    wait_for(
+        lambda: condition(kube.llmd(watched, "chat"), "Ready")["reason"] == "ScaledToZero",
+        "Ready=False, ScaledToZero",
+    )
+
+    # A wake request (what a router or an activator sets) brings one replica back.
+    kube.kubectl(
+        "annotate",
+        "llmd",
+        "chat",
+        "-n",
+        watched,
+        f"kvpilot.dev/wake={time.time():.0f}",
+        "--overwrite",
+    )
+    wait_for(lambda: replicas(kube, watched, "chat") == 1, "a wake")
+    (ip,) = wait_for(lambda: ready_ips(kube, watched, "chat"), "an engine again", timeout=300)
+    woke = wait_for(
+        lambda: [e for e in scaling_events(kube, watched, "chat") if e["reason"] == "WakeFromZero"],
+        "the wake Event",
+    )
+    assert "replicas 0 -> 1" in woke[-1]["message"], dump(woke)
+    models = json.load(urllib.request.urlopen(f"http://{ip}:8000/v1/models", timeout=30))
+    assert models["data"][0]["id"] == model
 
 
 def test_external_mode_is_never_touched_and_a_steady_fleet_stops_writing(
@@ -241,53 +238,50 @@ def test_external_mode_is_never_touched_and_a_steady_fleet_stops_writing(
 
 
 def test_the_gpu_count_and_budget_bound_replicas_and_pending_pods_are_reported(
-    kube: Cluster, crd, namespace, model_config_source
+    kube: Cluster, watched, model_config_source
 ):
     """Two H100 nodes of 8 GPUs: three TP 8 replicas cannot all be placed. The scheduler keeps
     one Pending; the LLMDeployment says why (Degraded, Unschedulable, the scheduler's words).
     With a GPU budget of 16 the autoscaler never asks for the third."""
     base = engineless(model_config_source("Meta-Llama-3-70B"), "H100-80GB", tensorParallelSize=8)
-    with kube.operator(namespace):
-        kube.create_llmd(
-            namespace,
-            "big",
-            {**base, "replicas": 3, "autoscaling": {"mode": "external", "maxReplicas": 3}},
+    kube.create_llmd(
+        watched,
+        "big",
+        {**base, "replicas": 3, "autoscaling": {"mode": "external", "maxReplicas": 3}},
+    )
+
+    def unschedulable() -> dict | None:
+        cond = condition(kube.llmd(watched, "big"), "Degraded")
+        return cond if cond.get("reason") == "Unschedulable" else None
+
+    cond = wait_for(unschedulable, "the Pending pod reported")
+    assert "nvidia.com/gpu" in cond["message"], cond
+    wait_for(lambda: len(ready_ips(kube, watched, "big")) == 2, "the two placed replicas")
+    nodes = {
+        p["spec"].get("nodeName")
+        for p in kube.items(
+            f"/api/v1/namespaces/{watched}/pods",
+            labelSelector="kvpilot.dev/llmdeployment=big",
         )
+    }
+    assert nodes == {"kwok-h100-0", "kwok-h100-1", None}
 
-        def unschedulable() -> dict | None:
-            cond = condition(kube.llmd(namespace, "big"), "Degraded")
-            return cond if cond.get("reason") == "Unschedulable" else None
-
-        cond = wait_for(unschedulable, "the Pending pod reported")
-        assert "nvidia.com/gpu" in cond["message"], cond
-        wait_for(lambda: len(ready_ips(kube, namespace, "big")) == 2, "the two placed replicas")
-        nodes = {
-            p["spec"].get("nodeName")
-            for p in kube.items(
-                f"/api/v1/namespaces/{namespace}/pods",
-                labelSelector="kvpilot.dev/llmdeployment=big",
-            )
-        }
-        assert nodes == {"kwok-h100-0", "kwok-h100-1", None}
-
-        kube.create_llmd(
-            namespace, "budget",
-            {**base, "replicas": 1, "autoscaling": {"minReplicas": 3, "maxReplicas": 3, "gpuBudget": 40}},
-        )  # fmt: skip
-        # 24 GPUs held by "big" (its 3 replicas count, placed or not) leave 16 of the 40.
-        wait_for(lambda: replicas(kube, namespace, "budget") == 2, "scaled up to the budget")
-        wait_for(
-            lambda: any(
-                e["reason"] == "GPUBudget" for e in scaling_events(kube, namespace, "budget")
-            ),
-            "the GPUBudget Event",
-        )
-        wait_rounds(kube, namespace, "budget", 3)
-        assert replicas(kube, namespace, "budget") == 2
+    kube.create_llmd(
+        watched, "budget",
+        {**base, "replicas": 1, "autoscaling": {"minReplicas": 3, "maxReplicas": 3, "gpuBudget": 40}},
+    )  # fmt: skip
+    # 24 GPUs held by "big" (its 3 replicas count, placed or not) leave 16 of the 40.
+    wait_for(lambda: replicas(kube, watched, "budget") == 2, "scaled up to the budget")
+    wait_for(
+        lambda: any(e["reason"] == "GPUBudget" for e in scaling_events(kube, watched, "budget")),
+        "the GPUBudget Event",
+    )
+    wait_rounds(kube, watched, "budget", 3)
+    assert replicas(kube, watched, "budget") == 2
 
 
 def test_a_tuning_canary_is_rendered_as_a_deployment_of_its_own_and_retired(
-    kube: Cluster, crd, namespace, model_config_source
+    kube: Cluster, watched, model_config_source
 ):
     """The reconciler's half of live tuning, on real Deployments: a rollout in Canary (what the
     autoscaler records when the KV cache stays full) runs one replica with the tuned settings
@@ -310,44 +304,43 @@ def test_a_tuning_canary_is_rendered_as_a_deployment_of_its_own_and_retired(
     }
 
     def deployment(name: str) -> dict:
-        return kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/{name}") or {}
+        return kube.get(f"/apis/apps/v1/namespaces/{watched}/deployments/{name}") or {}
 
     def flag(name: str, option: str) -> str:
         (engine,) = deployment(name)["spec"]["template"]["spec"]["containers"]
         return engine["args"][engine["args"].index(option) + 1]
 
-    with kube.operator(namespace):
-        kube.create_llmd(namespace, "tuned", spec)
-        wait_for(lambda: len(ready_ips(kube, namespace, "tuned")) == 2, "two replicas")
-        kube.kubectl(
-            "annotate", "llmd", "tuned", "-n", namespace,
-            f"kvpilot.dev/engine-tuning={json.dumps(canary)}",
-        )  # fmt: skip
-        wait_for(
-            lambda: (
-                deployment("tuned-canary").get("status", {}).get("readyReplicas") == 1
-                and deployment("tuned")["spec"]["replicas"] == 1
-            ),
-            "one canary replica beside one main replica",
-        )
-        assert flag("tuned-canary", "--gpu-memory-utilization") == "0.95"
-        assert flag("tuned", "--gpu-memory-utilization") != "0.95"
-        labels = deployment("tuned-canary")["spec"]["template"]["metadata"]["labels"]
-        selector = kube.get(f"/api/v1/namespaces/{namespace}/services/tuned")["spec"]["selector"]
-        assert labels["kvpilot.dev/canary"] == "true" and selector.items() <= labels.items()
-        assert len(ready_ips(kube, namespace, "tuned")) == 2
+    kube.create_llmd(watched, "tuned", spec)
+    wait_for(lambda: len(ready_ips(kube, watched, "tuned")) == 2, "two replicas")
+    kube.kubectl(
+        "annotate", "llmd", "tuned", "-n", watched,
+        f"kvpilot.dev/engine-tuning={json.dumps(canary)}",
+    )  # fmt: skip
+    wait_for(
+        lambda: (
+            deployment("tuned-canary").get("status", {}).get("readyReplicas") == 1
+            and deployment("tuned")["spec"]["replicas"] == 1
+        ),
+        "one canary replica beside one main replica",
+    )
+    assert flag("tuned-canary", "--gpu-memory-utilization") == "0.95"
+    assert flag("tuned", "--gpu-memory-utilization") != "0.95"
+    labels = deployment("tuned-canary")["spec"]["template"]["metadata"]["labels"]
+    selector = kube.get(f"/api/v1/namespaces/{watched}/services/tuned")["spec"]["selector"]
+    assert labels["kvpilot.dev/canary"] == "true" and selector.items() <= labels.items()
+    assert len(ready_ips(kube, watched, "tuned")) == 2
 
-        rolled_back = {**canary, "phase": "RolledBack", "reason": "preempted more"}
-        kube.kubectl(
-            "annotate", "llmd", "tuned", "-n", namespace, "--overwrite",
-            f"kvpilot.dev/engine-tuning={json.dumps(rolled_back)}",
-        )  # fmt: skip
-        wait_for(
-            lambda: (
-                deployment("tuned-canary")["spec"]["replicas"] == 0
-                and deployment("tuned")["spec"]["replicas"] == 2
-                and len(ready_ips(kube, namespace, "tuned")) == 2
-            ),
-            "the canary retired",
-        )
-        assert flag("tuned", "--gpu-memory-utilization") != "0.95"
+    rolled_back = {**canary, "phase": "RolledBack", "reason": "preempted more"}
+    kube.kubectl(
+        "annotate", "llmd", "tuned", "-n", watched, "--overwrite",
+        f"kvpilot.dev/engine-tuning={json.dumps(rolled_back)}",
+    )  # fmt: skip
+    wait_for(
+        lambda: (
+            deployment("tuned-canary")["spec"]["replicas"] == 0
+            and deployment("tuned")["spec"]["replicas"] == 2
+            and len(ready_ips(kube, watched, "tuned")) == 2
+        ),
+        "the canary retired",
+    )
+    assert flag("tuned", "--gpu-memory-utilization") != "0.95"

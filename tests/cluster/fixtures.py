@@ -11,6 +11,7 @@ model but slower to start).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import pathlib
 import shutil
@@ -57,18 +58,54 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> objec
     setattr(item, f"report_{report.when}", report)
 
 
-@pytest.fixture
-def namespace(kube: Cluster, request: pytest.FixtureRequest) -> str:
-    """A new namespace; when the test fails, what is in it is printed (objects, Events, the
-    logs of its pods) for the report. It is deleted afterwards (not waited for), which stops
-    its pods' processes."""
-    prefix = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:20].strip("-")
-    name = kube.create_namespace(prefix or "t")
+def _test_namespace(kube: Cluster, request: pytest.FixtureRequest, prefix: str) -> Iterator[str]:
+    name = kube.create_namespace(prefix)
     yield name
     report = getattr(request.node, "report_call", None)
     if report is not None and report.failed:
         print(kube.describe_namespace(name))
     kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+@pytest.fixture
+def namespace(kube: Cluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A new namespace; when the test fails, what is in it is printed (objects, Events, the
+    logs of its pods) for the report. It is deleted afterwards (not waited for), which stops
+    its pods' processes."""
+    prefix = "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:20].strip("-")
+    yield from _test_namespace(kube, request, prefix or "t")
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedOperator:
+    """A test module's operator: it watches every namespace named ``<prefix>-*`` (a glob);
+    its pod runs in ``namespace``."""
+
+    prefix: str
+    namespace: str
+
+
+_modules = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def shared_operator(kube: Cluster, crd: dict) -> Iterator[SharedOperator]:
+    """One operator (the chart, installed once) for the tests of a module that need nothing of
+    it but reconciling their own objects: installing one per test costs seconds each. Tests
+    that restart it or read its counters install their own (``kube.operator``)."""
+    prefix = f"m{next(_modules)}"
+    home = kube.create_namespace(f"{prefix}-operator")
+    with kube.operator(home, watch=(f"{prefix}-*",)):
+        yield SharedOperator(prefix, home)
+    kube.kubectl("delete", "namespace", home, "--wait=false", check=False)
+
+
+@pytest.fixture
+def watched(
+    kube: Cluster, shared_operator: SharedOperator, request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """A new namespace the module's shared operator watches (otherwise as ``namespace``)."""
+    yield from _test_namespace(kube, request, shared_operator.prefix)
 
 
 def pod_visible_model(folder: pathlib.Path, name: str) -> str:

@@ -18,6 +18,15 @@ import yaml
 from kvpilot.operator.gpus import CATALOGUE, CUSTOM
 from kvpilot.operator.spec import MANAGED_FLAGS, SpecError, parse_spec, validate_name
 
+
+@pytest.fixture(scope="module")
+def namespace(kube, crd):
+    """One namespace for the module's dry runs (nothing is stored in it)."""
+    name = kube.create_namespace("crd-schema")
+    yield name
+    kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
 CRD = yaml.safe_load(
     (pathlib.Path(__file__).parents[2] / "crds" / "llmdeployment.yaml").read_text()
 )

@@ -68,115 +68,113 @@ def reasons(kube: Cluster, namespace: str, name: str) -> list[str]:
     return [e["reason"] for e in kube.events(namespace, name)]
 
 
-def test_apply_to_ready_rollout_scale_delete(kube: Cluster, crd, namespace, tiny_model_source):
-    with kube.operator(namespace):
-        created = kube.create_llmd(namespace, "tiny", cpu_spec(tiny_model_source))
-        obj = wait_for(lambda: settled(kube, namespace, "tiny"), "Ready=True", timeout=300)
-        assert obj["status"]["plan"]["gpuType"] == "cpu"
-        (pod,) = engine_pods(kube, namespace, "tiny")
-        assert pod["spec"]["nodeName"].startswith("kwok-cpu-"), pod["spec"]["nodeName"]
-        ip = pod["status"]["podIP"]
-        assert ip.startswith("127.1."), ip
-        models = json.load(urllib.request.urlopen(f"http://{ip}:8000/v1/models", timeout=10))
-        assert models["data"][0]["id"] == tiny_model_source.removeprefix("file://")
-        deployment = kube.get(child_paths(namespace, "tiny")[0])
-        (ref,) = deployment["metadata"]["ownerReferences"]
-        assert (ref["kind"], ref["uid"], ref["controller"], ref["blockOwnerDeletion"]) == (
-            "LLMDeployment", created["metadata"]["uid"], True, True,
-        )  # fmt: skip
-        columns = kube.kubectl("get", "llmd", "tiny", "-n", namespace).stdout
-        header, row = columns.splitlines()
-        assert header.split() == [
-            "NAME", "MODEL", "GPU", "TP", "GPUS/REPLICA", "REPLICAS", "READY", "KV", "USAGE", "AGE",
-        ]  # fmt: skip
-        assert row.split()[2:7] == ["cpu", "1", "0", "1", "1"], columns
+def test_apply_to_ready_rollout_scale_delete(kube: Cluster, watched, tiny_model_source):
+    created = kube.create_llmd(watched, "tiny", cpu_spec(tiny_model_source))
+    obj = wait_for(lambda: settled(kube, watched, "tiny"), "Ready=True", timeout=300)
+    assert obj["status"]["plan"]["gpuType"] == "cpu"
+    (pod,) = engine_pods(kube, watched, "tiny")
+    assert pod["spec"]["nodeName"].startswith("kwok-cpu-"), pod["spec"]["nodeName"]
+    ip = pod["status"]["podIP"]
+    assert ip.startswith("127.1."), ip
+    models = json.load(urllib.request.urlopen(f"http://{ip}:8000/v1/models", timeout=10))
+    assert models["data"][0]["id"] == tiny_model_source.removeprefix("file://")
+    deployment = kube.get(child_paths(watched, "tiny")[0])
+    (ref,) = deployment["metadata"]["ownerReferences"]
+    assert (ref["kind"], ref["uid"], ref["controller"], ref["blockOwnerDeletion"]) == (
+        "LLMDeployment", created["metadata"]["uid"], True, True,
+    )  # fmt: skip
+    columns = kube.kubectl("get", "llmd", "tiny", "-n", watched).stdout
+    header, row = columns.splitlines()
+    assert header.split() == [
+        "NAME", "MODEL", "GPU", "TP", "GPUS/REPLICA", "REPLICAS", "READY", "KV", "USAGE", "AGE",
+    ]  # fmt: skip
+    assert row.split()[2:7] == ["cpu", "1", "0", "1", "1"], columns
 
-        # A spec change rolls the Deployment out for real: a new ReplicaSet, new pods.
-        kube.kubectl(
-            "patch", "llmd", "tiny", "-n", namespace, "--type=merge",
-            "-p", '{"spec": {"engine": {"maxModelLen": 256}}}',
-        )  # fmt: skip
-        obj = wait_for(lambda: settled(kube, namespace, "tiny"), "the rollout", timeout=300)
-        assert obj["status"]["observedGeneration"] == 2
-        assert obj["status"]["plan"]["maxModelLen"] == 256
-        sets = kube.items(
-            f"/apis/apps/v1/namespaces/{namespace}/replicasets",
-            labelSelector="kvpilot.dev/llmdeployment=tiny",
-        )
-        assert sorted(rs["spec"]["replicas"] for rs in sets) == [0, 1], dump(sets)
-        (pod,) = engine_pods(kube, namespace, "tiny")
-        args = pod["spec"]["containers"][0]["args"]
-        assert args[args.index("--max-model-len") + 1] == "256"
+    # A spec change rolls the Deployment out for real: a new ReplicaSet, new pods.
+    kube.kubectl(
+        "patch", "llmd", "tiny", "-n", watched, "--type=merge",
+        "-p", '{"spec": {"engine": {"maxModelLen": 256}}}',
+    )  # fmt: skip
+    obj = wait_for(lambda: settled(kube, watched, "tiny"), "the rollout", timeout=300)
+    assert obj["status"]["observedGeneration"] == 2
+    assert obj["status"]["plan"]["maxModelLen"] == 256
+    sets = kube.items(
+        f"/apis/apps/v1/namespaces/{watched}/replicasets",
+        labelSelector="kvpilot.dev/llmdeployment=tiny",
+    )
+    assert sorted(rs["spec"]["replicas"] for rs in sets) == [0, 1], dump(sets)
+    (pod,) = engine_pods(kube, watched, "tiny")
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-model-len") + 1] == "256"
 
-        # kubectl scale goes through the scale subresource, as HPA or KEDA would.
-        kube.kubectl("scale", "llmd/tiny", "--replicas=2", "-n", namespace)
-        wait_for(lambda: settled(kube, namespace, "tiny", replicas=2), "two replicas", timeout=300)
-        assert kube.get(child_paths(namespace, "tiny")[0])["spec"]["replicas"] == 2
-        assert len(engine_pods(kube, namespace, "tiny")) == 2
-        assert {"Created", "Planned", "ReplicasReady"} <= set(reasons(kube, namespace, "tiny"))
+    # kubectl scale goes through the scale subresource, as HPA or KEDA would.
+    kube.kubectl("scale", "llmd/tiny", "--replicas=2", "-n", watched)
+    wait_for(lambda: settled(kube, watched, "tiny", replicas=2), "two replicas", timeout=300)
+    assert kube.get(child_paths(watched, "tiny")[0])["spec"]["replicas"] == 2
+    assert len(engine_pods(kube, watched, "tiny")) == 2
+    assert {"Created", "Planned", "ReplicasReady"} <= set(reasons(kube, watched, "tiny"))
 
-        # Deleted: gone at once (no finalizer), the garbage collector removes the children.
-        kube.kubectl("delete", "llmd", "tiny", "-n", namespace, "--wait=true", "--timeout=60s")
-        wait_for(
-            lambda: all(kube.get(path) is None for path in child_paths(namespace, "tiny")),
-            "children garbage-collected",
-        )
-        wait_for(lambda: not engine_pods(kube, namespace, "tiny"), "engine pods gone")
+    # Deleted: gone at once (no finalizer), the garbage collector removes the children.
+    kube.kubectl("delete", "llmd", "tiny", "-n", watched, "--wait=true", "--timeout=60s")
+    wait_for(
+        lambda: all(kube.get(path) is None for path in child_paths(watched, "tiny")),
+        "children garbage-collected",
+    )
+    wait_for(lambda: not engine_pods(kube, watched, "tiny"), "engine pods gone")
 
 
 def test_invalid_or_unplannable_specs_get_conditions_without_retries(
-    kube: Cluster, crd, namespace, tmp_path, model_config_source
+    kube: Cluster, watched, tmp_path, model_config_source
 ):
-    with kube.operator(namespace):
-        # The API server refuses what the schema and CEL rules catch, naming the field.
-        bad = {
-            "apiVersion": "kvpilot.dev/v1alpha1",
-            "kind": "LLMDeployment",
-            "metadata": {"name": "bad", "namespace": namespace},
-            "spec": {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
-        }
-        refused = kube.run("kubectl", "apply", "-f", "-", input=json.dumps(bad), check=False)
-        assert refused.returncode != 0 and "spec.autoscaling.minReplicas" in refused.stderr
+    # The API server refuses what the schema and CEL rules catch, naming the field.
+    bad = {
+        "apiVersion": "kvpilot.dev/v1alpha1",
+        "kind": "LLMDeployment",
+        "metadata": {"name": "bad", "namespace": watched},
+        "spec": {"autoscaling": {"minReplicas": 3, "maxReplicas": 2}},
+    }
+    refused = kube.run("kubectl", "apply", "-f", "-", input=json.dumps(bad), check=False)
+    assert refused.returncode != 0 and "spec.autoscaling.minReplicas" in refused.stderr
 
-        # What only the planner knows is a condition: a 70B model on one L4.
-        spec = {
-            "model": {"source": model_config_source("Meta-Llama-3-70B")},
-            "gpu": {"type": "L4", "perNode": 1},
-            "image": NO_ENGINE,
-        }
-        kube.create_llmd(namespace, "huge", spec)
+    # What only the planner knows is a condition: a 70B model on one L4.
+    spec = {
+        "model": {"source": model_config_source("Meta-Llama-3-70B")},
+        "gpu": {"type": "L4", "perNode": 1},
+        "image": NO_ENGINE,
+    }
+    kube.create_llmd(watched, "huge", spec)
 
-        def reported() -> dict | None:
-            obj = kube.llmd(namespace, "huge")
-            return obj if condition(obj, "Sized").get("observedGeneration") == 1 else None
+    def reported() -> dict | None:
+        obj = kube.llmd(watched, "huge")
+        return obj if condition(obj, "Sized").get("observedGeneration") == 1 else None
 
-        obj = wait_for(reported, "the planner's verdict")
-        assert (condition(obj, "Sized")["status"], condition(obj, "Sized")["reason"]) == (
-            "False", "ModelTooLarge",
-        )  # fmt: skip
-        assert condition(obj, "Degraded")["status"] == "True"
-        assert "plan" not in obj["status"]
-        assert all(kube.get(path) is None for path in child_paths(namespace, "huge"))
-        # kopf records the handled spec only when the handler succeeded: no retry loop.
-        wait_for(
-            lambda: (
-                "kopf.zalando.org/last-handled-configuration"
-                in kube.llmd(namespace, "huge")["metadata"].get("annotations", {})
-            ),
-            "kopf's handled state",
-        )
-        assert [(e["type"], e["reason"]) for e in kube.events(namespace, "huge")] == [
-            ("Warning", "ModelTooLarge")
-        ]
+    obj = wait_for(reported, "the planner's verdict")
+    assert (condition(obj, "Sized")["status"], condition(obj, "Sized")["reason"]) == (
+        "False", "ModelTooLarge",
+    )  # fmt: skip
+    assert condition(obj, "Degraded")["status"] == "True"
+    assert "plan" not in obj["status"]
+    assert all(kube.get(path) is None for path in child_paths(watched, "huge"))
+    # kopf records the handled spec only when the handler succeeded: no retry loop.
+    wait_for(
+        lambda: (
+            "kopf.zalando.org/last-handled-configuration"
+            in kube.llmd(watched, "huge")["metadata"].get("annotations", {})
+        ),
+        "kopf's handled state",
+    )
+    assert [(e["type"], e["reason"]) for e in kube.events(watched, "huge")] == [
+        ("Warning", "ModelTooLarge")
+    ]
 
-        # Fixed: planned, deployed, recovered.
-        kube.kubectl(
-            "patch", "llmd", "huge", "-n", namespace, "--type=merge",
-            "-p", '{"spec": {"gpu": {"type": "H100-80GB", "perNode": 8}}}',
-        )  # fmt: skip
-        obj = wait_for(lambda: settled(kube, namespace, "huge"), "the fixed spec deployed")
-        assert obj["status"]["plan"]["tensorParallelSize"] == 2  # 141 GB of bf16 weights
-        assert {"Planned", "Recovered"} <= set(reasons(kube, namespace, "huge"))
+    # Fixed: planned, deployed, recovered.
+    kube.kubectl(
+        "patch", "llmd", "huge", "-n", watched, "--type=merge",
+        "-p", '{"spec": {"gpu": {"type": "H100-80GB", "perNode": 8}}}',
+    )  # fmt: skip
+    obj = wait_for(lambda: settled(kube, watched, "huge"), "the fixed spec deployed")
+    assert obj["status"]["plan"]["tensorParallelSize"] == 2  # 141 GB of bf16 weights
+    assert {"Planned", "Recovered"} <= set(reasons(kube, watched, "huge"))
 
 
 def test_operator_and_api_server_restarts_converge_without_duplicates(
@@ -342,41 +340,40 @@ def test_liveness_and_metrics_of_the_operator(kube: Cluster, crd, namespace, mod
         assert durations == total
 
 
-def test_the_examples_as_a_new_user_applies_them(kube: Cluster, crd, namespace):
+def test_the_examples_as_a_new_user_applies_them(kube: Cluster, watched):
     """``kubectl apply -f examples/``: the CPU example serves the built-in SmolLM2 for real (its
     pod converts the model into its own cache volume first); the hub examples cannot read their
     config offline and say so; ``kubectl get llmd`` lists them all."""
     examples = pathlib.Path(__file__).parents[3] / "examples"
-    with kube.operator(namespace):
-        applied = kube.kubectl("apply", "-n", namespace, "-f", str(examples)).stdout
-        names = sorted(line.split()[0].split("/")[1] for line in applied.splitlines())
-        expected = sorted(
-            yaml.safe_load(p.read_text())["metadata"]["name"] for p in examples.glob("*.yaml")
-        )
-        assert names == expected
-        wait_for(
-            lambda: (
-                condition(kube.llmd(namespace, "llama-3-8b"), "Sized").get("reason")
-                == "ConfigUnavailable"
-            ),
-            "a hub example reported",
-        )
-        obj = wait_for(lambda: settled(kube, namespace, "smollm2"), "SmolLM2 serving", timeout=420)
-        assert obj["status"]["model"] == "SmolLM2-135M-Instruct"
-        (pod,) = engine_pods(kube, namespace, "smollm2")
-        chat = urllib.request.Request(
-            f"http://{pod['status']['podIP']}:8000/v1/chat/completions",
-            data=json.dumps(
-                {
-                    "model": "SmolLM2-135M-Instruct",
-                    "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                    "max_tokens": 8,
-                    "temperature": 0,
-                }
-            ).encode(),
-            headers={"Content-Type": "application/json"},
-        )
-        answer = json.load(urllib.request.urlopen(chat, timeout=120))
-        assert "Paris" in answer["choices"][0]["message"]["content"], answer
-        rows = kube.kubectl("get", "llmd", "-n", namespace).stdout.splitlines()[1:]
-        assert sorted(row.split()[0] for row in rows) == expected
+    applied = kube.kubectl("apply", "-n", watched, "-f", str(examples)).stdout
+    names = sorted(line.split()[0].split("/")[1] for line in applied.splitlines())
+    expected = sorted(
+        yaml.safe_load(p.read_text())["metadata"]["name"] for p in examples.glob("*.yaml")
+    )
+    assert names == expected
+    wait_for(
+        lambda: (
+            condition(kube.llmd(watched, "llama-3-8b"), "Sized").get("reason")
+            == "ConfigUnavailable"
+        ),
+        "a hub example reported",
+    )
+    obj = wait_for(lambda: settled(kube, watched, "smollm2"), "SmolLM2 serving", timeout=420)
+    assert obj["status"]["model"] == "SmolLM2-135M-Instruct"
+    (pod,) = engine_pods(kube, watched, "smollm2")
+    chat = urllib.request.Request(
+        f"http://{pod['status']['podIP']}:8000/v1/chat/completions",
+        data=json.dumps(
+            {
+                "model": "SmolLM2-135M-Instruct",
+                "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                "max_tokens": 8,
+                "temperature": 0,
+            }
+        ).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    answer = json.load(urllib.request.urlopen(chat, timeout=120))
+    assert "Paris" in answer["choices"][0]["message"]["content"], answer
+    rows = kube.kubectl("get", "llmd", "-n", watched).stdout.splitlines()[1:]
+    assert sorted(row.split()[0] for row in rows) == expected

@@ -45,9 +45,7 @@ def degraded(kube: Cluster, namespace: str, name: str, reason: str) -> dict | No
     return cond if cond.get("status") == "True" and cond.get("reason") == reason else None
 
 
-def test_pods_land_on_nodes_of_the_planned_gpu_type(
-    kube: Cluster, crd, namespace, model_config_source
-):
+def test_pods_land_on_nodes_of_the_planned_gpu_type(kube: Cluster, watched, model_config_source):
     """Issue 15, bug 3: on a cluster with H100 and L4 nodes, a plan for one type must run on
     that type (a required node affinity on nvidia.com/gpu.product), also after a change."""
     spec = {
@@ -57,60 +55,56 @@ def test_pods_land_on_nodes_of_the_planned_gpu_type(
         "replicas": 3,
         "image": NO_ENGINE,
     }
-    with kube.operator(namespace):
-        kube.create_llmd(namespace, "llm", spec)
-        wait_for(lambda: ready(kube, namespace, "llm"), "three L4 replicas")
-        assert {p["spec"]["nodeName"].rsplit("-", 1)[0] for p in pods(kube, namespace, "llm")} == {
-            "kwok-l4"
+    kube.create_llmd(watched, "llm", spec)
+    wait_for(lambda: ready(kube, watched, "llm"), "three L4 replicas")
+    assert {p["spec"]["nodeName"].rsplit("-", 1)[0] for p in pods(kube, watched, "llm")} == {
+        "kwok-l4"
+    }
+    kube.kubectl(
+        "patch", "llmd", "llm", "-n", watched, "--type=merge",
+        "-p", '{"spec": {"gpu": {"type": "H100-80GB"}}}',
+    )  # fmt: skip
+
+    def on_h100() -> bool:
+        placed = pods(kube, watched, "llm")
+        return len(placed) == 3 and all(
+            (p["spec"].get("nodeName") or "").startswith("kwok-h100-") for p in placed
+        )
+
+    wait_for(on_h100, "the replicas moved to H100 nodes", timeout=180)
+    template = kube.get(f"/apis/apps/v1/namespaces/{watched}/deployments/llm")["spec"]["template"]
+    (term,) = template["spec"]["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"
+    ]["nodeSelectorTerms"]
+    assert term["matchExpressions"] == [
+        {
+            "key": "nvidia.com/gpu.product",
+            "operator": "In",
+            "values": ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe"],
         }
-        kube.kubectl(
-            "patch", "llmd", "llm", "-n", namespace, "--type=merge",
-            "-p", '{"spec": {"gpu": {"type": "H100-80GB"}}}',
-        )  # fmt: skip
-
-        def on_h100() -> bool:
-            placed = pods(kube, namespace, "llm")
-            return len(placed) == 3 and all(
-                (p["spec"].get("nodeName") or "").startswith("kwok-h100-") for p in placed
-            )
-
-        wait_for(on_h100, "the replicas moved to H100 nodes", timeout=180)
-        template = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/llm")["spec"][
-            "template"
-        ]
-        (term,) = template["spec"]["affinity"]["nodeAffinity"][
-            "requiredDuringSchedulingIgnoredDuringExecution"
-        ]["nodeSelectorTerms"]
-        assert term["matchExpressions"] == [
-            {
-                "key": "nvidia.com/gpu.product",
-                "operator": "In",
-                "values": ["NVIDIA-H100-80GB-HBM3", "NVIDIA-H100-PCIe"],
-            }
-        ]
+    ]
 
 
 def test_the_progress_deadline_outlasts_the_startup_probe(
-    kube: Cluster, crd, namespace, model_config_source
+    kube: Cluster, watched, model_config_source
 ):
     """Issue 15, bug 4: the API server defaults progressDeadlineSeconds to 600, shorter than
     the hour the startup probe allows for a download: every slow start would be reported as a
     failed rollout (ProgressDeadlineExceeded, then Degraded) while the pod is still starting."""
     spec = engineless(model_config_source("Meta-Llama-3-8B"), "L4")
-    with kube.operator(namespace):
-        kube.create_llmd(namespace, "slow", spec)
-        deployment = wait_for(
-            lambda: kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/slow"),
-            "the Deployment",
-        )
-        probe = deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
-        allowance = probe["periodSeconds"] * probe["failureThreshold"]
-        assert deployment["spec"]["progressDeadlineSeconds"] > allowance == 3600
-        assert deployment["spec"]["progressDeadlineSeconds"] == manifests.PROGRESS_DEADLINE_SECONDS
+    kube.create_llmd(watched, "slow", spec)
+    deployment = wait_for(
+        lambda: kube.get(f"/apis/apps/v1/namespaces/{watched}/deployments/slow"),
+        "the Deployment",
+    )
+    probe = deployment["spec"]["template"]["spec"]["containers"][0]["startupProbe"]
+    allowance = probe["periodSeconds"] * probe["failureThreshold"]
+    assert deployment["spec"]["progressDeadlineSeconds"] > allowance == 3600
+    assert deployment["spec"]["progressDeadlineSeconds"] == manifests.PROGRESS_DEADLINE_SECONDS
 
 
 def test_an_unbound_claim_and_its_immutable_spec_are_reported(
-    kube: Cluster, crd, namespace, model_config_source
+    kube: Cluster, watched, model_config_source
 ):
     """Issue 15, bugs 2 and 11: no provisioner binds the model cache claim, so the pods cannot
     be scheduled; the LLMDeployment says so (not just Pending pods). Changing the claim's
@@ -123,38 +117,33 @@ def test_an_unbound_claim_and_its_immutable_spec_are_reported(
         "image": NO_ENGINE,
         "modelCache": {"size": "40Gi", "storageClassName": "standard"},
     }
-    with kube.operator(namespace):
-        kube.create_llmd(namespace, "cached", spec)
-        cond = wait_for(
-            lambda: degraded(kube, namespace, "cached", "ModelCacheClaimPending"),
-            "the claim reported",
-        )
-        assert "cached-model-cache" in cond["message"] and "'standard'" in cond["message"], cond
-        claim = kube.get(
-            f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/cached-model-cache"
-        )
-        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
-        kube.kubectl(
-            "patch", "llmd", "cached", "-n", namespace, "--type=merge",
-            "-p", '{"spec": {"modelCache": {"storageClassName": "fast"}, "engine": {"maxModelLen": 2048}}}',
-        )  # fmt: skip
-        cond = wait_for(
-            lambda: degraded(kube, namespace, "cached", "ModelCacheClaimUnchanged"), "the refusal"
-        )
-        assert "storageClassName 'standard' -> 'fast'" in cond["message"], cond
-        assert "delete the claim" in cond["message"]
-        claim = kube.get(
-            f"/api/v1/namespaces/{namespace}/persistentvolumeclaims/cached-model-cache"
-        )
-        assert claim["spec"]["storageClassName"] == "standard"
-        # The Deployment is not held back by the claim.
-        deployment = kube.get(f"/apis/apps/v1/namespaces/{namespace}/deployments/cached")
-        args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--max-model-len") + 1] == "2048"
+    kube.create_llmd(watched, "cached", spec)
+    cond = wait_for(
+        lambda: degraded(kube, watched, "cached", "ModelCacheClaimPending"),
+        "the claim reported",
+    )
+    assert "cached-model-cache" in cond["message"] and "'standard'" in cond["message"], cond
+    claim = kube.get(f"/api/v1/namespaces/{watched}/persistentvolumeclaims/cached-model-cache")
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    kube.kubectl(
+        "patch", "llmd", "cached", "-n", watched, "--type=merge",
+        "-p", '{"spec": {"modelCache": {"storageClassName": "fast"}, "engine": {"maxModelLen": 2048}}}',
+    )  # fmt: skip
+    cond = wait_for(
+        lambda: degraded(kube, watched, "cached", "ModelCacheClaimUnchanged"), "the refusal"
+    )
+    assert "storageClassName 'standard' -> 'fast'" in cond["message"], cond
+    assert "delete the claim" in cond["message"]
+    claim = kube.get(f"/api/v1/namespaces/{watched}/persistentvolumeclaims/cached-model-cache")
+    assert claim["spec"]["storageClassName"] == "standard"
+    # The Deployment is not held back by the claim.
+    deployment = kube.get(f"/apis/apps/v1/namespaces/{watched}/deployments/cached")
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-model-len") + 1] == "2048"
 
 
 def test_a_quota_that_requires_limits_admits_the_default_pods_and_reports_others(
-    kube: Cluster, crd, namespace, model_config_source
+    kube: Cluster, watched, model_config_source
 ):
     """Issue 15, bug 12: a ResourceQuota on limits refuses pods without limits. The default
     resources now set them (admitted); a user's requests-only resources are refused by the
@@ -163,7 +152,7 @@ def test_a_quota_that_requires_limits_admits_the_default_pods_and_reports_others
         {
             "apiVersion": "v1",
             "kind": "ResourceQuota",
-            "metadata": {"name": "limits", "namespace": namespace},
+            "metadata": {"name": "limits", "namespace": watched},
             "spec": {
                 "hard": {
                     "limits.cpu": "64",
@@ -174,26 +163,25 @@ def test_a_quota_that_requires_limits_admits_the_default_pods_and_reports_others
         }
     )
     base = engineless(model_config_source("Meta-Llama-3-8B"), "L4")
-    with kube.operator(namespace):
-        kube.create_llmd(namespace, "defaults", base)
-        kube.create_llmd(
-            namespace,
-            "unlimited",
-            {**base, "resources": {"requests": {"cpu": "2", "memory": "8Gi"}}},
-        )
-        wait_for(lambda: ready(kube, namespace, "defaults"), "the default resources admitted")
-        (pod,) = pods(kube, namespace, "defaults")
-        limits = pod["spec"]["containers"][0]["resources"]["limits"]
-        assert {"cpu", "memory", "nvidia.com/gpu"} <= set(limits), limits
-        cond = wait_for(
-            lambda: degraded(kube, namespace, "unlimited", "FailedCreate"), "the quota's refusal"
-        )
-        assert "limits" in cond["message"], dump(cond)
-        assert pods(kube, namespace, "unlimited") == []
+    kube.create_llmd(watched, "defaults", base)
+    kube.create_llmd(
+        watched,
+        "unlimited",
+        {**base, "resources": {"requests": {"cpu": "2", "memory": "8Gi"}}},
+    )
+    wait_for(lambda: ready(kube, watched, "defaults"), "the default resources admitted")
+    (pod,) = pods(kube, watched, "defaults")
+    limits = pod["spec"]["containers"][0]["resources"]["limits"]
+    assert {"cpu", "memory", "nvidia.com/gpu"} <= set(limits), limits
+    cond = wait_for(
+        lambda: degraded(kube, watched, "unlimited", "FailedCreate"), "the quota's refusal"
+    )
+    assert "limits" in cond["message"], dump(cond)
+    assert pods(kube, watched, "unlimited") == []
 
 
 def test_without_chunked_prefill_the_engine_runs_the_rendered_flags(
-    kube: Cluster, crd, namespace, tiny_model_dir
+    kube: Cluster, watched, tiny_model_dir
 ):
     """Issue 15, bug 6: with enableChunkedPrefill false and a long context, the planner used to
     render a step budget (8,192) below maxModelLen (32,768), which the engine refuses: a crash
@@ -206,12 +194,11 @@ def test_without_chunked_prefill_the_engine_runs_the_rendered_flags(
         "gpu": {"type": "H100-80GB"},
         "engine": {"maxModelLen": 32768, "enableChunkedPrefill": False},
     }
-    with kube.operator(namespace):
-        kube.create_llmd(namespace, "long", spec)
-        obj = wait_for(lambda: ready(kube, namespace, "long"), "the engine serving", timeout=300)
-        assert obj["status"]["plan"]["maxModelLen"] == 32768
-        (pod,) = pods(kube, namespace, "long")
-        args = pod["spec"]["containers"][0]["args"]
-        assert args[args.index("--max-num-batched-tokens") + 1] == "32768"
-        assert "--no-enable-chunked-prefill" in args
-        assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+    kube.create_llmd(watched, "long", spec)
+    obj = wait_for(lambda: ready(kube, watched, "long"), "the engine serving", timeout=300)
+    assert obj["status"]["plan"]["maxModelLen"] == 32768
+    (pod,) = pods(kube, watched, "long")
+    args = pod["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-batched-tokens") + 1] == "32768"
+    assert "--no-enable-chunked-prefill" in args
+    assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
