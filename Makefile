@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install tools control-plane cluster e2e serve generate test test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling bench-lora clean
+.PHONY: install tools control-plane cluster e2e serve generate test test-engine test-cluster test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling bench-lora clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,11 +46,21 @@ serve: install
 generate: install
 	$(BIN)/kvpilot generate --prompt "Write a haiku about Kubernetes."
 
-## The whole suite: the main run, then the Triton kernel tests in their own process
-## (an out-of-bounds load under the interpreter can take the process down).
+## The whole suite, as two jobs at once (each job's output is printed when it ends):
+## - test-engine: the main run, then the Triton kernel tests in their own process (an
+##   out-of-bounds load under the interpreter can take the process down);
+## - test-cluster: the tests against the test control plane, in a process of their own (its
+##   processes run only then); they mostly wait on the control plane, so they overlap the
+##   CPU-bound engine tests well.
 test: install tools control-plane
-	$(BIN)/pytest -m "not kernel and not e2e"
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-engine test-cluster
+
+test-engine: install
+	$(BIN)/pytest -m "not kernel and not e2e and not cluster"
 	$(BIN)/pytest -m kernel tests/kernels
+
+test-cluster: install tools control-plane
+	$(BIN)/pytest -m "cluster and not e2e"
 
 test-fast: install tools control-plane
 	$(BIN)/pytest -m "not kernel and not e2e and not slow"

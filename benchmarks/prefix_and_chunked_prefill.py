@@ -85,7 +85,7 @@ def time_to_first_token(args, enable_prefix_caching: bool) -> list[float]:
         enable_prefix_caching=enable_prefix_caching,
     )
     engine = llm.llm_engine
-    vocab_size = engine.model_spec.vocab_size
+    vocab_size = engine.model_shape.vocab_size
     system = tokens(args.system_len, 0, vocab_size)
     params = SamplingParams(temperature=0, max_tokens=1)
     ttfts = []
@@ -127,7 +127,7 @@ def streaming_engine(args, budget: int | None):
         kv_cache_memory=KV_CACHE_MEMORY,
     )
     engine = llm.llm_engine
-    vocab_size = engine.model_spec.vocab_size
+    vocab_size = engine.model_shape.vocab_size
     stream = SamplingParams(temperature=0, max_tokens=max_model_len - 64, ignore_eos=True)
     for i in range(args.streams):
         engine.add_request(f"s{i}", {"prompt_token_ids": tokens(16, 100 + i, vocab_size)}, stream)

@@ -159,7 +159,7 @@ def run_kvpilot(args, prompts) -> tuple[Timer, list[list[int]], float, object]:
                 used = sum(r.num_computed_tokens for r in engine.scheduler.running)
                 peak_allocated, waste_at_peak = allocated, (allocated - used) / allocated
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
-    return timer, tokens, waste_at_peak, engine.model_spec
+    return timer, tokens, waste_at_peak, engine.model_shape
 
 
 def run_hf_batch(args, prompts, model) -> tuple[Timer, list[list[int]]]:

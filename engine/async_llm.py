@@ -114,9 +114,9 @@ class AsyncLLM:
     """Serves one ``LLMEngine`` to many concurrent asyncio consumers.
 
     Args:
-        engine: an ``LLMEngine`` (contract B: ``add_request``, ``step``, ``abort_request``,
-            ``has_unfinished_requests``, ``get_stats``, and the thread-safe
-            ``compile_grammar``).
+        engine: an ``LLMEngine``: what is used of it is ``add_request``, ``step``,
+            ``abort_request``, ``has_unfinished_requests``, ``get_stats`` and the thread-safe
+            ``compile_grammar``.
         max_waiting_requests: the most requests allowed to wait for their first scheduling;
             ``add_request`` raises ``QueueFullError`` beyond it. None: unbounded.
         stat_loggers: observers of every step (Prometheus metrics).

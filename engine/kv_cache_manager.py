@@ -94,10 +94,6 @@ class KVCacheManager:
             hits.append(block)
         return hits, len(hits) * self.block_size
 
-    def can_fit(self, num_tokens: int) -> bool:
-        """Whether a sequence of ``num_tokens`` tokens fits the whole cache."""
-        return cdiv(num_tokens, self.block_size) <= self.num_blocks
-
     def allocate_slots(
         self,
         request: Request,

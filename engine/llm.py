@@ -43,6 +43,11 @@ class LLM:
         )
         self._counter = 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget the prefix cache (vLLM's ``LLM.reset_prefix_cache``); False while requests
+        are in flight."""
+        return self.llm_engine.reset_prefix_cache()
+
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer."""
         return self.llm_engine.tokenizer

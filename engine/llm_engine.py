@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import logging
 import pathlib
 import time
@@ -28,7 +27,7 @@ from kvpilot.engine.executor import WorkerConfig, create_executor
 from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.logits_processors import TokenLogprobs
 from kvpilot.engine.lora.request import LoRARequest, parse_lora_modules
-from kvpilot.engine.model_spec import ModelSpec, check_tensor_parallel_size
+from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.engine.request import Request, RequestStatus
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -143,6 +142,7 @@ class LLMEngine:
             DEFAULT_MODEL_NAME,
             get_eos_token_ids,
             load_tokenizer,
+            read_model_config,
             resolve_dtype,
             resolve_model,
         )
@@ -153,10 +153,12 @@ class LLMEngine:
         with progress:
             progress.set_postfix_str("resolving model")
             self.model_dir = resolve_model(args.model, args.revision)
-            config_dict = json.loads((self.model_dir / "config.json").read_text())
-            self.model_spec = ModelSpec.from_hf_config(config_dict)
+            # config.json is read once: the shape for sizing, the transformers config for the
+            # dtype and the model classes (handed to the workers).
+            config_dict, self.model_config = read_model_config(self.model_dir)
+            self.model_shape = ModelShape.from_hf_config(config_dict)
             # The planner's divisor rule, checked before anything is loaded.
-            check_tensor_parallel_size(self.model_spec, args.tensor_parallel_size)
+            check_tensor_parallel_size(self.model_shape, args.tensor_parallel_size)
             progress.update()
             progress.set_postfix_str("tokenizer")
             self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
@@ -164,7 +166,7 @@ class LLMEngine:
             # Its own tokenizer, loaded on the first constrained request.
             self.structured_output_manager = StructuredOutputManager(
                 functools.partial(load_tokenizer, args.tokenizer or self.model_dir),
-                self.model_spec.vocab_size,
+                self.model_shape.vocab_size,
                 self.eos_token_ids,
             )
             self.speculative_config = args.speculative_config
@@ -178,9 +180,6 @@ class LLMEngine:
             progress.update()
             progress.set_postfix_str("weights")
             self.device = _resolve_device(args.device)
-            from transformers import AutoConfig
-
-            self.model_config = AutoConfig.from_pretrained(self.model_dir)
             self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
             self.scheduler_config = self._scheduler_config()
             backend = args.attention_backend or (
@@ -198,6 +197,8 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     tensor_parallel_size=args.tensor_parallel_size,
                     max_model_len=self.scheduler_config.max_model_len,
+                    model_config=self.model_config,
+                    model_shape=self.model_shape,
                 )
             )
             progress.update()
@@ -315,7 +316,7 @@ class LLMEngine:
         sched = self.scheduler_config
         # Per rank: each holds only its KV heads (all of them on a single rank); a draft
         # model's cache shares the blocks (tensor parallelism is refused with one).
-        bytes_per_token = self.model_spec.kv_bytes_per_token(
+        bytes_per_token = self.model_shape.kv_bytes_per_token(
             self.dtype.itemsize, args.tensor_parallel_size
         ) + proposers.draft_kv_bytes_per_token(self.draft_dir, self.dtype.itemsize)
         block_bytes = bytes_per_token * args.block_size
@@ -387,7 +388,7 @@ class LLMEngine:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        vocab_size = self.model_spec.vocab_size
+        vocab_size = self.model_shape.vocab_size
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab_size:
                 raise ValueError(
@@ -534,7 +535,7 @@ class LLMEngine:
     def _check_prompt(self, token_ids: list[int]) -> list[int]:
         if not token_ids:
             raise ValueError("prompt is empty (0 tokens)")
-        vocab_size = self.model_spec.vocab_size
+        vocab_size = self.model_shape.vocab_size
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(
@@ -586,6 +587,11 @@ class LLMEngine:
 
     def get_num_unfinished_requests(self) -> int:
         return len(self._parents)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (vLLM's ``reset_prefix_cache``), e.g. between
+        benchmark runs; refused (False) while requests hold blocks."""
+        return self.kv_cache_manager.block_pool.reset_prefix_cache()
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one batch.

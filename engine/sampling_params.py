@@ -162,8 +162,3 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature < _GREEDY_EPS
-
-    @property
-    def all_stop_token_ids(self) -> set[int]:
-        """``stop_token_ids`` as a set (EOS is added by the engine unless ``ignore_eos``)."""
-        return set(self.stop_token_ids)

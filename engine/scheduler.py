@@ -68,9 +68,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.requests)
-
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch; allocates blocks, preempting when they run out."""
         cfg = self.config

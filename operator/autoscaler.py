@@ -61,6 +61,7 @@ from kvpilot.operator.forecast import (
     BUCKET_SECONDS,
     DemandHistory,
     ForecastMemory,
+    Prediction,
     burst_ceiling,
     verified_predict,
 )
@@ -382,6 +383,43 @@ def is_long_context(signals: Signals, policy: AutoscalingPolicy) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class _Moment:
+    """What one decision sees: its inputs and the load estimates derived from them.
+
+    ``stable`` is None without metrics (then only ``woken`` and ``last_active`` are set).
+    ``raw``, ``panic_raw`` and ``load_now`` are the replicas the stable window, the panic
+    window and the last scrape interval ask for; ``observed`` the last one, capped at
+    ``maxReplicas``; ``predicted`` the forecast's replicas (0 without a prediction).
+    """
+
+    policy: AutoscalingPolicy
+    fleet: FleetState
+    now: float
+    woken: bool
+    last_active: float
+    first_decision: float
+    stable: Signals | None = None
+    panic: Signals | None = None
+    raw: int = 0
+    panic_raw: int = 0
+    load_now: int = 0
+    observed: int = 0
+    prediction: Prediction | None = None
+    predicted: int = 0
+
+
+@dataclass(frozen=True)
+class _Verdict:
+    """A decision in the making: each rule takes one and returns one."""
+
+    desired: int
+    reason: str
+    message: str
+    memory: AutoscalerMemory
+    replan: Shape | None = None
+
+
 def decide(
     samples: Sequence[MetricSample],
     policy: AutoscalingPolicy,
@@ -390,6 +428,12 @@ def decide(
     now: float,
 ) -> Decision:
     """Decide the desired replicas from a window of metric samples.
+
+    The rules of docs/autoscaling.md, in order: activity and wake requests
+    (:func:`_activity`); without metrics, the zero and minimum rules
+    (:func:`_without_metrics`); else the load estimates (:func:`_estimates`), the reactive
+    recommendation with panic mode and stabilization (:func:`_reactive`), then each of
+    ``RULES`` in turn, and the bounds and GPU budget (:func:`_finish`).
 
     Args:
         samples: the ready pods' samples of at least the last ``stable_window_seconds``
@@ -402,6 +446,25 @@ def decide(
     Returns:
         The decision; its ``memory`` goes into the next call.
     """
+    moment, memory = _activity(samples, policy, fleet, memory, now)
+    if fleet.replicas == 0 or moment.stable is None or fleet.ready_replicas == 0:
+        desired, reason, message = _without_metrics(policy, fleet, moment.woken)
+        return _finish(moment, _Verdict(desired, reason, message, memory))
+    moment, memory = _estimates(samples, moment, memory)
+    verdict = _reactive(moment, memory)
+    for rule in RULES:
+        verdict = rule(moment, verdict)
+    return _finish(moment, verdict)
+
+
+def _activity(
+    samples: Sequence[MetricSample],
+    policy: AutoscalingPolicy,
+    fleet: FleetState,
+    memory: AutoscalerMemory,
+    now: float,
+) -> tuple[_Moment, AutoscalerMemory]:
+    """The windows' signals, the last time of activity and whether a wake request is new."""
     stable = summarize(samples, start=now - policy.stable_window_seconds)
     panic = summarize(samples, start=now - policy.panic_window_seconds)
     last_active = memory.last_active if memory.last_active is not None else now
@@ -414,11 +477,19 @@ def decide(
         last_active = now
     first = memory.first_decision if memory.first_decision is not None else now
     memory = replace(memory, last_active=last_active, first_decision=first)
+    moment = _Moment(policy, fleet, now, woken, last_active, first, stable, panic)
+    return moment, memory
 
-    if fleet.replicas == 0 or stable is None or fleet.ready_replicas == 0:
-        desired, reason, message = _without_metrics(policy, fleet, woken)
-        return _finish(desired, reason, message, stable, None, policy, fleet, memory, now)
 
+def _estimates(
+    samples: Sequence[MetricSample], moment: _Moment, memory: AutoscalerMemory
+) -> tuple[_Moment, AutoscalerMemory]:
+    """Rules 1-3 and 9's inputs: the learned replica capacity, the replicas each window asks
+    for, the demand history and the recurring-burst forecast."""
+    policy, fleet, now, stable, panic = (
+        moment.policy, moment.fleet, moment.now, moment.stable, moment.panic,
+    )  # fmt: skip
+    assert stable is not None
     if stable.num_rounds >= 2 and is_saturated(stable, policy, fleet.max_num_seqs):
         # The highest saturated rate: a window that saturated only part of the time, or with
         # pods that had just started, understates what a replica can do.
@@ -451,6 +522,25 @@ def decide(
         )
         memory = replace(memory, forecast=forecast)
     predicted = math.ceil(prediction.replicas - 1e-9) if prediction else 0
+    moment = replace(
+        moment,
+        raw=raw,
+        panic_raw=panic_raw,
+        load_now=load_now,
+        observed=observed,
+        prediction=prediction,
+        predicted=predicted,
+    )
+    return moment, memory
+
+
+def _reactive(moment: _Moment, memory: AutoscalerMemory) -> _Verdict:
+    """Rules 2-4: panic mode (the short window asks for ``PANIC_THRESHOLD`` x the ready
+    replicas), else the stable window's recommendation stabilized up and down (the forecast,
+    when there is one, stands in for the scale-down stabilization), and the capacity probe."""
+    policy, fleet, now = moment.policy, moment.fleet, moment.now
+    raw, panic_raw, stable = moment.raw, moment.panic_raw, moment.stable
+    assert stable is not None
     panicking = memory.panic_until is not None and now < memory.panic_until
     if panic_raw >= PANIC_THRESHOLD * fleet.ready_replicas:
         memory = replace(memory, panic_until=now + policy.stable_window_seconds)
@@ -465,38 +555,43 @@ def decide(
     current = fleet.replicas
     if panicking:
         desired = max(current, raw, panic_raw)
-        reason = "Panic"
         message = f"panic: the last {policy.panic_window_seconds:g}s ask for {panic_raw} replicas"
+        return _Verdict(desired, "Panic", message, memory)
+    up = min(r for t, r in history if t >= now - policy.scale_up_stabilization_seconds)
+    if moment.prediction is None:
+        down = max(r for t, r in history if t >= now - policy.scale_down_stabilization_seconds)
     else:
-        up = min(r for t, r in history if t >= now - policy.scale_up_stabilization_seconds)
-        if prediction is None:
-            down = max(r for t, r in history if t >= now - policy.scale_down_stabilization_seconds)
-        else:
-            # The forecast covers what stabilization guards against (load that comes back
-            # before a new pod could start), so scale down to the load of the last interval.
-            down = max(up, load_now, predicted)
-        if now - first < policy.scale_down_stabilization_seconds:
-            down = max(down, current)
-        if memory.replica_tokens_per_second is None:
-            # Capacity not learned yet: KV and slot use understate what fewer replicas would
-            # carry, so probe down one replica per stable window until a saturation teaches it.
-            recent = memory.last_scale_time is not None and (
-                now - memory.last_scale_time < policy.stable_window_seconds
-            )
-            down = max(down, current if recent else current - 1)
-        desired = min(max(current, up), down)
-        reason = "ScaleUp" if desired > current else "ScaleDown" if desired < current else "Stable"
-        message = (
-            f"KV load {stable.kv_load:.2f} replicas at target {policy.target_kv_cache_usage:g}, "
-            f"{stable.num_requests_waiting:.1f} waiting: {raw} replicas needed"
+        # The forecast covers what stabilization guards against (load that comes back
+        # before a new pod could start), so scale down to the load of the last interval.
+        down = max(up, moment.load_now, moment.predicted)
+    if now - moment.first_decision < policy.scale_down_stabilization_seconds:
+        down = max(down, current)
+    if memory.replica_tokens_per_second is None:
+        # Capacity not learned yet: KV and slot use understate what fewer replicas would
+        # carry, so probe down one replica per stable window until a saturation teaches it.
+        recent = memory.last_scale_time is not None and (
+            now - memory.last_scale_time < policy.stable_window_seconds
         )
-        if prediction is not None:
-            message += (
-                f"; recurring bursts every {prediction.period_seconds:.0f}s: "
-                f"{predicted} replicas forecast for the next "
-                f"{fleet.startup_seconds + BUCKET_SECONDS:.0f}s"
-            )
+        down = max(down, current if recent else current - 1)
+    desired = min(max(current, up), down)
+    reason = "ScaleUp" if desired > current else "ScaleDown" if desired < current else "Stable"
+    message = (
+        f"KV load {stable.kv_load:.2f} replicas at target {policy.target_kv_cache_usage:g}, "
+        f"{stable.num_requests_waiting:.1f} waiting: {raw} replicas needed"
+    )
+    if moment.prediction is not None:
+        message += (
+            f"; recurring bursts every {moment.prediction.period_seconds:.0f}s: "
+            f"{moment.predicted} replicas forecast for the next "
+            f"{fleet.startup_seconds + BUCKET_SECONDS:.0f}s"
+        )
+    return _Verdict(desired, reason, message, memory)
 
+
+def _rate_limits(moment: _Moment, verdict: _Verdict) -> _Verdict:
+    """Rule 4: at most ``maxScaleUpRate`` x up and ``1 / maxScaleDownRate`` down per decision."""
+    policy, current = moment.policy, moment.fleet.replicas
+    desired, message = verdict.desired, verdict.message
     up_limit = math.ceil(policy.max_scale_up_rate * max(current, 1))
     down_limit = math.floor(current / policy.max_scale_down_rate)
     if desired > up_limit:
@@ -505,57 +600,114 @@ def decide(
     if desired < down_limit:
         desired = down_limit
         message += f", limited to {down_limit} by maxScaleDownRate"
+    return replace(verdict, desired=desired, message=message)
 
-    if prediction is not None and desired > current:
-        ceiling = burst_ceiling(
-            memory.demand, prediction.period_seconds, now, fleet.startup_seconds, observed
-        )
-        limit = max(current, math.ceil(ceiling - 1e-9)) if ceiling is not None else desired
-        if desired > limit:
-            # Pods asked for now would be ready after the burst they were asked for.
-            desired, reason = limit, "BurstEndsFirst"
-            message += (
-                f"; holding at {limit}: the predicted burst ends before new pods are ready "
-                f"(in {fleet.startup_seconds:.0f}s)"
-            )
 
-    if prediction is not None and predicted > desired:
-        # Not rate-limited: the limits damp a reaction to a noisy window, and a pod asked for
-        # later than now is not ready for the burst.
-        desired, reason = predicted, "PredictedBurst"
-        message = (
-            f"predicted recurring burst in {prediction.eta_seconds:.0f}s "
-            f"(period {prediction.period_seconds:.0f}s): {desired} replicas"
-        )
+def _burst_ends_first(moment: _Moment, verdict: _Verdict) -> _Verdict:
+    """Rule 9 (``BurstEndsFirst``): a reactive scale-up whose pods would be ready only after a
+    predicted burst ends is held at the forecast for that time."""
+    fleet, current = moment.fleet, moment.fleet.replicas
+    if moment.prediction is None or verdict.desired <= current:
+        return verdict
+    ceiling = burst_ceiling(
+        verdict.memory.demand,
+        moment.prediction.period_seconds,
+        moment.now,
+        fleet.startup_seconds,
+        moment.observed,
+    )
+    limit = max(current, math.ceil(ceiling - 1e-9)) if ceiling is not None else verdict.desired
+    if verdict.desired <= limit:
+        return verdict
+    # Pods asked for now would be ready after the burst they were asked for.
+    message = verdict.message + (
+        f"; holding at {limit}: the predicted burst ends before new pods are ready "
+        f"(in {fleet.startup_seconds:.0f}s)"
+    )
+    return replace(verdict, desired=limit, reason="BurstEndsFirst", message=message)
 
-    # Only the idle rule below may take the last replica away.
-    desired = max(desired, 1)
-    hold = _scale_up_hold(fleet)
-    if hold is not None:
-        held_reason, why = hold
-        # A forecast does not react to the ready pods' load: the pods still starting were asked
-        # for the same burst, and a step held until they are ready would come after it.
-        # Unschedulable pods hold it too: more would only wait.
-        limit = current if held_reason == "PendingPods" else max(current, predicted)
-        if desired > limit:
-            desired, reason = limit, held_reason
-            message += f"; holding at {limit}: {why}"
 
+def _predicted_burst(moment: _Moment, verdict: _Verdict) -> _Verdict:
+    """Rule 9 (``PredictedBurst``): the forecast's replicas, asked for a start-up time ahead.
+
+    Not rate-limited: the limits damp a reaction to a noisy window, and a pod asked for later
+    than now is not ready for the burst."""
+    prediction = moment.prediction
+    if prediction is None or moment.predicted <= verdict.desired:
+        return verdict
+    message = (
+        f"predicted recurring burst in {prediction.eta_seconds:.0f}s "
+        f"(period {prediction.period_seconds:.0f}s): {moment.predicted} replicas"
+    )
+    return replace(verdict, desired=moment.predicted, reason="PredictedBurst", message=message)
+
+
+def _keep_one(moment: _Moment, verdict: _Verdict) -> _Verdict:
+    """Only the idle rule may take the last replica away."""
+    return replace(verdict, desired=max(verdict.desired, 1))
+
+
+def _hold_for_pods(moment: _Moment, verdict: _Verdict) -> _Verdict:
+    """Rule 5: pods still starting hold reactive scale-ups (not the forecast's: those pods were
+    asked for the same burst); unschedulable pods hold every scale-up (more would only wait)."""
+    hold = _scale_up_hold(moment.fleet)
+    if hold is None:
+        return verdict
+    held_reason, why = hold
+    current = moment.fleet.replicas
+    limit = current if held_reason == "PendingPods" else max(current, moment.predicted)
+    if verdict.desired <= limit:
+        return verdict
+    message = verdict.message + f"; holding at {limit}: {why}"
+    return replace(verdict, desired=limit, reason=held_reason, message=message)
+
+
+def _scale_to_zero(moment: _Moment, verdict: _Verdict) -> _Verdict:
+    """Rule 6: no traffic for ``idleSeconds`` (and no new wake request) with ``minReplicas``
+    0: zero replicas."""
+    policy, now, panic = moment.policy, moment.now, moment.panic
     if (
         policy.min_replicas == 0
-        and not woken
-        and now - last_active >= policy.idle_seconds
+        and not moment.woken
+        and now - moment.last_active >= policy.idle_seconds
         and not (panic and panic.active)
     ):
-        desired, reason = 0, "ScaleToZero"
-        message = f"no traffic for {now - last_active:.0f}s (idleSeconds {policy.idle_seconds:g})"
+        idle = now - moment.last_active
+        message = f"no traffic for {idle:.0f}s (idleSeconds {policy.idle_seconds:g})"
+        return replace(verdict, desired=0, reason="ScaleToZero", message=message)
+    return verdict
 
-    replan = None
-    if desired > current and is_long_context(stable, policy):
-        replan, desired, reason, message, memory = _bigger_not_more(
-            stable, policy, fleet, memory, now, desired, reason, message
-        )
-    return _finish(desired, reason, message, stable, replan, policy, fleet, memory, now)
+
+def _long_context(moment: _Moment, verdict: _Verdict) -> _Verdict:
+    """Rule 8: a scale-up driven by long contexts becomes a larger shape when one fits."""
+    assert moment.stable is not None
+    if verdict.desired <= moment.fleet.replicas or not is_long_context(
+        moment.stable, moment.policy
+    ):
+        return verdict
+    replan, desired, reason, message, memory = _bigger_not_more(
+        moment.stable,
+        moment.policy,
+        moment.fleet,
+        verdict.memory,
+        moment.now,
+        verdict.desired,
+        verdict.reason,
+        verdict.message,
+    )
+    return _Verdict(desired, reason, message, memory, replan)
+
+
+RULES = (
+    _rate_limits,
+    _burst_ends_first,
+    _predicted_burst,
+    _keep_one,
+    _hold_for_pods,
+    _scale_to_zero,
+    _long_context,
+)
+"""The rules after the reactive recommendation, in the order they apply (docs/autoscaling.md)."""
 
 
 def _scale_up_hold(fleet: FleetState) -> tuple[str, str] | None:
@@ -626,18 +778,11 @@ def _gpus_available(policy: AutoscalingPolicy, fleet: FleetState) -> int | None:
     return max(0, policy.gpu_budget - fleet.gpus_used_elsewhere)
 
 
-def _finish(
-    desired: int,
-    reason: str,
-    message: str,
-    signals: Signals | None,
-    replan: Shape | None,
-    policy: AutoscalingPolicy,
-    fleet: FleetState,
-    memory: AutoscalerMemory,
-    now: float,
-) -> Decision:
-    """Apply the bounds (rule 7) and stamp the scale time."""
+def _finish(moment: _Moment, verdict: _Verdict) -> Decision:
+    """Rule 7: the bounds and the GPU budget; and the scale time stamped."""
+    policy, fleet = moment.policy, moment.fleet
+    desired, reason, message = verdict.desired, verdict.reason, verdict.message
+    replan, memory = verdict.replan, verdict.memory
     if desired < policy.min_replicas:
         desired, reason = policy.min_replicas, "BelowMinimum"
         message += f"; raised to minReplicas {policy.min_replicas}"
@@ -650,5 +795,5 @@ def _finish(
         desired, reason = available // gpus, "GPUBudget"
         message += f"; capped at {desired} by gpuBudget ({available} GPUs left)"
     if desired != fleet.replicas or replan is not None:
-        memory = replace(memory, last_scale_time=now)
-    return Decision(desired, reason, message, signals, replan, memory)
+        memory = replace(memory, last_scale_time=moment.now)
+    return Decision(desired, reason, message, moment.stable, replan, memory)

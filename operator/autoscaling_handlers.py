@@ -5,7 +5,7 @@ For each LLMDeployment with ``spec.autoscaling.mode: kvpilot``, one tick
 (:meth:`AutoscalingLoop.tick`, run by :mod:`kvpilot.operator.periodic`):
 
 1. observe (:meth:`AutoscalingLoop.observe`, the only part that reads the API and the pods):
-   the spec planned with the reconciler's own function (:func:`kvpilot.operator.handlers.sized`,
+   the spec planned with the reconciler's own function (:func:`kvpilot.operator.handlers.plan_deployment`,
    with the autoscaler's chosen shape), the engine pods (label ``kvpilot.dev/llmdeployment``),
    the ready ones' metrics (:mod:`kvpilot.operator.scraper`; a Prometheus server instead when
    configured), the GPUs the namespace's other LLMDeployments hold, and the model for a larger
@@ -43,7 +43,7 @@ from typing import Any
 
 import kopf
 
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import manifests
 from kvpilot.operator.apply import KubeClient, status_changed
 from kvpilot.operator.autoscaler import (
@@ -65,9 +65,9 @@ from kvpilot.operator.handlers import (
     KIND,
     PLURAL,
     VERSION,
+    PlanOutcome,
     Runtime,
-    Sizing,
-    sized,
+    plan_deployment,
 )
 from kvpilot.operator.planner import Plan, PlanError, plan_for_spec
 from kvpilot.operator.pods import starting_pods, startup_seconds, unschedulable
@@ -152,7 +152,7 @@ def wake_time(annotations: dict[str, str]) -> float | None:
 
 
 def larger_shape(
-    spec: LLMDeploymentSpec, plan: Plan, model: ModelSpec, allowed_gpu_types: tuple[str, ...]
+    spec: LLMDeploymentSpec, plan: Plan, model: ModelShape, allowed_gpu_types: tuple[str, ...]
 ) -> Shape | None:
     """The next shape with more KV cache per replica, as the planner sizes it, or None.
 
@@ -183,7 +183,7 @@ def larger_shape(
     return None
 
 
-def _plan_or_none(spec: LLMDeploymentSpec, model: ModelSpec) -> Plan | None:
+def _plan_or_none(spec: LLMDeploymentSpec, model: ModelShape) -> Plan | None:
     try:
         return plan_for_spec(spec, model)
     except PlanError:
@@ -316,7 +316,7 @@ class Observation:
 
     Attributes:
         body: the LLMDeployment as read.
-        sizing: its spec planned as the reconciler plans it.
+        planned: its spec planned as the reconciler plans it.
         pods: its engine pods.
         samples: metric samples scraped from the ready ones.
         replicas: ``spec.replicas`` now.
@@ -326,7 +326,7 @@ class Observation:
     """
 
     body: dict[str, Any]
-    sizing: Sizing
+    planned: PlanOutcome
     pods: list[dict[str, Any]]
     samples: list[MetricSample]
     replicas: int
@@ -366,9 +366,9 @@ def plan_writes(
     ``window`` holds the samples of the stable window (this tick's included); ``memory`` is the
     previous decision's. The returned ``decision.memory`` goes into the next tick.
     """
-    body, sizing = observation.body, observation.sizing
-    assert sizing.spec is not None and sizing.spec.autoscaling is not None
-    assert sizing.plan is not None and sizing.user_spec is not None
+    body, planned = observation.body, observation.planned
+    assert planned.spec is not None and planned.spec.autoscaling is not None
+    assert planned.plan is not None and planned.user_spec is not None
     meta = body["metadata"]
     annotations = meta.get("annotations") or {}
     pods, t = observation.pods, observation.now
@@ -378,11 +378,11 @@ def plan_writes(
         ready_replicas=len(ready_targets(pods)),
         pending_replicas=sum(1 for pod in pods if unschedulable(pod)),
         starting_replicas=starting_pods(pods, t, starting_hold_seconds(startup)),
-        gpus_per_replica=sizing.plan.gpus_per_replica,
+        gpus_per_replica=planned.plan.gpus_per_replica,
         gpus_used_elsewhere=observation.gpus_elsewhere,
-        tensor_parallel_fixed=sizing.user_spec.tensor_parallel_size is not None,
+        tensor_parallel_fixed=planned.user_spec.tensor_parallel_size is not None,
         larger_shape=observation.larger_shape,
-        max_num_seqs=sizing.plan.max_num_seqs,
+        max_num_seqs=planned.plan.max_num_seqs,
         startup_seconds=startup,
         wake_requested_at=wake_time(annotations),
     )
@@ -391,8 +391,8 @@ def plan_writes(
         annotations,
         pods,
         window,
-        sizing.plan,
-        apply=sizing.spec.autoscaling.tune_engine,
+        planned.plan,
+        apply=planned.spec.autoscaling.tune_engine,
         now=t,
         canary_seconds=CANARY_WINDOWS * policy.stable_window_seconds,
     )
@@ -453,14 +453,14 @@ class AutoscalingLoop:
     def client(self) -> KubeClient:
         return self.runtime.client
 
-    def sizing(self, body: dict[str, Any]) -> Sizing:
-        """The sizing the reconciler deploys (:func:`kvpilot.operator.handlers.sized`)."""
+    def planned(self, body: dict[str, Any]) -> PlanOutcome:
+        """The planned the reconciler deploys (:func:`kvpilot.operator.handlers.plan_deployment`)."""
         namespace = body["metadata"]["namespace"]
 
-        def load(source: ModelSource) -> ModelSpec:
+        def load(source: ModelSource) -> ModelShape:
             return self.runtime.models.load(source, namespace)
 
-        return sized(body, load, self.runtime.config.engine_image)
+        return plan_deployment(body, load, self.runtime.config.engine_image)
 
     async def tick(self, body: dict[str, Any]) -> Decision | None:
         """One observe-decide-write round for ``body``; None when it is not ours to scale.
@@ -474,11 +474,11 @@ class AutoscalingLoop:
             observation = await self.observe(body)
             if observation is None:
                 return None
-            assert observation.sizing.spec is not None
-            assert observation.sizing.spec.autoscaling is not None
+            assert observation.planned.spec is not None
+            assert observation.planned.spec.autoscaling is not None
             if state.memory == AutoscalerMemory():
                 state.memory = remembered(body)
-            policy = AutoscalingPolicy.from_spec(observation.sizing.spec.autoscaling)
+            policy = AutoscalingPolicy.from_spec(observation.planned.spec.autoscaling)
             if state.window.max_age_seconds != policy.stable_window_seconds:
                 state.window = TimeWindow(policy.stable_window_seconds)
             try:
@@ -499,23 +499,23 @@ class AutoscalingLoop:
             return writes.decision
 
     async def observe(self, body: dict[str, Any]) -> Observation | None:
-        """Read what a decision needs (None: not autoscaled by kvpilot, or not sized)."""
+        """Read what a decision needs (None: not autoscaled by kvpilot, or not plan_deployment)."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        sizing = await asyncio.to_thread(self.sizing, body)
-        spec, user_spec = sizing.spec, sizing.user_spec
+        planned = await asyncio.to_thread(self.planned, body)
+        spec, user_spec = planned.spec, planned.user_spec
         if spec is None or spec.autoscaling is None or spec.autoscaling.mode != "kvpilot":
             return None
-        if not sizing.ok or user_spec is None:
+        if not planned.ok or user_spec is None:
             logger.info(
                 "%s/%s: not autoscaled until it is sized: %s: %s",
                 namespace,
                 name,
-                sizing.reason,
-                sizing.message,
+                planned.reason,
+                planned.message,
             )
             return None
-        assert sizing.plan is not None
+        assert planned.plan is not None
         pods = await asyncio.to_thread(self._pods, namespace, name)
         now = time.time()
         result = await self._scrape(namespace, ready_targets(pods), now)
@@ -526,10 +526,10 @@ class AutoscalingLoop:
             model = await asyncio.to_thread(self.runtime.models.load, spec.model, namespace)
             # From the shape in force (maybe one chosen earlier), the next larger one.
             current = dataclasses.replace(spec, tensor_parallel_size=None)
-            shape = larger_shape(current, sizing.plan, model, spec.autoscaling.allowed_gpu_types)
+            shape = larger_shape(current, planned.plan, model, spec.autoscaling.allowed_gpu_types)
         return Observation(
             body=body,
-            sizing=sizing,
+            planned=planned,
             pods=pods,
             samples=list(result.samples),
             replicas=(body.get("spec") or {}).get("replicas", spec.replicas),

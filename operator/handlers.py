@@ -8,9 +8,9 @@ Running it twice changes nothing the second time.
 
 One reconcile:
 
-1. :func:`sized` (pure, given the model loader; the autoscaler calls it too): :func:`size`
+1. :func:`plan_deployment` (pure, given the model loader; the autoscaler calls it too): :func:`plan_user_spec`
    validates the spec (``spec.parse_spec``), reads the model's config.json (``model_source``,
-   cached) and plans it (``planner.plan_for_spec``); :func:`shaped` then plans the replica
+   cached) and plans it (``planner.plan_for_spec``); :func:`with_chosen_shape` then plans the replica
    shape the autoscaler chose, if any.
 2. Apply the children (``manifests.children``, owned by the LLMDeployment) with server-side
    apply (:func:`kvpilot.operator.apply.apply_child`); one child's failure does not stop the
@@ -54,7 +54,7 @@ import kopf
 import urllib3
 
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import conditions, manifests
 from kvpilot.operator.apply import (
     ApplyResult,
@@ -68,7 +68,7 @@ from kvpilot.operator.apply import (
 )
 from kvpilot.operator.autoscaler import apply_shape
 from kvpilot.operator.events import Event, EventSink
-from kvpilot.operator.model_source import load_model_spec
+from kvpilot.operator.model_source import load_model_shape
 from kvpilot.operator.operator_metrics import OperatorMetrics
 from kvpilot.operator.planner import Plan, PlanError, plan_for_spec
 from kvpilot.operator.pods import claim_failure, pod_failure
@@ -114,23 +114,23 @@ class HandlerConfig:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sizing:
+class PlanOutcome:
     """A spec read and planned: ``spec`` and ``plan``, or a failure ``reason`` and ``message``.
 
-    ``spec`` is set whenever the spec itself is valid (even if planning failed). ``written`` is
-    the spec as the user wrote it when :func:`shaped` replaced ``spec``'s shape, else None.
+    ``spec`` is set whenever the spec itself is valid (even if planning failed). ``as_written`` is
+    the spec as the user wrote it when :func:`with_chosen_shape` replaced ``spec``'s shape, else None.
     """
 
     spec: LLMDeploymentSpec | None = None
     plan: Plan | None = None
     reason: str | None = None
     message: str = ""
-    written: LLMDeploymentSpec | None = None
+    as_written: LLMDeploymentSpec | None = None
 
     @property
     def user_spec(self) -> LLMDeploymentSpec | None:
         """The spec as the user wrote it (before the autoscaler's shape)."""
-        return self.written or self.spec
+        return self.as_written or self.spec
 
     @property
     def ok(self) -> bool:
@@ -141,12 +141,12 @@ class Sizing:
 # ---- pure decisions ---------------------------------------------------------------------------
 
 
-def size(
-    body: dict[str, Any], load_model: Callable[[ModelSource], ModelSpec], engine_image: str
-) -> Sizing:
+def plan_user_spec(
+    body: dict[str, Any], load_model: Callable[[ModelSource], ModelShape], engine_image: str
+) -> PlanOutcome:
     """Validate ``body``'s name and spec and plan it; never raises for bad input.
 
-    ``load_model`` reads the model's config (``model_source.load_model_spec``); it may raise
+    ``load_model`` reads the model's config (``model_source.load_model_shape``); it may raise
     ``PlanError`` (e.g. ``ConfigUnavailable``), which becomes the failure reason.
     """
     raw_spec = body.get("spec") or {}
@@ -154,51 +154,53 @@ def size(
         validate_name(body["metadata"]["name"])
         spec = parse_spec(raw_spec)
     except SpecError as exc:
-        return Sizing(reason=INVALID_SPEC, message=str(exc))
+        return PlanOutcome(reason=INVALID_SPEC, message=str(exc))
     if "image" not in raw_spec:
         spec = dataclasses.replace(spec, image=engine_image)
     try:
         plan = plan_for_spec(spec, load_model(spec.model))
     except PlanError as exc:
-        return Sizing(spec=spec, reason=exc.reason, message=exc.message)
-    return Sizing(spec=spec, plan=plan)
+        return PlanOutcome(spec=spec, reason=exc.reason, message=exc.message)
+    return PlanOutcome(spec=spec, plan=plan)
 
 
-def shaped(
-    sizing: Sizing, body: dict[str, Any], load_model: Callable[[ModelSource], ModelSpec]
-) -> Sizing:
-    """``sizing`` with the autoscaler's chosen shape (``autoscaler.SHAPE_ANNOTATION``) planned.
+def with_chosen_shape(
+    planned: PlanOutcome, body: dict[str, Any], load_model: Callable[[ModelSource], ModelShape]
+) -> PlanOutcome:
+    """``planned`` with the autoscaler's chosen shape (``autoscaler.SHAPE_ANNOTATION``) planned.
 
     The autoscaler's "bigger, not more" decision records a larger replica shape in that
     annotation; the reconciler rolls it out. Specs that fix ``tensorParallelSize``, and CPU
     mode, keep their own shape. A malformed annotation is reported as ``InvalidShape``.
     """
-    if sizing.spec is None:
-        return sizing
+    if planned.spec is None:
+        return planned
     try:
-        spec = apply_shape(sizing.spec, body["metadata"].get("annotations") or {})
+        spec = apply_shape(planned.spec, body["metadata"].get("annotations") or {})
     except SpecError as exc:
-        return Sizing(spec=sizing.spec, reason="InvalidShape", message=str(exc))
-    if spec is sizing.spec:
-        return sizing
+        return PlanOutcome(spec=planned.spec, reason="InvalidShape", message=str(exc))
+    if spec is planned.spec:
+        return planned
     try:
         plan = plan_for_spec(spec, load_model(spec.model))
     except PlanError as exc:
-        return Sizing(spec=spec, reason=exc.reason, message=exc.message, written=sizing.spec)
-    return Sizing(spec=spec, plan=plan, written=sizing.spec)
+        return PlanOutcome(
+            spec=spec, reason=exc.reason, message=exc.message, as_written=planned.spec
+        )
+    return PlanOutcome(spec=spec, plan=plan, as_written=planned.spec)
 
 
-def sized(
-    body: dict[str, Any], load_model: Callable[[ModelSource], ModelSpec], engine_image: str
-) -> Sizing:
-    """What the reconciler deploys for ``body``: :func:`size`, then :func:`shaped`.
+def plan_deployment(
+    body: dict[str, Any], load_model: Callable[[ModelSource], ModelShape], engine_image: str
+) -> PlanOutcome:
+    """What the reconciler deploys for ``body``: :func:`plan_user_spec`, then :func:`with_chosen_shape`.
 
     The autoscaler sizes with this same function, so both see the same plan.
     """
-    return shaped(size(body, load_model, engine_image), body, load_model)
+    return with_chosen_shape(plan_user_spec(body, load_model, engine_image), body, load_model)
 
 
-def tuning_rollout(body: dict[str, Any], sizing: Sizing) -> Rollout | None:
+def tuning_rollout(body: dict[str, Any], planned: PlanOutcome) -> Rollout | None:
     """The live tuning to render: the autoscaler's ``TUNING_ANNOTATION``, or None without one.
 
     With ``spec.autoscaling`` no longer ``mode: kvpilot`` with ``tuneEngine: true`` (or a CPU
@@ -207,20 +209,20 @@ def tuning_rollout(body: dict[str, Any], sizing: Sizing) -> Rollout | None:
     (logged); the autoscaler writes a well-formed one with its next tuning decision.
     """
     raw = (body["metadata"].get("annotations") or {}).get(TUNING_ANNOTATION)
-    if raw is None or sizing.spec is None:
+    if raw is None or planned.spec is None:
         return None
     try:
         rollout = Rollout.from_annotation(raw)
     except ValueError as exc:
         logger.warning("%s/%s: %s", body["metadata"]["namespace"], body["metadata"]["name"], exc)
         return None
-    autoscaling = sizing.spec.autoscaling
+    autoscaling = planned.spec.autoscaling
     enabled = (
         autoscaling is not None
         and autoscaling.mode == "kvpilot"
         and autoscaling.tune_engine
-        and sizing.plan is not None
-        and sizing.plan.gpu_memory_utilization is not None
+        and planned.plan is not None
+        and planned.plan.gpu_memory_utilization is not None
     )
     if enabled:
         return rollout
@@ -246,7 +248,7 @@ def _model_name(spec: LLMDeploymentSpec) -> str:
     return model.served_model_name or model.location or model.source or DEFAULT_MODEL_NAME
 
 
-def _rollout(deployment: dict[str, Any] | None) -> tuple[int, int, int, bool]:
+def _rollout_progress(deployment: dict[str, Any] | None) -> tuple[int, int, int, bool]:
     """(desired, existing, ready replicas, rollout finished) of a live Deployment."""
     if deployment is None:
         return 0, 0, 0, False
@@ -263,14 +265,14 @@ def _rollout(deployment: dict[str, Any] | None) -> tuple[int, int, int, bool]:
     return desired, existing, ready, finished
 
 
-def _fleet_rollout(
+def _fleet_progress(
     deployment: dict[str, Any] | None, canary: dict[str, Any] | None
 ) -> tuple[int, int, int, bool]:
-    """:func:`_rollout` of the main Deployment and the tuning canary together."""
-    main = _rollout(deployment)
+    """:func:`_rollout_progress` of the main Deployment and the tuning canary together."""
+    main = _rollout_progress(deployment)
     if canary is None:
         return main
-    extra = _rollout(canary)
+    extra = _rollout_progress(canary)
     return (main[0] + extra[0], main[1] + extra[1], main[2] + extra[2], main[3] and extra[3])
 
 
@@ -286,7 +288,7 @@ def _deployment_failure(deployment: dict[str, Any] | None) -> tuple[str, str] | 
 
 def desired_status(
     body: dict[str, Any],
-    sizing: Sizing,
+    planned: PlanOutcome,
     deployment: dict[str, Any] | None,
     *,
     now: datetime.datetime,
@@ -294,11 +296,11 @@ def desired_status(
     canary: dict[str, Any] | None = None,
     observed_failure: tuple[str, str] | None = None,
 ) -> dict[str, Any]:
-    """The status the LLMDeployment should have, from its sizing and its live Deployment.
+    """The status the LLMDeployment should have, from its planned and its live Deployment.
 
     Args:
         body: the LLMDeployment as read (its status supplies the previous conditions).
-        sizing: the result of :func:`size`.
+        planned: the result of :func:`plan_user_spec`.
         deployment: the live child Deployment, or None.
         now: the time of any condition transition.
         apply_failure: (reason, message) when the children could not be applied.
@@ -313,7 +315,7 @@ def desired_status(
     meta = body["metadata"]
     name, namespace, generation = meta["name"], meta["namespace"], meta.get("generation", 1)
     previous = (body.get("status") or {}).get("conditions") or []
-    desired, existing, ready, finished = _fleet_rollout(deployment, canary)
+    desired, existing, ready, finished = _fleet_progress(deployment, canary)
 
     def put(
         conds: list[dict[str, Any]], type_: str, state: bool, reason: str, message: str
@@ -335,17 +337,17 @@ def desired_status(
         "selector": manifests.selector(name),
         "endpoint": manifests.endpoint(name, namespace),
     }
-    if sizing.spec is not None:
-        status["model"] = _model_name(sizing.spec)
+    if planned.spec is not None:
+        status["model"] = _model_name(planned.spec)
     conds = previous
-    if sizing.ok:
-        assert sizing.plan is not None
-        status["plan"] = sizing.plan.to_status()
-        conds = put(conds, conditions.SIZED, True, "Planned", plan_summary(sizing.plan))
+    if planned.ok:
+        assert planned.plan is not None
+        status["plan"] = planned.plan.to_status()
+        conds = put(conds, conditions.SIZED, True, "Planned", plan_summary(planned.plan))
     else:
-        conds = put(conds, conditions.SIZED, False, sizing.reason or INVALID_SPEC, sizing.message)
+        conds = put(conds, conditions.SIZED, False, planned.reason or INVALID_SPEC, planned.message)
 
-    if not sizing.ok:
+    if not planned.ok:
         conds = put(
             conds,
             conditions.PROGRESSING,
@@ -382,8 +384,8 @@ def desired_status(
         )
 
     failure = (
-        (sizing.reason or INVALID_SPEC, sizing.message)
-        if not sizing.ok
+        (planned.reason or INVALID_SPEC, planned.message)
+        if not planned.ok
         else apply_failure
         or observed_failure
         or _deployment_failure(deployment)
@@ -435,8 +437,8 @@ def transition_events(previous: list[dict[str, Any]], current: list[dict[str, An
 # ---- side effects -----------------------------------------------------------------------------
 
 
-class ModelCache:
-    """``load_model_spec`` results kept for ``ttl`` seconds (hub fetches are network calls).
+class ModelConfigCache:
+    """``load_model_shape`` results kept for ``ttl`` seconds (hub fetches are network calls).
 
     Keyed by the model source without inline configs (those are read directly, not cached).
     Safe to share between threads (``model_source`` is); two threads missing the same entry
@@ -446,16 +448,16 @@ class ModelCache:
     def __init__(self, client: KubeClient, ttl: float) -> None:
         self._client = client
         self._ttl = ttl
-        self._entries: dict[tuple[Any, ...], tuple[float, ModelSpec]] = {}
+        self._entries: dict[tuple[Any, ...], tuple[float, ModelShape]] = {}
 
-    def load(self, source: ModelSource, namespace: str) -> ModelSpec:
+    def load(self, source: ModelSource, namespace: str) -> ModelShape:
         """The model's sizes; reads the Hugging Face token Secret when the spec names one.
 
         Raises:
-            PlanError: as ``model_source.load_model_spec``.
+            PlanError: as ``model_source.load_model_shape``.
         """
         if source.config is not None:
-            return load_model_spec(source)
+            return load_model_shape(source)
         key = (
             source.scheme,
             source.location,
@@ -466,7 +468,7 @@ class ModelCache:
         hit = self._entries.get(key)
         if hit is not None and time.monotonic() - hit[0] < self._ttl:
             return hit[1]
-        model = load_model_spec(source, token=self._token(source, namespace))
+        model = load_model_shape(source, token=self._token(source, namespace))
         self._entries[key] = (time.monotonic(), model)
         return model
 
@@ -507,7 +509,7 @@ class Runtime:
     """What every handler shares: the API client, the model cache, metrics, settings, poster."""
 
     client: KubeClient
-    models: ModelCache
+    models: ModelConfigCache
     metrics: OperatorMetrics
     config: HandlerConfig
     post_event: Callable[[dict[str, Any], Event], None]
@@ -537,7 +539,7 @@ def _apply_one(rt: Runtime, desired: dict[str, Any]) -> ApplyResult:
     return apply_child(rt.client, manifests.claim_update(desired, live).desired)
 
 
-def _apply_children(rt: Runtime, body: dict[str, Any], sizing: Sizing) -> Applied:
+def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> Applied:
     """Apply every child (a refused one does not stop the others).
 
     Raises:
@@ -546,15 +548,15 @@ def _apply_children(rt: Runtime, body: dict[str, Any], sizing: Sizing) -> Applie
     """
     meta = body["metadata"]
     applied = Applied()
-    if not sizing.ok:
+    if not planned.ok:
         live = rt.client.get("apps/v1", "Deployment", meta["namespace"], meta["name"])
         if live is not None:
             applied.deployments[meta["name"]] = live
         return applied
-    assert sizing.spec is not None and sizing.plan is not None
-    rollout = tuning_rollout(body, sizing)
+    assert planned.spec is not None and planned.plan is not None
+    rollout = tuning_rollout(body, planned)
     for child in manifests.children(
-        meta["name"], meta["namespace"], sizing.spec, sizing.plan, rollout
+        meta["name"], meta["namespace"], planned.spec, planned.plan, rollout
     ):
         where = f"{child['kind']} {child['metadata']['name']}"
         try:
@@ -585,7 +587,7 @@ def _apply_children(rt: Runtime, body: dict[str, Any], sizing: Sizing) -> Applie
 
 
 def _observe(
-    rt: Runtime, body: dict[str, Any], sizing: Sizing, applied: Applied
+    rt: Runtime, body: dict[str, Any], planned: PlanOutcome, applied: Applied
 ) -> tuple[str, str] | None:
     """What the engine pods and the model cache claim say (a failure, or None)."""
     meta = body["metadata"]
@@ -597,8 +599,8 @@ def _observe(
         or []
     )
     claim = applied.claim
-    if claim is None and sizing.spec is not None:
-        name = manifests.model_cache_claim_name(meta["name"], sizing.spec)
+    if claim is None and planned.spec is not None:
+        name = manifests.model_cache_claim_name(meta["name"], planned.spec)
         if name is not None:
             claim = rt.client.get("v1", "PersistentVolumeClaim", meta["namespace"], name)
     return claim_failure(claim, pods) or pod_failure(pods)
@@ -607,23 +609,23 @@ def _observe(
 def _reconcile_once(rt: Runtime, body: dict[str, Any]) -> bool:
     meta = body["metadata"]
 
-    def load(source: ModelSource) -> ModelSpec:
+    def load(source: ModelSource) -> ModelShape:
         return rt.models.load(source, meta["namespace"])
 
-    sizing = sized(body, load, rt.config.engine_image)
-    applied = _apply_children(rt, body, sizing)
+    planned = plan_deployment(body, load, rt.config.engine_image)
+    applied = _apply_children(rt, body, planned)
     for (
         event
     ) in applied.events:  # posted now: a conflicting status write below repeats no child write
         rt.post_event(body, event)
     status = desired_status(
         body,
-        sizing,
+        planned,
         applied.deployments.get(meta["name"]),
         now=datetime.datetime.now(datetime.UTC),
         apply_failure=applied.failure,
         canary=applied.deployments.get(manifests.canary_name(meta["name"])),
-        observed_failure=_observe(rt, body, sizing, applied) if sizing.ok else None,
+        observed_failure=_observe(rt, body, planned, applied) if planned.ok else None,
     )
     written = patch_status(rt.client, body, status)
     previous = (body.get("status") or {}).get("conditions") or []
@@ -788,7 +790,7 @@ def build_runtime(config: HandlerConfig, metrics: OperatorMetrics) -> Runtime:
     client = KubeClient()
     return Runtime(
         client=client,
-        models=ModelCache(client, config.model_config_ttl),
+        models=ModelConfigCache(client, config.model_config_ttl),
         metrics=metrics,
         config=config,
         post_event=EventSink(client).post,

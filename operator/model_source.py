@@ -32,7 +32,7 @@ import pathlib
 import threading
 from typing import Any
 
-from kvpilot.engine.model_spec import ModelSpec, UnsupportedModelError
+from kvpilot.engine.model_shape import ModelShape, UnsupportedModelError
 from kvpilot.operator.planner import PlanError
 from kvpilot.operator.spec import ModelSource
 
@@ -88,16 +88,16 @@ def read_model_config(source: ModelSource, *, token: str | None = None) -> dict[
     return _read_default_config()
 
 
-def load_model_spec(source: ModelSource, *, token: str | None = None) -> ModelSpec:
-    """``read_model_config`` parsed into a ``ModelSpec``.
+def load_model_shape(source: ModelSource, *, token: str | None = None) -> ModelShape:
+    """``read_model_config`` parsed into a ``ModelShape``.
 
     Raises:
         PlanError: ``ConfigUnavailable``; ``InvalidModelConfig`` for a config missing sizes;
-            ``UnsupportedArchitecture`` for layouts ``ModelSpec`` refuses (MLA, unknown MoE).
+            ``UnsupportedArchitecture`` for layouts ``ModelShape`` refuses (MLA, unknown MoE).
     """
     config = read_model_config(source, token=token)
     try:
-        return ModelSpec.from_hf_config(config)
+        return ModelShape.from_hf_config(config)
     except UnsupportedModelError as exc:
         raise PlanError("UnsupportedArchitecture", str(exc)) from exc
     except ValueError as exc:
@@ -195,7 +195,7 @@ def _read_gguf_config(path: pathlib.Path) -> dict[str, Any]:
 def config_from_gguf_metadata(
     metadata: dict[str, Any], *, num_tokens: int | None, has_output_weight: bool
 ) -> dict[str, Any]:
-    """The Hugging Face config.json fields ``ModelSpec`` reads, from a GGUF file's metadata.
+    """The Hugging Face config.json fields ``ModelShape`` reads, from a GGUF file's metadata.
 
     Maps llama.cpp's keys (``{arch}.block_count``, ``{arch}.attention.head_count_kv``, ...) as
     transformers' GGUF loader does (``transformers.integrations.ggml.GGUF_CONFIG_MAPPING``), so
@@ -216,7 +216,7 @@ def config_from_gguf_metadata(
         ``intermediate_size``, ``vocab_size``, ``max_position_embeddings``, ``rms_norm_eps``,
         MoE expert counts), ``tie_word_embeddings`` and ``rope_parameters`` (transformers 5's
         name; ``rope_theta`` and any ``rope.scaling.*``). A missing size is left out, for
-        ``ModelSpec`` to name.
+        ``ModelShape`` to name.
     """
     architecture = str(metadata["general.architecture"])
     prefix = f"{architecture}."

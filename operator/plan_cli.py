@@ -21,7 +21,7 @@ import re
 import sys
 
 from kvpilot.operator.gpus import CATALOGUE, CPU, CUSTOM, resolve_gpu_name
-from kvpilot.operator.spec import DTYPES, SpecError
+from kvpilot.operator.spec import SPEC_DTYPES, SpecError
 
 # Each option that becomes a spec field: argparse dest -> its path under ``spec``. The one map
 # both ways: ``_spec_dict`` writes the fields, ``_in_flags`` names them back as ``--flags``.
@@ -76,7 +76,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory", default="4Gi", help="CPU mode: memory limit (default 4Gi)")
     parser.add_argument("--revision", default=None, help="hub branch, tag or commit")
     parser.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
-    parser.add_argument("--dtype", default="auto", choices=DTYPES)
+    parser.add_argument("--dtype", default="auto", choices=SPEC_DTYPES)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
@@ -92,13 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Plan and print; exit code 1 with the reason when the model cannot be served as asked."""
-    from kvpilot.operator.model_source import load_model_spec
+    from kvpilot.operator.model_source import load_model_shape
     from kvpilot.operator.planner import PlanError, plan_for_spec
     from kvpilot.operator.spec import SpecError, parse_spec
 
     try:
         spec = parse_spec(_spec_dict(args))
-        plan = plan_for_spec(spec, load_model_spec(spec.model), concurrency=args.concurrency)
+        plan = plan_for_spec(spec, load_model_shape(spec.model), concurrency=args.concurrency)
     except SpecError as exc:
         print(f"error: {_in_flags(exc.field)}: {_in_flags(exc.message)}", file=sys.stderr)
         return 2

@@ -1,11 +1,11 @@
-"""Sizing: model + device -> tensor parallel size, memory split and KV capacity (pure).
+"""PlanOutcome: model + device -> tensor parallel size, memory split and KV capacity (pure).
 
 The plan is data (KubeAI's "plan, then apply"): the handlers write it to ``status.plan`` and
 render manifests from it; ``kvpilot plan`` prints it. The arithmetic follows vLLM's memory
 model: of each GPU's total memory, the fraction ``gpu_memory_utilization`` holds the weights
 shard, the peak activations of one profiling step plus non-torch allocations, and the KV cache
 (PagedAttention, Kwon et al., 2023: whole ``block_size``-token blocks). Sizes per GPU come from
-``kvpilot.engine.model_spec``, the functions the engine itself uses.
+``kvpilot.engine.model_shape``, the functions the engine itself uses.
 
 Tensor parallel size: the smallest ``tp`` in ``1..gpu.per_node`` that passes vLLM's divisor
 rule (``check_tensor_parallel_size``; any divisor, not only powers of two, as vLLM accepts) and
@@ -33,10 +33,10 @@ from kvpilot.engine.config import (
     GPU_MAX_NUM_SEQS,
     resolve_max_num_batched_tokens,
 )
-from kvpilot.engine.model_spec import (
+from kvpilot.engine.model_shape import (
     DTYPE_BYTES,
     SUPPORTED_ARCHITECTURES,
-    ModelSpec,
+    ModelShape,
     check_tensor_parallel_size,
 )
 from kvpilot.operator.gpus import CPU, GiB, GpuType
@@ -150,7 +150,7 @@ def default_gpu_memory_utilization(gpu: GpuType) -> float:
 
 
 def activation_bytes(
-    model: ModelSpec,
+    model: ModelShape,
     *,
     dtype_bytes: int,
     tensor_parallel_size: int,
@@ -171,7 +171,7 @@ def activation_bytes(
 
 
 def plan(
-    model: ModelSpec,
+    model: ModelShape,
     *,
     gpu: GpuType | None,
     dtype: str = "auto",
@@ -342,7 +342,7 @@ def plan(
     )
 
 
-def plan_for_spec(spec: LLMDeploymentSpec, model: ModelSpec, *, concurrency: int = 1) -> Plan:
+def plan_for_spec(spec: LLMDeploymentSpec, model: ModelShape, *, concurrency: int = 1) -> Plan:
     """Plan a parsed LLMDeployment spec: ``plan`` with the spec's GPU, engine and memory fields.
 
     To plan another shape (the autoscaler's "bigger, not more"), pass a spec changed with
@@ -383,7 +383,7 @@ def _check_arguments(
         )
 
 
-def _check_model(model: ModelSpec) -> None:
+def _check_model(model: ModelShape) -> None:
     if model.quantization_method is not None:
         raise PlanError(
             "UnsupportedQuantization",
@@ -406,7 +406,7 @@ def _check_model(model: ModelSpec) -> None:
 
 
 def _tensor_parallel_candidates(
-    model: ModelSpec, gpu: GpuType, tensor_parallel_size: int | None
+    model: ModelShape, gpu: GpuType, tensor_parallel_size: int | None
 ) -> list[int]:
     if tensor_parallel_size is not None:
         if tensor_parallel_size > gpu.per_node:
@@ -424,7 +424,7 @@ def _tensor_parallel_candidates(
     return [tp for tp in range(1, gpu.per_node + 1) if _splits(model, tp)]
 
 
-def _splits(model: ModelSpec, tp: int) -> bool:
+def _splits(model: ModelShape, tp: int) -> bool:
     try:
         check_tensor_parallel_size(model, tp)
     except ValueError:

@@ -24,7 +24,8 @@ from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
 from kvpilot.operator.gpus import CATALOGUE, CUSTOM, DEFAULT_RESOURCE_NAME, GpuType, gpu_type
 from kvpilot.operator.images import ENGINE_IMAGE
 
-DTYPES = ("auto", "float16", "bfloat16", "float32")
+SPEC_DTYPES = ("auto", "float16", "bfloat16", "float32")
+"""``spec.engine.dtype``'s values, as the CRD's enum (the engine also takes ``float``, ``half``)."""
 AUTOSCALING_MODES = ("kvpilot", "external")
 GPU_TYPES = (*CATALOGUE, CUSTOM)
 """``spec.gpu.type``'s values, spelt exactly as the CRD's enum: no case folding or aliases here
@@ -400,7 +401,7 @@ def _engine(r: _Reader | None) -> EngineSpec:
         max_model_len=max_model_len,
         max_num_seqs=r.int("maxNumSeqs", minimum=1),
         max_num_batched_tokens=batched,
-        dtype=r.enum("dtype", DTYPES) or "auto",
+        dtype=r.enum("dtype", SPEC_DTYPES) or "auto",
         enable_prefix_caching=r.bool("enablePrefixCaching"),
         enable_chunked_prefill=chunked,
         speculative_config=r.object("speculativeConfig"),

@@ -253,12 +253,12 @@ def main(argv: list[str] | None = None) -> int:
         "resources": {"requests": {"cpu": "100m", "memory": "1600Mi"}, "limits": {"memory": "1600Mi"}},
         "autoscaling": autoscaling,
     }  # fmt: skip
-    from kvpilot.engine.model_spec import ModelSpec
+    from kvpilot.engine.model_shape import ModelShape
     from kvpilot.operator.planner import plan_for_spec
 
     parsed = parse_spec(spec)
     planned = plan_for_spec(
-        parsed, ModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+        parsed, ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
     )
     requests = make_trace(
         args.trace,

@@ -25,7 +25,7 @@ from policies import AibrixKpa, HpaCpu, KedaWaiting, KubeAI, Kvpilot
 from replica import ReplicaModel
 from traces import TRACES, make_trace
 
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator.autoscaler import AutoscalingPolicy
 from kvpilot.operator.gpus import CATALOGUE
 from kvpilot.operator.planner import plan
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     sized = plan(
-        ModelSpec.from_hf_config(LLAMA_3_1_8B), gpu=CATALOGUE[GPU], max_model_len=MAX_MODEL_LEN
+        ModelShape.from_hf_config(LLAMA_3_1_8B), gpu=CATALOGUE[GPU], max_model_len=MAX_MODEL_LEN
     )
     model = ReplicaModel(
         kv_capacity_tokens=sized.kv_capacity_tokens,

@@ -29,7 +29,7 @@ from kvpilot.engine.distributed import destroy_distributed_environment
 from kvpilot.engine.executor.abstract import EngineDeadError, Executor
 from kvpilot.engine.executor.worker import Worker, WorkerConfig
 from kvpilot.engine.model_runner import ModelRunnerOutput
-from kvpilot.engine.model_spec import ModelSpec, check_tensor_parallel_size
+from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
 from kvpilot.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("kvpilot.engine")
@@ -42,14 +42,16 @@ def check_parallel_config(config: WorkerConfig) -> None:
     """Refuse a ``tensor_parallel_size`` the model or the machine cannot honour.
 
     The divisor rule is the planner's own
-    (:func:`kvpilot.engine.model_spec.check_tensor_parallel_size`), so the operator never plans
+    (:func:`kvpilot.engine.model_shape.check_tensor_parallel_size`), so the operator never plans
     a size the engine refuses.
 
     Raises:
         ValueError: heads or MLP channels not divisible (the message names both numbers), or
             more ranks than CUDA devices.
     """
-    spec = ModelSpec.from_hf_config(json.loads((config.model_dir / "config.json").read_text()))
+    spec = config.model_shape or ModelShape.from_hf_config(
+        json.loads((config.model_dir / "config.json").read_text())
+    )
     check_tensor_parallel_size(spec, config.tensor_parallel_size)
     if config.device.type == "cuda":
         available = torch.cuda.device_count()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -39,6 +40,9 @@ class WorkerConfig:
         num_threads: torch CPU threads of each rank; None keeps torch's default.
         max_model_len: the longest sequence served, tokens (LongRoPE models pick their rotary
             factors by it); None for the model's ``max_position_embeddings``.
+        model_config: the folder's transformers config as the engine read it (None: each rank
+            reads ``config.json`` itself).
+        model_shape: its shape, for the tensor-parallel checks (None: read from the folder).
     """
 
     model_dir: pathlib.Path
@@ -52,6 +56,8 @@ class WorkerConfig:
     distributed_timeout_s: float = 600.0
     num_threads: int | None = None
     max_model_len: int | None = None
+    model_config: Any = None
+    model_shape: Any = None
 
     def device_of_rank(self, rank: int) -> torch.device:
         """The device rank ``rank`` computes on: ``cuda:rank`` on GPUs, else the CPU."""
@@ -97,6 +103,7 @@ class Worker:
             self.device,
             attention_backend=config.attention_backend,
             max_model_len=config.max_model_len,
+            config=config.model_config,
         )
         self._weight_bytes = sum(p.nbytes for p in self.model.parameters())
         prepack_linear_weights(self.model)

@@ -253,7 +253,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
     Raises:
         ValueError: heads that cannot be split (see
-            ``kvpilot.engine.model_spec.check_tensor_parallel_size``).
+            ``kvpilot.engine.model_shape.check_tensor_parallel_size``).
     """
 
     def __init__(

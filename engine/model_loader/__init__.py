@@ -16,6 +16,7 @@ _LAZY = {
     "get_cache_dir": "kvpilot.engine.model_loader.resolve",
     "convert_gguf": "kvpilot.engine.model_loader.gguf_conversion",
     "load_model": "kvpilot.engine.model_loader.weights",
+    "read_model_config": "kvpilot.engine.model_loader.weights",
     "iterate_safetensors": "kvpilot.engine.model_loader.weights",
     "resolve_dtype": "kvpilot.engine.model_loader.dtype",
     "load_tokenizer": "kvpilot.engine.model_loader.tokenizer",

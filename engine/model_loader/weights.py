@@ -7,16 +7,32 @@ import json
 import logging
 import pathlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from safetensors import safe_open
 from tqdm.auto import tqdm
-from transformers import AutoConfig
+from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from kvpilot.engine.layers.weight_loading import CheckpointTensor
 from kvpilot.engine.models import get_model_class
 
 logger = logging.getLogger(__name__)
+
+
+def read_model_config(model_dir: pathlib.Path) -> tuple[dict[str, Any], PretrainedConfig]:
+    """The folder's ``config.json``, read once: as the raw dict (what ``ModelShape`` reads) and
+    as the transformers config of its ``model_type`` built from that same dict (what
+    ``AutoConfig.from_pretrained`` builds).
+
+    Raises:
+        OSError: the file cannot be read; ValueError: not JSON, or an unknown ``model_type``.
+    """
+    raw = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise ValueError(f"{model_dir}/config.json: unknown model_type {model_type!r}")
+    return raw, CONFIG_MAPPING[model_type].from_dict(raw)
 
 
 def iterate_safetensors(
@@ -63,6 +79,7 @@ def load_model(
     device: torch.device | str,
     attention_backend: str = "torch",
     max_model_len: int | None = None,
+    config: PretrainedConfig | None = None,
 ) -> torch.nn.Module:
     """Instantiate our implementation of the folder's architecture and load its weights.
 
@@ -82,6 +99,8 @@ def load_model(
         max_model_len: the longest sequence the engine serves, tokens; None for the config's
             ``max_position_embeddings``. LongRoPE models (Phi-3-128k, Phi-3.5) use their long
             rotary factors when it exceeds ``original_max_position_embeddings``.
+        config: the folder's config already read (:func:`read_model_config`); read here when
+            None.
 
     Returns:
         The model in eval mode (see ``kvpilot.engine.models`` for its interface).
@@ -91,7 +110,8 @@ def load_model(
             missing from the checkpoint or do not fit the config.
     """
     model_dir = pathlib.Path(model_dir)
-    config = AutoConfig.from_pretrained(model_dir)
+    if config is None:
+        config = read_model_config(model_dir)[1]
     model_cls = get_model_class(config)
     device = torch.device(device)
     with _default_dtype(dtype), device:

@@ -240,7 +240,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         tokenizer,
         config.served_model_names,
         max_model_len,
-        engine.model_spec.vocab_size,
+        engine.model_shape.vocab_size,
         models,
     )
     state.completion = OpenAIServingCompletion(*args)

@@ -7,7 +7,7 @@ import pathlib
 
 import torch
 
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.engine.spec_decode.config import DRAFT_MODEL, SpeculativeConfig
 from kvpilot.engine.spec_decode.draft_model_proposer import (
     DraftModelProposer,
@@ -48,7 +48,7 @@ def draft_kv_bytes_per_token(draft_dir: pathlib.Path | None, itemsize: int) -> i
     its cache shares the target's blocks, so every block costs both."""
     if draft_dir is None:
         return 0
-    spec = ModelSpec.from_hf_config(json.loads((draft_dir / "config.json").read_text()))
+    spec = ModelShape.from_hf_config(json.loads((draft_dir / "config.json").read_text()))
     return spec.kv_bytes_per_token(itemsize)
 
 

@@ -555,3 +555,68 @@ def test_predictive_scaling_is_a_spec_knob_on_by_default():
     assert AutoscalingPolicy.from_spec(spec.autoscaling).predictive_scaling is True
     spec = parse_spec({"autoscaling": {"maxReplicas": 4, "predictiveScaling": False}})
     assert AutoscalingPolicy.from_spec(spec.autoscaling).predictive_scaling is False
+
+
+# ---- the rules one at a time (decide() applies them in autoscaler.RULES' order) ----
+
+
+def rule_moment(replicas=4, **fleet):
+    from kvpilot.operator import autoscaler
+
+    policy = AutoscalingPolicy(min_replicas=0, max_replicas=16, idle_seconds=60.0)
+    return autoscaler._Moment(
+        policy=policy,
+        fleet=FleetState(replicas=replicas, ready_replicas=replicas, **fleet),
+        now=1000.0,
+        woken=False,
+        last_active=990.0,
+        first_decision=0.0,
+    )
+
+
+def verdict(desired, reason="ScaleUp", message="m"):
+    from kvpilot.operator import autoscaler
+
+    return autoscaler._Verdict(desired, reason, message, AutoscalerMemory())
+
+
+def test_the_rules_are_applied_in_the_documented_order():
+    from kvpilot.operator import autoscaler
+
+    assert [rule.__name__ for rule in autoscaler.RULES] == [
+        "_rate_limits", "_burst_ends_first", "_predicted_burst", "_keep_one",
+        "_hold_for_pods", "_scale_to_zero", "_long_context",
+    ]  # fmt: skip
+
+
+def test_rate_limits_alone():
+    from kvpilot.operator.autoscaler import _rate_limits
+
+    moment = rule_moment(replicas=4)
+    assert _rate_limits(moment, verdict(100)).desired == 8  # maxScaleUpRate 2x
+    assert "limited to 8 by maxScaleUpRate" in _rate_limits(moment, verdict(100)).message
+    assert _rate_limits(moment, verdict(0)).desired == 2  # maxScaleDownRate 2x
+    assert _rate_limits(moment, verdict(5)) == verdict(5)
+
+
+def test_hold_for_pods_alone():
+    from kvpilot.operator.autoscaler import _hold_for_pods
+
+    pending = rule_moment(replicas=4, pending_replicas=1)
+    held = _hold_for_pods(pending, verdict(6))
+    assert (held.desired, held.reason) == (4, "PendingPods")
+    starting = rule_moment(replicas=4, starting_replicas=2)
+    assert _hold_for_pods(starting, verdict(6)).reason == "StartingPods"
+    assert _hold_for_pods(starting, verdict(3)) == verdict(3)  # scale-downs are not held
+    assert _hold_for_pods(rule_moment(), verdict(6)) == verdict(6)
+
+
+def test_scale_to_zero_and_keep_one_alone():
+    from kvpilot.operator.autoscaler import _keep_one, _scale_to_zero
+
+    assert _keep_one(rule_moment(), verdict(0)).desired == 1
+    idle = replace(rule_moment(), last_active=900.0)  # 100 s without traffic, idleSeconds 60
+    zero = _scale_to_zero(idle, verdict(1))
+    assert (zero.desired, zero.reason) == (0, "ScaleToZero")
+    assert _scale_to_zero(rule_moment(), verdict(1)) == verdict(1)  # active 10 s ago
+    assert _scale_to_zero(replace(idle, woken=True), verdict(1)) == verdict(1)

@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import autoscaling_handlers, handlers
 from kvpilot.operator.apply import status_changed
 from kvpilot.operator.autoscaler import (
@@ -40,7 +40,7 @@ CONFIGS = pathlib.Path(__file__).parents[1] / "operator" / "configs"
 
 @pytest.fixture(scope="module")
 def llama():
-    return ModelSpec.from_hf_config(json.loads((CONFIGS / "Meta-Llama-3-8B.json").read_text()))
+    return ModelShape.from_hf_config(json.loads((CONFIGS / "Meta-Llama-3-8B.json").read_text()))
 
 
 def spec_on(gpu: dict, **extra):
@@ -193,15 +193,15 @@ def test_an_unchanged_decision_changes_no_status_field():
 
 
 def test_the_loop_sizes_with_the_reconcilers_function(monkeypatch, llama):
-    """``AutoscalingLoop.sizing`` is ``handlers.sized``: the shape the autoscaler chose is
+    """``AutoscalingLoop.planned`` is ``handlers.plan_deployment``: the shape the autoscaler chose is
     planned, and the spec as written (the TP the user left open) is kept beside it."""
     calls = []
 
-    def sized(body, load, image):
+    def plan_deployment(body, load, image):
         calls.append((body, image))
-        return handlers.sized(body, lambda _source: llama, image)
+        return handlers.plan_deployment(body, lambda _source: llama, image)
 
-    monkeypatch.setattr(autoscaling_handlers, "sized", sized)
+    monkeypatch.setattr(autoscaling_handlers, "plan_deployment", plan_deployment)
     config = handlers.HandlerConfig(engine_image="engine:1")
     runtime = handlers.Runtime(
         client=object(), models=object(), metrics=object(), config=config, post_event=print
@@ -213,11 +213,11 @@ def test_the_loop_sizes_with_the_reconcilers_function(monkeypatch, llama):
         "spec": {"model": {"source": "hf://x/y"}, "gpu": {"type": "L4"},
                  "autoscaling": {"maxReplicas": 4}},
     }  # fmt: skip
-    sizing = loop.sizing(body)
+    planned = loop.planned(body)
     assert calls == [(body, "engine:1")]
-    assert sizing.plan.tensor_parallel_size == 2 and sizing.spec.tensor_parallel_size == 2
-    assert sizing.user_spec.tensor_parallel_size is None
-    assert sizing.spec.image == "engine:1"
+    assert planned.plan.tensor_parallel_size == 2 and planned.spec.tensor_parallel_size == 2
+    assert planned.user_spec.tensor_parallel_size is None
+    assert planned.spec.image == "engine:1"
 
 
 def test_startup_seconds_from_creation_to_ready():

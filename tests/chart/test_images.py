@@ -126,12 +126,12 @@ for name in {blocked!r}:
     sys.modules[name] = None
 import yaml
 from kvpilot.cli import build_parser
-from kvpilot.operator.model_source import load_model_spec
+from kvpilot.operator.model_source import load_model_shape
 from kvpilot.operator.spec import parse_spec
 
 build_parser().parse_args(["operator", "--all-namespaces", "--standalone"])
 example = yaml.safe_load(open({str(EXAMPLE)!r}))
-model = load_model_spec(parse_spec(example["spec"]).model)
+model = load_model_shape(parse_spec(example["spec"]).model)
 print(model.num_layers, model.hidden_size)
 """
     done = subprocess.run(

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from kubernetes_validate import utils as kubernetes_validate
 
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import manifests
 from kvpilot.operator.planner import plan_for_spec
 from kvpilot.operator.spec import parse_spec
@@ -353,7 +353,7 @@ def _engine_deployment() -> dict:
     example = yaml.safe_load(EXAMPLE.read_text())
     config = json.loads(SMOLLM2_CONFIG.read_text())
     spec = parse_spec(example["spec"])
-    plan = plan_for_spec(spec, ModelSpec.from_hf_config(config))
+    plan = plan_for_spec(spec, ModelShape.from_hf_config(config))
     return manifests.deployment(example["metadata"]["name"], "llm-team-a", spec, plan)
 
 

@@ -51,6 +51,15 @@ def own_cluster(folder: pathlib.Path) -> Iterator[Cluster]:
         cluster.stop()
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that uses the cluster ``cluster``: ``make test`` runs them in a pytest
+    process of their own, so the control plane's processes are not running beside the
+    engine's CPU-bound tests."""
+    for item in items:
+        if "kube" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.cluster)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> object:
     outcome = yield

@@ -230,3 +230,19 @@ def test_preempting_a_request_whose_blocks_are_shared(model_dir, reference):
     assert [done[f"p{i}"] for i in range(4)] == [expected[f"ref{i}"] for i in range(4)]
     recorder.assert_written_once()
     assert_idle_clean(engine)
+
+
+def test_reset_prefix_cache_forgets_every_block_once_idle(cached):
+    """vLLM's ``reset_prefix_cache``: the same prompt hits before a reset, not after it; while
+    a request holds blocks the reset is refused and nothing is forgotten."""
+    prompt = tokens(32, seed=7)
+    run(cached, [prompt])
+    cached.add_request("held", {"prompt_token_ids": prompt}, PARAMS)
+    cached.step()
+    assert cached.reset_prefix_cache() is False
+    while cached.has_unfinished_requests():
+        cached.step()
+    assert run(cached, [prompt])[0].num_cached_tokens == 24
+    assert cached.reset_prefix_cache() is True
+    assert run(cached, [prompt])[0].num_cached_tokens == 0
+    assert_idle_clean(cached)

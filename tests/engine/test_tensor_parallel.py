@@ -5,7 +5,7 @@ of KV blocks (so both schedule the same batches and preempt the same requests): 
 must be identical and the logprobs of the top tokens equal to float32 rounding (the row-parallel
 all-reduce sums partial products in another order than one matmul does, so the last bits may
 differ; see docs/benchmarks.md, "Tensor parallelism"). Per-rank sizes are measured in the
-worker processes and checked against the planner's ``ModelSpec``, which the operator sizes GPUs
+worker processes and checked against the planner's ``ModelShape``, which the operator sizes GPUs
 with.
 """
 
@@ -26,7 +26,7 @@ from kvpilot.engine.async_llm import AsyncLLM, EngineError
 from kvpilot.engine.distributed import parallel_state
 from kvpilot.engine.executor import EngineDeadError, MultiprocExecutor, WorkerConfig
 from kvpilot.engine.model_loader import load_model
-from kvpilot.engine.model_spec import ModelSpec, check_tensor_parallel_size
+from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
 from kvpilot.engine.sampling_params import StructuredOutputsParams
 
 BLOCK_SIZE = 4
@@ -38,13 +38,13 @@ def tp_workers() -> list[multiprocessing.process.BaseProcess]:
     return [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp-")]
 
 
-def model_spec(model_dir: pathlib.Path) -> ModelSpec:
-    return ModelSpec.from_hf_config(json.loads((model_dir / "config.json").read_text()))
+def model_shape(model_dir: pathlib.Path) -> ModelShape:
+    return ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
 
 
 def make_llm(model_dir: pathlib.Path, tp: int, num_blocks: int) -> LLM:
     """An engine over ``tp`` ranks with exactly ``num_blocks`` KV blocks on each rank."""
-    bytes_per_token = model_spec(model_dir).kv_bytes_per_token(4, tp)
+    bytes_per_token = model_shape(model_dir).kv_bytes_per_token(4, tp)
     return LLM(
         str(model_dir),
         tensor_parallel_size=tp,
@@ -95,7 +95,7 @@ def test_unshardable_sizes_are_refused_with_the_planners_message(default_model_d
     messages = []
     for model_dir, tp in [(default_model_dir, 2), (tiny, 3), (tiny, 8)]:
         with pytest.raises(ValueError) as planner:
-            check_tensor_parallel_size(model_spec(model_dir), tp)
+            check_tensor_parallel_size(model_shape(model_dir), tp)
         with pytest.raises(ValueError) as engine:
             LLM(str(model_dir), tensor_parallel_size=tp)
         with pytest.raises(ValueError) as executor:
@@ -146,7 +146,7 @@ def test_more_ranks_than_gpus_is_refused(tiny_model_dir):
 )
 def test_two_ranks_match_one_under_batching_and_preemption(tiny_model_dir, overrides):
     model_dir = tiny_model_dir("llama", **overrides)
-    spec = model_spec(model_dir)
+    spec = model_shape(model_dir)
     # 5 requests needing 31 blocks in all share 16: some are preempted and recomputed.
     prompts, num_blocks = random_prompts([1, 7, 9, 17, 33]), 16
     single = make_llm(model_dir, 1, num_blocks)
@@ -289,7 +289,7 @@ def test_three_ranks_match_one_on_the_default_model(default_model_dir):
     try:
         assert_same_generation(expected, generate(llm, prompts, max_tokens=6))
         weight_bytes = llm.llm_engine.executor.collective_rpc("weight_bytes")
-        assert weight_bytes == [model_spec(default_model_dir).weight_bytes(4, 3)] * 3
+        assert weight_bytes == [model_shape(default_model_dir).weight_bytes(4, 3)] * 3
         assert max(weight_bytes) < 0.34 * whole_bytes
     finally:
         llm.llm_engine.shutdown()

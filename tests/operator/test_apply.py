@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import manifests
 from kvpilot.operator.apply import (
     FIELD_MANAGER,
@@ -125,7 +125,7 @@ def test_a_rendered_engine_deployment_applies_once(kube, namespace, owner):
             "adapters": [{"name": "sql", "source": "pvc://loras/sql"}],
         }
     )
-    plan = plan_for_spec(spec, ModelSpec.from_hf_config(json.loads(LLAMA_3_8B.read_text())))
+    plan = plan_for_spec(spec, ModelShape.from_hf_config(json.loads(LLAMA_3_8B.read_text())))
     desired = manifests.deployment("engine", namespace, spec, plan)
     desired["metadata"]["ownerReferences"] = [owner_ref(owner)]
     client = kube.api()

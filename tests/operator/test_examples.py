@@ -11,7 +11,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import manifests
 from kvpilot.operator.planner import plan_for_spec
 from kvpilot.operator.spec import parse_spec, validate_name
@@ -57,7 +57,7 @@ def test_example_plans_and_renders(kube, crd, namespace, name):
     validate_name(resource["metadata"]["name"])
     spec = parse_spec(kube.stored(namespace, resource)["spec"])
     config = json.loads((CONFIGS / f"{CONFIG_OF_SOURCE[spec.model.source]}.json").read_text())
-    plan = plan_for_spec(spec, ModelSpec.from_hf_config(config))
+    plan = plan_for_spec(spec, ModelShape.from_hf_config(config))
     assert (plan.gpu_type, plan.tensor_parallel_size, plan.gpus_per_replica) == EXPECTED[name]
     assert plan.max_concurrency >= 1
     *_, tp, utilization, capacity, sequences = readme_rows()[name]

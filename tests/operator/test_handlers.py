@@ -1,4 +1,4 @@
-"""operator/handlers.py's pure decisions: sizing a body, the status it should have, its events."""
+"""operator/handlers.py's pure decisions: planned a body, the status it should have, its events."""
 
 from __future__ import annotations
 
@@ -7,17 +7,17 @@ import json
 import pathlib
 
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import handlers
 from kvpilot.operator.autoscaler import SHAPE_ANNOTATION
 from kvpilot.operator.handlers import (
     Event,
     desired_status,
-    shaped,
-    size,
-    sized,
+    plan_deployment,
+    plan_user_spec,
     transition_events,
     tuning_rollout,
+    with_chosen_shape,
 )
 from kvpilot.operator.planner import PlanError
 from kvpilot.operator.tuning import TUNING_ANNOTATION, EngineSettings, Rollout
@@ -29,7 +29,7 @@ LATER = NOW + datetime.timedelta(minutes=5)
 
 def load(name: str):
     config = json.loads((CONFIGS / f"{name}.json").read_text())
-    return lambda _source: ModelSpec.from_hf_config(config)
+    return lambda _source: ModelShape.from_hf_config(config)
 
 
 def body(
@@ -80,21 +80,24 @@ GPU = {
 
 
 def test_size_plans_a_valid_spec_with_the_operator_image():
-    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "registry.example/engine:1")
-    assert sizing.ok and sizing.plan.tensor_parallel_size == 1 and sizing.plan.max_model_len == 8192
-    assert sizing.spec.image == "registry.example/engine:1"
+    planned = plan_user_spec(body(GPU), load("Meta-Llama-3-8B"), "registry.example/engine:1")
     assert (
-        size(body({**GPU, "image": "mine:2"}), load("Meta-Llama-3-8B"), "x").spec.image == "mine:2"
+        planned.ok and planned.plan.tensor_parallel_size == 1 and planned.plan.max_model_len == 8192
+    )
+    assert planned.spec.image == "registry.example/engine:1"
+    assert (
+        plan_user_spec(body({**GPU, "image": "mine:2"}), load("Meta-Llama-3-8B"), "x").spec.image
+        == "mine:2"
     )
 
 
 def test_size_reports_invalid_specs_and_plan_failures():
-    invalid = size(
+    invalid = plan_user_spec(
         body({**GPU, "gpu": {"type": "L4"}, "tensorParallelSize": 0}), load("Meta-Llama-3-8B"), "x"
     )
     assert (invalid.ok, invalid.reason, invalid.spec) == (False, "InvalidSpec", None)
     assert "spec.tensorParallelSize" in invalid.message
-    too_big = size(
+    too_big = plan_user_spec(
         body({"model": {"source": "hf://x/y"}, "gpu": {"type": "L4", "perNode": 1}}),
         load("Meta-Llama-3-70B"),
         "x",
@@ -104,7 +107,7 @@ def test_size_reports_invalid_specs_and_plan_failures():
     def unavailable(_source):
         raise PlanError("ConfigUnavailable", "offline")
 
-    assert size(body(GPU), unavailable, "x").reason == "ConfigUnavailable"
+    assert plan_user_spec(body(GPU), unavailable, "x").reason == "ConfigUnavailable"
 
 
 def test_shaped_rolls_out_the_autoscalers_shape():
@@ -117,15 +120,15 @@ def test_shaped_rolls_out_the_autoscalers_shape():
         spec, annotations={SHAPE_ANNOTATION: json.dumps({"tensorParallelSize": 2, "gpuType": "L4"})}
     )
     loader = load("Meta-Llama-3-8B")
-    result = shaped(size(obj, loader, "x"), obj, loader)
+    result = with_chosen_shape(plan_user_spec(obj, loader, "x"), obj, loader)
     assert (result.plan.tensor_parallel_size, result.plan.gpus_per_replica) == (2, 2)
     bad = body(spec, annotations={SHAPE_ANNOTATION: "{}"})
-    assert shaped(size(bad, loader, "x"), bad, loader).reason == "InvalidShape"
+    assert with_chosen_shape(plan_user_spec(bad, loader, "x"), bad, loader).reason == "InvalidShape"
 
 
 def test_status_of_a_fresh_object_without_deployment():
-    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "x")
-    status = desired_status(body(GPU), sizing, None, now=NOW)
+    planned = plan_user_spec(body(GPU), load("Meta-Llama-3-8B"), "x")
+    status = desired_status(body(GPU), planned, None, now=NOW)
     assert states(status) == {
         "Sized": ("True", "Planned"),
         "Progressing": ("True", "RollingOut"),
@@ -134,7 +137,7 @@ def test_status_of_a_fresh_object_without_deployment():
     }
     assert {c["observedGeneration"] for c in status["conditions"]} == {1}
     assert {c["lastTransitionTime"] for c in status["conditions"]} == {"2026-01-01T12:00:00Z"}
-    assert status["plan"] == sizing.plan.to_status()
+    assert status["plan"] == planned.plan.to_status()
     assert (status["selector"], status["endpoint"]) == (
         "kvpilot.dev/llmdeployment=llama",
         "http://llama.ml.svc.cluster.local:8000/v1",
@@ -143,11 +146,11 @@ def test_status_of_a_fresh_object_without_deployment():
 
 
 def test_status_follows_the_rollout_and_keeps_transition_times():
-    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "x")
-    rolling = desired_status(body(GPU), sizing, deployment(2, 1, 2), now=NOW)
+    planned = plan_user_spec(body(GPU), load("Meta-Llama-3-8B"), "x")
+    rolling = desired_status(body(GPU), planned, deployment(2, 1, 2), now=NOW)
     assert states(rolling)["Ready"] == ("False", "ReplicasNotReady")
     assert states(rolling)["Progressing"] == ("True", "RollingOut")
-    done = desired_status(body(GPU, status=rolling), sizing, deployment(2, 2, 2), now=LATER)
+    done = desired_status(body(GPU, status=rolling), planned, deployment(2, 2, 2), now=LATER)
     assert states(done)["Ready"] == ("True", "ReplicasReady") and states(done)["Progressing"] == (
         "False",
         "RolloutComplete",
@@ -160,7 +163,7 @@ def test_status_follows_the_rollout_and_keeps_transition_times():
         "Degraded": "2026-01-01T12:00:00Z",
     }
     stale = desired_status(
-        body(GPU), sizing, deployment(2, 2, 2, generation=3, observed=2), now=NOW
+        body(GPU), planned, deployment(2, 2, 2, generation=3, observed=2), now=NOW
     )
     assert states(stale)["Progressing"] == (
         "True",
@@ -169,7 +172,7 @@ def test_status_follows_the_rollout_and_keeps_transition_times():
 
 
 def test_status_reports_failures():
-    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "x")
+    planned = plan_user_spec(body(GPU), load("Meta-Llama-3-8B"), "x")
     stuck = deployment(
         1,
         0,
@@ -183,15 +186,15 @@ def test_status_reports_failures():
             }
         ],
     )
-    assert states(desired_status(body(GPU), sizing, stuck, now=NOW))["Degraded"] == (
+    assert states(desired_status(body(GPU), planned, stuck, now=NOW))["Degraded"] == (
         "True",
         "ProgressDeadlineExceeded",
     )
     conflict = desired_status(
-        body(GPU), sizing, None, now=NOW, apply_failure=("ChildConflict", "taken")
+        body(GPU), planned, None, now=NOW, apply_failure=("ChildConflict", "taken")
     )
     assert states(conflict)["Degraded"] == ("True", "ChildConflict")
-    invalid = size(body({"gpu": {"type": "T4"}}), load("Meta-Llama-3-8B"), "x")
+    invalid = plan_user_spec(body({"gpu": {"type": "T4"}}), load("Meta-Llama-3-8B"), "x")
     status = desired_status(body({"gpu": {"type": "T4"}}), invalid, deployment(1, 1, 1), now=NOW)
     assert states(status) == {
         "Sized": ("False", "InvalidSpec"),
@@ -205,23 +208,26 @@ def test_status_reports_failures():
 def test_zero_replicas_is_not_ready():
     spec = {**GPU, "replicas": 0}
     status = desired_status(
-        body(spec), size(body(spec), load("Meta-Llama-3-8B"), "x"), deployment(0, 0, 0), now=NOW
+        body(spec),
+        plan_user_spec(body(spec), load("Meta-Llama-3-8B"), "x"),
+        deployment(0, 0, 0),
+        now=NOW,
     )
     assert states(status)["Ready"] == ("False", "ScaledToZero")
 
 
 def test_events_only_for_changes():
-    sizing = size(body(GPU), load("Meta-Llama-3-8B"), "x")
-    first = desired_status(body(GPU), sizing, None, now=NOW)
+    planned = plan_user_spec(body(GPU), load("Meta-Llama-3-8B"), "x")
+    first = desired_status(body(GPU), planned, None, now=NOW)
     assert transition_events([], first["conditions"]) == [
         Event("Normal", "Planned", "Sized=True: " + first["conditions"][0]["message"])
     ]
     assert transition_events(first["conditions"], first["conditions"]) == []
-    ready = desired_status(body(GPU, status=first), sizing, deployment(1, 1, 1), now=LATER)
+    ready = desired_status(body(GPU, status=first), planned, deployment(1, 1, 1), now=LATER)
     assert [
         (e.type, e.reason) for e in transition_events(first["conditions"], ready["conditions"])
     ] == [("Normal", "ReplicasReady")]
-    invalid = size(body({"gpu": {"type": "T4"}}), load("Meta-Llama-3-8B"), "x")
+    invalid = plan_user_spec(body({"gpu": {"type": "T4"}}), load("Meta-Llama-3-8B"), "x")
     broken = desired_status(body({}, status=ready), invalid, deployment(1, 0, 1), now=LATER)
     assert [
         (e.type, e.reason) for e in transition_events(ready["conditions"], broken["conditions"])
@@ -229,7 +235,7 @@ def test_events_only_for_changes():
         ("Warning", "InvalidSpec"),
         ("Warning", "ReplicasNotReady"),
     ]
-    fixed = desired_status(body(GPU, status=broken), sizing, deployment(1, 1, 1), now=LATER)
+    fixed = desired_status(body(GPU, status=broken), planned, deployment(1, 1, 1), now=LATER)
     assert [
         (e.type, e.reason) for e in transition_events(broken["conditions"], fixed["conditions"])
     ] == [
@@ -240,8 +246,8 @@ def test_events_only_for_changes():
 
 
 def test_the_default_model_is_named_as_the_engine_serves_it():
-    sizing = size(body({}), load("SmolLM2-135M-Instruct"), "x")
-    assert desired_status(body({}), sizing, None, now=NOW)["model"] == DEFAULT_MODEL_NAME
+    planned = plan_user_spec(body({}), load("SmolLM2-135M-Instruct"), "x")
+    assert desired_status(body({}), planned, None, now=NOW)["model"] == DEFAULT_MODEL_NAME
     assert handlers.DEFAULT_MODEL_NAME is DEFAULT_MODEL_NAME  # one name, the engine's
 
 
@@ -251,30 +257,30 @@ TUNED = {**GPU, "replicas": 3, "autoscaling": {"maxReplicas": 4, "tuneEngine": T
 def test_the_recorded_tuning_is_rendered_while_tuning_is_on():
     canary = Rollout("Canary", EngineSettings(0.95, 512), EngineSettings(0.92, 300), 5.0, "full")
     annotated = body(TUNED, annotations={TUNING_ANNOTATION: canary.to_annotation()})
-    sizing = sized(annotated, load("Meta-Llama-3-8B"), "x")
-    assert tuning_rollout(annotated, sizing) == canary
-    assert tuning_rollout(body(TUNED), sizing) is None
+    planned = plan_deployment(annotated, load("Meta-Llama-3-8B"), "x")
+    assert tuning_rollout(annotated, planned) == canary
+    assert tuning_rollout(body(TUNED), planned) is None
     # Tuning switched off (or mode external): every pod back on the plan, the canary retired.
     for autoscaling in ({"maxReplicas": 4}, {"maxReplicas": 4, "tuneEngine": True,
                                               "mode": "external"}):  # fmt: skip
         spec = {**TUNED, "autoscaling": autoscaling}
         off = body(spec, annotations={TUNING_ANNOTATION: canary.to_annotation()})
-        retired = tuning_rollout(off, sized(off, load("Meta-Llama-3-8B"), "x"))
+        retired = tuning_rollout(off, plan_deployment(off, load("Meta-Llama-3-8B"), "x"))
         assert (retired.phase, retired.previous, retired.in_force()) == ("RolledBack", None, None)
     broken = body(TUNED, annotations={TUNING_ANNOTATION: "{"})
-    assert tuning_rollout(broken, sizing) is None
+    assert tuning_rollout(broken, planned) is None
 
 
 def test_the_canary_counts_in_the_status():
-    sizing = size(body(TUNED), load("Meta-Llama-3-8B"), "x")
+    planned = plan_user_spec(body(TUNED), load("Meta-Llama-3-8B"), "x")
     both = desired_status(
-        body(TUNED), sizing, deployment(2, 2, 2), now=NOW, canary=deployment(1, 0, 1)
+        body(TUNED), planned, deployment(2, 2, 2), now=NOW, canary=deployment(1, 0, 1)
     )
     assert (both["replicas"], both["readyReplicas"]) == (3, 2)
     assert states(both)["Ready"] == ("False", "ReplicasNotReady")
     assert states(both)["Progressing"] == ("True", "RollingOut")
     ready = desired_status(
-        body(TUNED), sizing, deployment(2, 2, 2), now=NOW, canary=deployment(1, 1, 1)
+        body(TUNED), planned, deployment(2, 2, 2), now=NOW, canary=deployment(1, 1, 1)
     )
     assert states(ready)["Ready"] == ("True", "ReplicasReady")
     assert states(ready)["Progressing"] == ("False", "RolloutComplete")

@@ -10,7 +10,7 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import manifests
 from kvpilot.operator.gpus import GiB
 from kvpilot.operator.images import ENGINE_IMAGE
@@ -22,8 +22,8 @@ CONFIGS = Path(__file__).parent / "configs"
 K8S_VERSION = "1.32.0"
 
 
-def model(name: str) -> ModelSpec:
-    return ModelSpec.from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()))
+def model(name: str) -> ModelShape:
+    return ModelShape.from_hf_config(json.loads((CONFIGS / f"{name}.json").read_text()))
 
 
 def render(spec_dict: dict, config: str, name: str = "llm") -> tuple:

@@ -16,8 +16,8 @@ import pytest
 from huggingface_hub import constants
 
 from kvpilot.engine.model_loader.resolve import DEFAULT_GGUF_NAME, DEFAULT_MODEL_PACKAGE
-from kvpilot.engine.model_spec import ModelSpec
-from kvpilot.operator.model_source import load_model_spec, read_model_config
+from kvpilot.engine.model_shape import ModelShape
+from kvpilot.operator.model_source import load_model_shape, read_model_config
 from kvpilot.operator.planner import PlanError
 from kvpilot.operator.spec import ModelSource, parse_spec
 
@@ -31,7 +31,7 @@ def source(model: dict) -> ModelSource:
 
 def test_inline_config_wins():
     model = source({"source": "pvc://weights/llama", "config": LLAMA3_8B})
-    assert load_model_spec(model).num_parameters() == 8_030_261_248
+    assert load_model_shape(model).num_parameters() == 8_030_261_248
 
 
 def test_file_source_reads_the_folder(tmp_path):
@@ -79,14 +79,14 @@ def test_hub_source_fetches_config_json_only(offline_hub):
 )
 def test_unusable_configs(config, reason):
     with pytest.raises(PlanError) as caught:
-        load_model_spec(source({"config": config}))
+        load_model_shape(source({"config": config}))
     assert caught.value.reason == reason
 
 
 def test_builtin_default_reads_the_gguf_metadata():
     """The default model's sizes, from the GGUF the engine serves, match its public config."""
-    default = load_model_spec(ModelSource())
-    public = load_model_spec(
+    default = load_model_shape(ModelSource())
+    public = load_model_shape(
         source({"config": json.loads((CONFIGS / "SmolLM2-135M-Instruct.json").read_text())})
     )
     assert default.num_parameters() == public.num_parameters() == 134_515_008
@@ -140,7 +140,7 @@ def _default_gguf() -> Path:
     ],
 )
 def test_gguf_config_matches_transformers(tmp_path, arch, tied, extra):
-    """Every config field ModelSpec reads, and the ModelSpec built from them, equal what
+    """Every config field ModelShape reads, and the ModelShape built from them, equal what
     transformers' GGUF loader reads from the same file (the engine converts GGUFs with it)."""
     from transformers import AutoConfig
 
@@ -152,7 +152,7 @@ def test_gguf_config_matches_transformers(tmp_path, arch, tied, extra):
         ours = read_model_config(source({"source": f"file://{path}"}))
     theirs = AutoConfig.from_pretrained(path.parent, gguf_file=path.name).to_dict()
     assert {key: theirs[key] for key in ours} == ours
-    assert ModelSpec.from_hf_config(ours) == ModelSpec.from_hf_config(theirs)
+    assert ModelShape.from_hf_config(ours) == ModelShape.from_hf_config(theirs)
 
 
 def test_gguf_moe_and_rope_scaling(tmp_path):
@@ -169,12 +169,12 @@ def test_gguf_moe_and_rope_scaling(tmp_path):
         rope_scaling_orig_ctx_len=1024,
         **TINY_SIZES,
     )
-    spec = load_model_spec(source({"source": f"file://{mixtral}"}))
+    spec = load_model_shape(source({"source": f"file://{mixtral}"}))
     assert (spec.num_experts, spec.num_experts_per_tok, spec.vocab_size) == (8, 2, 64)
     assert spec.derived_max_model_len == 4 * 1024
     qwen_moe = _write_gguf(tmp_path / "qwen2moe.gguf", "qwen2moe", tied=True, expert_count=4)
     with pytest.raises(PlanError) as caught:
-        load_model_spec(source({"source": f"file://{qwen_moe}"}))
+        load_model_shape(source({"source": f"file://{qwen_moe}"}))
     assert caught.value.reason == "UnsupportedArchitecture"
 
 

@@ -1,4 +1,4 @@
-"""ModelSpec on real public config.json files, with hand-computed sizes.
+"""ModelShape on real public config.json files, with hand-computed sizes.
 
 Hand computations (bf16 = 2 bytes):
 - Llama-3-8B layer: q 4096*4096 + k,v 2*4096*1024 + o 4096*4096 = 41,943,040; MLP
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.engine.model_spec import (
+from kvpilot.engine.model_shape import (
     DTYPE_BYTES,
     SUPPORTED_ARCHITECTURES,
-    ModelSpec,
+    ModelShape,
     UnsupportedModelError,
     check_tensor_parallel_size,
 )
@@ -45,8 +45,8 @@ def load(name: str) -> dict:
     return json.loads((CONFIGS / f"{name}.json").read_text())
 
 
-def spec(name: str) -> ModelSpec:
-    return ModelSpec.from_hf_config(load(name))
+def spec(name: str) -> ModelShape:
+    return ModelShape.from_hf_config(load(name))
 
 
 @pytest.mark.parametrize(
@@ -70,11 +70,11 @@ def test_num_parameters_of_public_models(name, parameters):
 def test_gemma_ties_its_embeddings_unless_the_config_says_otherwise():
     # gemma-7b's config.json has no tie_word_embeddings; GemmaConfig defaults it to true.
     assert spec("gemma-7b").tie_word_embeddings
-    untied = ModelSpec.from_hf_config({**load("gemma-7b"), "tie_word_embeddings": False})
+    untied = ModelShape.from_hf_config({**load("gemma-7b"), "tie_word_embeddings": False})
     assert not untied.tie_word_embeddings
     assert untied.num_parameters() == 8_537_680_896 + 256000 * 3072
     # Other families default to untied.
-    assert not ModelSpec.from_hf_config(
+    assert not ModelShape.from_hf_config(
         {k: v for k, v in load("granite-3.3-8b-instruct").items() if k != "tie_word_embeddings"}
     ).tie_word_embeddings
 
@@ -144,7 +144,7 @@ def test_tp_rule_matches_vllm():
         check_tensor_parallel_size(qwen, 0)
     with pytest.raises(ValueError, match="intermediate_size 29568 is not divisible by .* 256"):
         check_tensor_parallel_size(
-            ModelSpec.from_hf_config({**load("Qwen2.5-72B-Instruct"), "num_attention_heads": 256}),
+            ModelShape.from_hf_config({**load("Qwen2.5-72B-Instruct"), "num_attention_heads": 256}),
             256,
         )
 
@@ -153,15 +153,15 @@ def test_kv_heads_neither_dividing_is_refused():
     config = {**load("Meta-Llama-3-8B"), "num_attention_heads": 48, "num_key_value_heads": 6}
     config["head_dim"] = 128
     with pytest.raises(ValueError, match="num_key_value_heads 6 and tensor_parallel_size 4"):
-        check_tensor_parallel_size(ModelSpec.from_hf_config(config), 4)
+        check_tensor_parallel_size(ModelShape.from_hf_config(config), 4)
 
 
 def test_resolve_dtype_follows_the_engine():
     assert spec("Meta-Llama-3-8B").resolve_dtype("auto") == "bfloat16"
-    fp32 = ModelSpec.from_hf_config({**load("Meta-Llama-3-8B"), "torch_dtype": "float32"})
+    fp32 = ModelShape.from_hf_config({**load("Meta-Llama-3-8B"), "torch_dtype": "float32"})
     assert fp32.resolve_dtype("auto") == "bfloat16"
     assert fp32.resolve_dtype("auto", device="cpu") == "float32"
-    fp16 = ModelSpec.from_hf_config({**load("Meta-Llama-3-8B"), "torch_dtype": "float16"})
+    fp16 = ModelShape.from_hf_config({**load("Meta-Llama-3-8B"), "torch_dtype": "float16"})
     assert fp16.resolve_dtype("auto") == "float16"
     assert fp32.resolve_dtype("half") == "float16"
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
@@ -185,7 +185,7 @@ def test_malformed_configs_name_the_key(change, message):
     config = {**load("Meta-Llama-3-8B"), **change}
     config = {k: v for k, v in config.items() if v is not None}
     with pytest.raises(ValueError, match=message):
-        ModelSpec.from_hf_config(config)
+        ModelShape.from_hf_config(config)
 
 
 @pytest.mark.parametrize(
@@ -194,13 +194,13 @@ def test_malformed_configs_name_the_key(change, message):
 )
 def test_unmodelled_layouts_are_refused(extra):
     with pytest.raises(UnsupportedModelError):
-        ModelSpec.from_hf_config({**load("Meta-Llama-3-8B"), **extra})
+        ModelShape.from_hf_config({**load("Meta-Llama-3-8B"), **extra})
 
 
 def test_text_config_of_a_multimodal_config_is_read():
     config = {"architectures": ["LlavaForConditionalGeneration"], "model_type": "llava"}
     config["text_config"] = load("Mistral-7B-v0.1")
-    s = ModelSpec.from_hf_config(config)
+    s = ModelShape.from_hf_config(config)
     assert s.num_layers == 32 and s.vocab_size == 32000
     assert s.architectures == ("LlavaForConditionalGeneration",)
 
@@ -242,7 +242,7 @@ def test_num_parameters_matches_transformers(model_type, extra):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     expected = sum(p.numel() for p in model.parameters())
-    assert ModelSpec.from_hf_config(config).num_parameters() == expected
+    assert ModelShape.from_hf_config(config).num_parameters() == expected
 
 
 @pytest.mark.parametrize(
@@ -256,7 +256,7 @@ def test_num_parameters_matches_transformers(model_type, extra):
 )
 def test_derived_max_model_len_follows_rope_scaling(rope, derived):
     config = {**load("Qwen2.5-72B-Instruct"), "rope_scaling": rope}
-    assert ModelSpec.from_hf_config(config).derived_max_model_len == derived
+    assert ModelShape.from_hf_config(config).derived_max_model_len == derived
 
 
 def test_supported_architectures_are_the_engines():
@@ -270,13 +270,13 @@ def test_engine_support():
     assert spec("Qwen2.5-72B-Instruct").is_supported_by_engine
     for name in ("granite-3.3-8b-instruct", "Phi-3-mini-4k-instruct", "gemma-7b"):
         assert spec(name).is_supported_by_engine
-        assert ModelSpec.from_hf_config(
+        assert ModelShape.from_hf_config(
             {**load(name), "architectures": None}
         ).is_supported_by_engine
     assert not spec("Mixtral-8x7B-v0.1").is_supported_by_engine
     awq = {**load("Mistral-7B-v0.1"), "quantization_config": {"quant_method": "awq", "bits": 4}}
-    assert ModelSpec.from_hf_config(awq).quantization_method == "awq"
-    assert not ModelSpec.from_hf_config(awq).is_supported_by_engine
+    assert ModelShape.from_hf_config(awq).quantization_method == "awq"
+    assert not ModelShape.from_hf_config(awq).is_supported_by_engine
     # transformers' configs built from GGUF metadata carry model_type but no architectures.
     gguf_like = {**load("SmolLM2-135M-Instruct"), "architectures": None}
-    assert ModelSpec.from_hf_config(gguf_like).is_supported_by_engine
+    assert ModelShape.from_hf_config(gguf_like).is_supported_by_engine

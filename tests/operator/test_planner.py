@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpilot.engine.model_spec import ModelSpec
+from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator.gpus import CATALOGUE, GiB, MiB, gpu_type
 from kvpilot.operator.planner import PlanError, default_gpu_memory_utilization, plan
 
@@ -26,8 +26,8 @@ H100 = CATALOGUE["H100-80GB"]
 L4 = CATALOGUE["L4"]
 
 
-def spec(name: str, **changes) -> ModelSpec:
-    return ModelSpec.from_hf_config(
+def spec(name: str, **changes) -> ModelShape:
+    return ModelShape.from_hf_config(
         {**json.loads((CONFIGS / f"{name}.json").read_text()), **changes}
     )
 

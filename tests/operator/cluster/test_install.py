@@ -26,7 +26,7 @@ RELEASE_NAMESPACE = "kvpilot-system"
 OPERATOR_USER = f"system:serviceaccount:{RELEASE_NAMESPACE}:kvpilot-operator"
 FAST = ["--retry-delay=1", "--autoscale-interval=2", "--resync-interval=5"]
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.cluster]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 # Bytes per element of each dtype name vLLM accepts for ``--dtype``. "auto" is its size on a GPU,
-# where it is never float32 (``ModelSpec.resolve_dtype`` gives the concrete dtype per device).
+# where it is never float32 (``ModelShape.resolve_dtype`` gives the concrete dtype per device).
 DTYPE_BYTES: dict[str, int] = {
     "auto": 2,
     "float16": 2,
@@ -66,7 +66,7 @@ class UnsupportedModelError(ValueError):
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelShape:
     """Sizes of a decoder-only transformer (Llama family and its relatives Granite, Phi-3 and
     Gemma, which have the same weights; Mixtral-style MoE counted explicitly).
 
@@ -119,7 +119,7 @@ class ModelSpec:
     quantization_method: str | None = None
 
     @classmethod
-    def from_hf_config(cls, config: dict[str, Any]) -> ModelSpec:
+    def from_hf_config(cls, config: dict[str, Any]) -> ModelShape:
         """Read a Hugging Face ``config.json`` (already parsed into a dict).
 
         Multimodal configs whose language model sits under ``text_config`` are read from there.
@@ -315,7 +315,7 @@ class ModelSpec:
         return embeddings + self.num_layers * layer + hidden
 
 
-def check_tensor_parallel_size(spec: ModelSpec, tensor_parallel_size: int) -> None:
+def check_tensor_parallel_size(spec: ModelShape, tensor_parallel_size: int) -> None:
     """Check that ``spec`` can be split over ``tensor_parallel_size`` ranks (vLLM's rule).
 
     Query heads and MLP channels must divide evenly; KV heads must either divide evenly or
