@@ -40,7 +40,6 @@ operator is down (or uninstalled) goes at once, and the garbage collector remove
 from __future__ import annotations
 
 import base64
-import copy
 import dataclasses
 import datetime
 import logging
@@ -634,23 +633,30 @@ def _reconcile_once(rt: Runtime, body: dict[str, Any]) -> bool:
     return written or bool(applied.events)
 
 
-def reconcile(rt: Runtime, body: dict[str, Any], trigger: str) -> None:
-    """Make the children and status of the LLMDeployment ``body`` match its spec.
+def reconcile(rt: Runtime, namespace: str, name: str, trigger: str, uid: str | None = None) -> None:
+    """Make the children and status of the LLMDeployment ``namespace/name`` match its spec.
 
-    Re-reads the object and starts over when its status write conflicts (the object changed
-    meanwhile).
+    The object is read once this reconcile holds the object's lock, never taken from the event
+    that triggered it: a body that waited for the lock may be older than the one a reconcile
+    before it wrote, and applying its children would roll the Deployment back until the next
+    event. A ``uid`` (of a child's owner reference) limits it to that incarnation. Re-reads the
+    object and starts over when its status write conflicts (the object changed meanwhile).
 
     Raises:
         kopf.TemporaryError: API conflicts or outages outlasted the retries (retried after
             ``retry_delay``), or a child still belongs to a deleted LLMDeployment of the same
             name (retried after ``STALE_OWNER_DELAY``).
     """
-    meta = body["metadata"]
-    with rt.metrics.track(trigger) as outcome, _object_lock(meta["namespace"], meta["name"]):
-        current: dict[str, Any] | None = body
+    current: dict[str, Any] | None = None
+    with rt.metrics.track(trigger) as outcome, _object_lock(namespace, name):
         try:
             for _ in range(STATUS_CONFLICT_ATTEMPTS):
-                if current is None or current["metadata"].get("deletionTimestamp"):
+                current = rt.client.get(API_VERSION, KIND, namespace, name)
+                if (
+                    current is None
+                    or current["metadata"].get("deletionTimestamp")
+                    or uid not in (None, current["metadata"].get("uid"))
+                ):
                     return
                 try:
                     outcome.changed = _reconcile_once(rt, current)
@@ -658,10 +664,7 @@ def reconcile(rt: Runtime, body: dict[str, Any], trigger: str) -> None:
                 except KubeApiError as exc:
                     if exc.status != 409:
                         raise
-                    current = rt.client.get(API_VERSION, KIND, meta["namespace"], meta["name"])
-            raise TransientApiError(
-                f"status of {meta['namespace']}/{meta['name']} kept conflicting"
-            )
+            raise TransientApiError(f"status of {namespace}/{name} kept conflicting")
         except StaleOwner as exc:
             outcome.error_reason = "StaleOwner"
             raise kopf.TemporaryError(
@@ -669,9 +672,10 @@ def reconcile(rt: Runtime, body: dict[str, Any], trigger: str) -> None:
             ) from exc
         except (TransientApiError, KubeApiError, urllib3.exceptions.HTTPError) as exc:
             outcome.error_reason = "ApiError"
-            rt.post_event(body, Event("Warning", "ReconcileFailed", str(exc)))
+            if current is not None:
+                rt.post_event(current, Event("Warning", "ReconcileFailed", str(exc)))
             raise kopf.TemporaryError(
-                f"reconcile of {meta['namespace']}/{meta['name']} failed: {exc}",
+                f"reconcile of {namespace}/{name} failed: {exc}",
                 delay=rt.config.retry_delay,
             ) from exc
 
@@ -704,13 +708,11 @@ def operator_settings(
     return settings
 
 
-def _owner(rt: Runtime, child: kopf.Body) -> dict[str, Any] | None:
-    """The live LLMDeployment that controls ``child``, if it is still the one named."""
+def _owner(child: kopf.Body) -> tuple[str, str] | None:
+    """The name and uid of the LLMDeployment that ``child``'s owner reference names, if any."""
     for ref in child.metadata.get("ownerReferences") or []:
         if ref.get("apiVersion") == API_VERSION and ref.get("kind") == KIND:
-            owner = rt.client.get(API_VERSION, KIND, child.metadata["namespace"], ref["name"])
-            if owner is not None and owner["metadata"]["uid"] == ref.get("uid"):
-                return owner
+            return ref["name"], ref.get("uid", "")
     return None
 
 
@@ -733,7 +735,7 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
 
     def on_llmdeployment(trigger: str) -> Callable[..., None]:
         def handle(body: kopf.Body, **_: Any) -> None:
-            reconcile(rt, _plain(body), trigger)
+            reconcile(rt, body.metadata["namespace"], body.metadata["name"], trigger)
 
         return handle
 
@@ -748,9 +750,9 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
 
     @kopf.on.event("apps", "v1", "deployments", registry=registry)
     def child_changed(body: kopf.Body, **_: Any) -> None:
-        owner = _owner(rt, body)
+        owner = _owner(body)
         if owner is not None:
-            reconcile(rt, owner, "child")
+            reconcile(rt, body.metadata["namespace"], owner[0], "child", uid=owner[1])
 
     seen: dict[str, tuple[Any, ...]] = {}
 
@@ -768,13 +770,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
         for ref in body.metadata.get("ownerReferences") or []:
             if ref.get("kind") == "ReplicaSet":
                 name = (body.metadata.get("labels") or {}).get(manifests.LLMDEPLOYMENT_LABEL)
-                owner = (
-                    rt.client.get(API_VERSION, KIND, body.metadata["namespace"], name)
-                    if name
-                    else None
-                )
-                if owner is not None:
-                    reconcile(rt, owner, "pod")
+                if name:
+                    reconcile(rt, body.metadata["namespace"], name, "pod")
 
     @kopf.on.login(registry=registry)
     def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
@@ -795,8 +792,3 @@ def build_runtime(config: HandlerConfig, metrics: OperatorMetrics) -> Runtime:
         config=config,
         post_event=EventSink(client).post,
     )
-
-
-def _plain(body: kopf.Body) -> dict[str, Any]:
-    """kopf's read-only body view as a plain (deep-copied) dict."""
-    return copy.deepcopy(dict(body))

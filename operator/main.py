@@ -179,7 +179,10 @@ def run(args: argparse.Namespace) -> int:
     autoscaling_handlers.register(registry, autoscaler)
 
     async def resync(body: dict) -> None:
-        await asyncio.to_thread(handlers.reconcile, runtime, body, "timer")
+        meta = body["metadata"]
+        await asyncio.to_thread(
+            handlers.reconcile, runtime, meta["namespace"], meta["name"], "timer"
+        )
 
     jobs = periodic.Periodic(
         [
