@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install tools control-plane cluster e2e serve generate test test-engine test-cluster test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling bench-lora clean
+.PHONY: install tools control-plane cluster crd e2e serve generate test test-engine test-cluster test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling bench-lora clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,13 +38,19 @@ control-plane:
 cluster: install tools control-plane
 	$(BIN)/python -m tests.cluster
 
+## The CRD's YAML, crds/llmdeployment.yaml and the chart's copy, generated from operator/crd.py
+## (the one source of the LLMDeployment schema); tests/operator/test_crd_source.py fails while
+## they differ.
+crd: install
+	$(BIN)/python -m kvpilot.operator.crd
+
 ## The main job: the OpenAI-compatible server on the default model (SmolLM2-135M-Instruct).
 serve: install
 	$(BIN)/kvpilot serve --host $(HOST) --port $(PORT)
 
 ## One offline generation on the default model.
 generate: install
-	$(BIN)/kvpilot generate --prompt "Write a haiku about Kubernetes."
+	$(BIN)/kvpilot generate --prompt "What is a GPU?"
 
 ## The whole suite, as two jobs at once (each job's output is printed when it ends):
 ## - test-engine: the main run, then the Triton kernel tests in their own process (an

@@ -121,6 +121,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     attention_backend: str | None = None
     served_model_name: str | None = None
+    generation_config: str = "auto"
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
@@ -183,6 +184,8 @@ class EngineArgs:
             bad("long_prefill_token_threshold", "must be an integer >= 0 (0: no cap)")
         if self.attention_backend is not None and self.attention_backend not in ATTENTION_BACKENDS:
             bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            bad("generation_config", "must be 'auto', 'vllm' or a folder")
         if self.speculative_config is not None:
             # Parsed here so that a bad config is refused before any model is loaded.
             self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
@@ -293,6 +296,13 @@ class EngineArgs:
             "--served-model-name",
             default=None,
             help="model name reported by the API (default: the model's)",
+        )
+        group.add_argument(
+            "--generation-config",
+            default="auto",
+            help="default sampling parameters (temperature, top_p, top_k, min_p, "
+            "repetition_penalty) for requests that leave them unset: auto: the model's "
+            "generation_config.json; vllm: the engine's own; or a folder with that file",
         )
         group.add_argument(
             "--enable-lora",

@@ -8,7 +8,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from kvpilot.engine.config import EngineArgs
-from kvpilot.engine.llm_engine import LLMEngine, PromptType
+from kvpilot.engine.input_processor import PromptType
+from kvpilot.engine.llm_engine import LLMEngine
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
@@ -120,6 +121,11 @@ class LLM:
         ]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's recommended sampling where its
+        ``generation_config.json`` has one (``--generation-config``, as in vLLM)."""
+        return self.llm_engine.get_default_sampling_params()
+
     def generate(
         self,
         prompts: PromptType | Sequence[PromptType],
@@ -135,7 +141,7 @@ class LLM:
                 vLLM's ``"cache_salt"`` (a non-empty string): prompts with different salts
                 never share prefix-cache blocks.
             sampling_params: one for all prompts, or one per prompt (default
-                ``SamplingParams()``).
+                ``get_default_sampling_params()``).
             use_tqdm: show a progress bar over finished requests.
             lora_request: the LoRA adapter for all prompts, or one per prompt (None entries:
                 the base model); needs ``enable_lora``.
@@ -153,7 +159,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params_list = [sampling_params] * len(prompts)
         else:

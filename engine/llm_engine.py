@@ -8,7 +8,6 @@ import logging
 import pathlib
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 import torch
 from tqdm.auto import tqdm
@@ -24,99 +23,21 @@ from kvpilot.engine.config import (
 )
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.executor import WorkerConfig, create_executor
+from kvpilot.engine.input_processor import InputProcessor, PromptType, sequence_ids
 from kvpilot.engine.kv_cache_manager import KVCacheManager
-from kvpilot.engine.logits_processors import TokenLogprobs
 from kvpilot.engine.lora.request import LoRARequest, parse_lora_modules
 from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
-from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from kvpilot.engine.output_processor import OutputProcessor, ParentRequestState, SequenceState
+from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.request import Request, RequestStatus
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.scheduler import Scheduler
-from kvpilot.engine.scheduler_output import ScheduledRequest
+from kvpilot.engine.scheduler_output import RequestDelta, SchedulerOutput
 from kvpilot.engine.spec_decode import proposers
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.structured_output import StructuredOutputManager
-from kvpilot.engine.tokenization import encode_text
 
 logger = logging.getLogger("kvpilot.engine")
-
-PromptType = str | dict
-# vLLM's prompt dict: one of the first two keys, optionally a salt for the prefix cache.
-PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
-
-
-def check_cache_salt(cache_salt: object) -> None:
-    """Refuse a prefix-cache salt vLLM refuses: anything but a non-empty string (None: no salt).
-
-    Raises:
-        ValueError: ``cache_salt: must be a non-empty string if provided, ...``.
-    """
-    if cache_salt is not None and not (isinstance(cache_salt, str) and cache_salt):
-        raise ValueError(f"cache_salt: must be a non-empty string if provided, got {cache_salt!r}")
-
-
-@dataclass
-class _Sequence:
-    """Engine-side state of one output sequence: its request, text and logprobs."""
-
-    parent_id: str
-    index: int
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    logprobs: list[dict[int, Logprob]] | None = None
-    cumulative_logprob: float | None = None
-
-    def to_output(self) -> CompletionOutput:
-        request = self.request
-        return CompletionOutput(
-            index=self.index,
-            text=self.detokenizer.get_text(finished=request.is_finished),
-            token_ids=list(request.output_token_ids),
-            cumulative_logprob=self.cumulative_logprob,
-            logprobs=None if self.logprobs is None else list(self.logprobs),
-            finish_reason=request.status.finish_reason,
-            stop_reason=request.stop_reason,
-        )
-
-
-@dataclass
-class _ParentRequest:
-    """A user request: its ``n`` sequences share the prompt (and, cached, its blocks).
-
-    ``prompt_logprobs`` (when asked) grows chunk by chunk as the first sequence's prefill
-    scores the prompt: ``[None]`` for the first token, then one dict per scored token.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    sequences: list[_Sequence] = field(default_factory=list)
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return all(s.request.is_finished for s in self.sequences)
-
-    @property
-    def prompt_logprobs_ready(self) -> bool:
-        """Whether the prompt logprobs, if asked, cover every prompt token."""
-        return self.prompt_logprobs is None or len(self.prompt_logprobs) == len(
-            self.prompt_token_ids
-        )
-
-    def to_output(self) -> RequestOutput:
-        first = self.sequences[0].request
-        times = first.times
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=[s.to_output() for s in self.sequences],
-            finished=self.finished,
-            prompt_logprobs=self.prompt_logprobs,
-            num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics=RequestMetrics(**vars(times)),
-        )
 
 
 class LLMEngine:
@@ -143,6 +64,7 @@ class LLMEngine:
             get_eos_token_ids,
             load_tokenizer,
             read_model_config,
+            read_sampling_defaults,
             resolve_dtype,
             resolve_model,
         )
@@ -223,6 +145,7 @@ class LLMEngine:
             )
             progress.update()
         self.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+        self.default_sampling = read_sampling_defaults(self.model_dir, args.generation_config)
         self.kv_cache_manager = KVCacheManager(
             self.cache_config.num_blocks,
             args.block_size,
@@ -234,13 +157,14 @@ class LLMEngine:
             self.kv_cache_manager,
             num_lookahead_tokens=proposers.num_lookahead_tokens(self.speculative_config),
         )
-        self._parents: dict[str, _ParentRequest] = {}
-        self._sequences: dict[str, _Sequence] = {}
-        # Token id -> its text on its own, for logprobs (at most the vocabulary).
-        self._token_texts: dict[int, str] = {}
-        self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         capacity = self.cache_config.capacity_tokens
+        self.input_processor = InputProcessor(
+            self.tokenizer,
+            self.model_shape.vocab_size,
+            self.scheduler_config.max_model_len,
+            capacity,
+        )
+        self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
             "KV cache size: %d tokens (%d blocks of %d)",
             capacity,
@@ -364,7 +288,7 @@ class LLMEngine:
             request_id: unique among unfinished requests.
             prompt: text, ``{"prompt": text}`` or ``{"prompt_token_ids": [...]}``; a dict may
                 carry vLLM's ``"cache_salt"`` key instead of the ``cache_salt`` argument.
-            params: sampling parameters (default ``SamplingParams()``); ``n > 1`` fans out
+            params: sampling parameters (default ``get_default_sampling_params()``); ``n > 1`` fans out
                 into ``n`` sequences, sequence ``i`` seeded with ``seed + i``.
             arrival_time: ``time.time()`` of arrival (default now).
             cache_salt: requests with different salts never share prefix-cache blocks; a
@@ -383,29 +307,12 @@ class LLMEngine:
                 ``structured_outputs`` constraint, an adapter without ``enable_lora`` or that
                 cannot be loaded (``LoRAAdapterError``). Nothing else is touched.
         """
-        params = params if params is not None else SamplingParams()
+        params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        vocab_size = self.model_shape.vocab_size
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > vocab_size:
-                raise ValueError(
-                    f"{name} must be at most the vocabulary size ({vocab_size}), got "
-                    f"{getattr(params, name)}"
-                )
-        if isinstance(prompt, dict) and "cache_salt" in prompt:
-            if cache_salt is not None:
-                raise ValueError(
-                    "cache_salt: given both in the prompt dict and as an argument; give one"
-                )
-            cache_salt = prompt["cache_salt"]
-        check_cache_salt(cache_salt)
-        text, token_ids = self._tokenize(prompt)
-        max_tokens = self._max_tokens(len(token_ids), params)
-        ids = [request_id] if params.n == 1 else [f"{request_id}:{i}" for i in range(params.n)]
-        taken = [i for i in [request_id, *ids] if i in self._parents or i in self._sequences]
+        prompt_in = self.input_processor.process(prompt, params, cache_salt)
+        ids = sequence_ids(request_id, params.n)
+        taken = [i for i in [request_id, *ids] if self.output_processor.is_taken(i)]
         if taken:
             raise ValueError(f"request id {taken[0]!r} is already in use")
         grammar = (
@@ -415,42 +322,47 @@ class LLMEngine:
         )
         lora_digest = self._lora_digest(lora_request)
         arrival_time = time.time() if arrival_time is None else arrival_time
-        parent = _ParentRequest(
+        parent = ParentRequestState(
             request_id,
-            text,
-            token_ids,
+            prompt_in.text,
+            prompt_in.token_ids,
             prompt_logprobs=None if params.prompt_logprobs is None else [None],
         )
         for index, seq_id in enumerate(ids):
             request = Request(
                 request_id=seq_id,
-                prompt_token_ids=token_ids,
+                prompt_token_ids=prompt_in.token_ids,
                 sampling_params=params,
                 eos_token_ids=self.eos_token_ids,
-                max_tokens=max_tokens,
+                max_tokens=prompt_in.max_tokens,
                 arrival_time=arrival_time,
-                cache_salt=cache_salt,
+                cache_salt=prompt_in.cache_salt,
                 lora_request=lora_request,
                 lora_digest=lora_digest,
                 seed=None if params.seed is None else params.seed + index,
                 # The sequences share the prompt: the first one scores it.
                 num_prompt_logprobs=params.prompt_logprobs if index == 0 else None,
             )
-            seq = _Sequence(
-                parent_id=request_id,
-                index=index,
-                request=request,
-                detokenizer=IncrementalDetokenizer(self.tokenizer, token_ids, params),
-                logprobs=None if params.logprobs is None else [],
-                cumulative_logprob=None if params.logprobs is None else 0.0,
+            parent.sequences.append(
+                SequenceState(
+                    parent_id=request_id,
+                    index=index,
+                    request=request,
+                    detokenizer=IncrementalDetokenizer(self.tokenizer, prompt_in.token_ids, params),
+                    logprobs=None if params.logprobs is None else [],
+                    cumulative_logprob=None if params.logprobs is None else 0.0,
+                )
             )
-            parent.sequences.append(seq)
-        self._parents[request_id] = parent
+        self.output_processor.add_request(parent)
         for seq in parent.sequences:
-            self._sequences[seq.request.request_id] = seq
             if grammar is not None:
                 self.structured_output_manager.add_request(seq.request.request_id, grammar)
             self.scheduler.add_request(seq.request)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """``SamplingParams()`` with the model's recommended sampling (``generation_config``;
+        vLLM's ``get_default_sampling_params``)."""
+        return SamplingParams(**self.default_sampling)
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile a structured-output constraint into xgrammar's cache, where ``add_request``
@@ -489,7 +401,7 @@ class LLMEngine:
             ValueError: LoRA is not enabled, or unfinished requests use the adapter
                 (``LoRAInUseError``).
         """
-        in_use = {s.request.lora_name for s in self._sequences.values()}
+        in_use = self.output_processor.lora_names_in_use()
         return self._require_lora().remove_adapter(lora_name, in_use)
 
     def list_loras(self) -> list[LoRARequest]:
@@ -504,67 +416,6 @@ class LLMEngine:
             )
         return self.lora_manager
 
-    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            unknown = sorted(set(prompt) - set(PROMPT_DICT_KEYS), key=str)
-            if unknown:
-                raise ValueError(
-                    f"prompt dict has unknown keys {unknown}: it takes 'prompt' or "
-                    "'prompt_token_ids', and optionally 'cache_salt'"
-                )
-            if ("prompt" in prompt) == ("prompt_token_ids" in prompt):
-                raise ValueError(
-                    "prompt dict must have exactly one of the keys 'prompt' or "
-                    f"'prompt_token_ids', got {sorted(prompt)}"
-                )
-            if "prompt" in prompt:
-                prompt = prompt["prompt"]
-            else:
-                token_ids = prompt["prompt_token_ids"]
-                if not isinstance(token_ids, list | tuple) or not all(
-                    isinstance(t, int) and not isinstance(t, bool) for t in token_ids
-                ):
-                    raise ValueError("prompt_token_ids must be a list of integers")
-                return None, self._check_prompt(list(token_ids))
-        if not isinstance(prompt, str):
-            raise ValueError(f"prompt must be a string or a dict, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("prompt is empty")
-        return prompt, self._check_prompt(encode_text(self.tokenizer, prompt, "prompt"))
-
-    def _check_prompt(self, token_ids: list[int]) -> list[int]:
-        if not token_ids:
-            raise ValueError("prompt is empty (0 tokens)")
-        vocab_size = self.model_shape.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(
-                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"
-            )
-        max_model_len = self.scheduler_config.max_model_len
-        if len(token_ids) > max_model_len:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens, longer than max_model_len ({max_model_len})"
-            )
-        capacity = self.cache_config.capacity_tokens
-        if len(token_ids) > capacity:
-            raise ValueError(
-                f"prompt is {len(token_ids)} tokens and can never fit the KV cache "
-                f"({capacity} tokens)"
-            )
-        return token_ids
-
-    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        """Clamp the output length so that prompt + output fits ``max_model_len`` (as vLLM) and
-        the KV cache (the last sampled token needs no slot)."""
-        limits = [
-            self.scheduler_config.max_model_len - prompt_len,
-            self.cache_config.capacity_tokens + 1 - prompt_len,
-        ]
-        if params.max_tokens is not None:
-            limits.append(params.max_tokens)
-        return max(1, min(limits))
-
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         """Finish requests with ``finish_reason`` "abort" and free their blocks now.
 
@@ -573,20 +424,15 @@ class LLMEngine:
         if isinstance(request_ids, str):
             request_ids = [request_ids]
         for request_id in request_ids:
-            parent = self._parents.pop(request_id, None)
-            if parent is None:
-                continue
-            seq_ids = [s.request.request_id for s in parent.sequences]
+            seq_ids = self.output_processor.abort_request(request_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
             self.structured_output_manager.remove_requests(seq_ids)
-            for seq_id in seq_ids:
-                self._sequences.pop(seq_id, None)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._parents)
+        return bool(self.output_processor.parents)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self._parents)
+        return len(self.output_processor.parents)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block hash (vLLM's ``reset_prefix_cache``), e.g. between
@@ -607,146 +453,55 @@ class LLMEngine:
             return []
         self.structured_output_manager.set_grammar_bitmask(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
-        for sched in scheduler_output.scheduled:
-            scored = runner_output.prompt_logprobs.get(sched.request.request_id)
-            if scored:
-                self._add_prompt_logprobs(sched, scored)
-        num_outputs_before = {
-            s.request.request_id: s.request.num_output_tokens for s in scheduler_output.scheduled
-        }
-        updated = self.scheduler.update_from_output(
+        self.output_processor.add_prompt_logprobs(
+            scheduler_output.scheduled, runner_output.prompt_logprobs
+        )
+        deltas = self.scheduler.update_from_output(
             scheduler_output, runner_output.sampled_token_ids
         )
-        touched: dict[str, _ParentRequest] = {}
-        for request in updated:
-            seq = self._sequences[request.request_id]
-            start = num_outputs_before[request.request_id]
-            if start == 0:
-                self.prompt_tokens_total += request.num_prompt_tokens
-            logprobs = runner_output.logprobs.get(request.request_id, [])
-            # Several tokens with speculative decoding: a stop string inside an accepted run
-            # ends the output there.
-            new_token_ids = request.output_token_ids[start:]
-            if (
-                not self.structured_output_manager.accept_tokens(request.request_id, new_token_ids)
-                and not request.is_finished
-            ):
-                # The grammar is complete (its end token taken under ignore_eos) or stuck.
-                self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
-            for i, token_id in enumerate(new_token_ids):
-                self.generation_tokens_total += 1
-                if i < len(logprobs) and seq.logprobs is not None:
-                    self._append_logprobs(seq, logprobs[i])
-                if self._detokenize(request, seq, token_id, last=i == len(new_token_ids) - 1):
-                    request.truncate_output(start + i + 1)
-                    break
-            touched[seq.parent_id] = self._parents[seq.parent_id]
-        if self.proposer is not None:
-            # Constrained requests are not speculated: drafts would need their grammar too.
-            self.proposer.propose(
-                scheduler_output,
-                [
-                    r
-                    for r in updated
-                    if not r.is_finished
-                    and not self.structured_output_manager.has_request(r.request_id)
-                ],
-            )
-        outputs = []
-        for parent_id, parent in touched.items():
-            if not parent.prompt_logprobs_ready:
-                # Another sequence got ahead of the one scoring the prompt: the first output
-                # carries the prompt logprobs (outputs are cumulative, nothing is lost).
-                continue
-            outputs.append(parent.to_output())
-            if parent.finished:
-                del self._parents[parent_id]
-                self.structured_output_manager.remove_requests(
-                    s.request.request_id for s in parent.sequences
-                )
-                for seq in parent.sequences:
-                    self._sequences.pop(seq.request.request_id, None)
+        self._advance_grammars(deltas)
+        for match in self.output_processor.detokenize(deltas, runner_output.logprobs):
+            self.scheduler.stop_request(match.request, match.num_output_tokens, match.stop_reason)
+        self._propose(scheduler_output, deltas)
+        outputs, finished = self.output_processor.make_outputs(deltas)
+        self.structured_output_manager.remove_requests(finished)
         return outputs
 
-    def _detokenize(
-        self, request: Request, seq: _Sequence, token_id: int, last: bool = True
-    ) -> bool:
-        """Feed a new token to the detokenizer; a matched stop string finishes the request
-        (and is reported: True).
-
-        As in vLLM, a token that stopped the request (EOS, a stop token id) is kept in
-        ``token_ids`` but not in the text unless ``include_stop_str_in_output``; a stop string
-        wins over a length limit reached by the same token. ``last``: whether the token is the
-        last of this step's (only that one can have stopped the request).
-        """
-        params = request.sampling_params
-        stopped_by_token = last and request.status == RequestStatus.FINISHED_STOPPED
-        if stopped_by_token and not params.include_stop_str_in_output:
-            return False
-        stop_string = seq.detokenizer.update([token_id])
-        if stop_string is None:
-            return False
-        if request.is_finished:
-            request.status = RequestStatus.FINISHED_STOPPED
-            request.stop_reason = stop_string
-        else:
-            self.scheduler.finish_requests(
-                request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason=stop_string
+    def _advance_grammars(self, deltas: list[RequestDelta]) -> None:
+        """Move the constrained sequences' grammars over their new tokens; one whose grammar
+        is complete (its end token taken under ``ignore_eos``) or stuck stops."""
+        for delta in deltas:
+            request = delta.request
+            accepted = self.structured_output_manager.accept_tokens(
+                request.request_id, delta.new_token_ids
             )
-        return True
+            if not accepted and not request.is_finished:
+                self.scheduler.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED)
 
-    def _append_logprobs(self, seq: _Sequence, logprobs: TokenLogprobs) -> None:
-        sampled_logprob, top = logprobs
-        seq.logprobs.append(self._logprob_dict(top))
-        seq.cumulative_logprob += sampled_logprob
-
-    def _add_prompt_logprobs(self, sched: ScheduledRequest, scored: list[TokenLogprobs]) -> None:
-        """Record the prompt tokens one step scored for a request.
-
-        A chunk scored again after a preemption (recompute) is skipped where already recorded,
-        so entries are never duplicated.
-
-        Raises:
-            RuntimeError: the chunk starts past the recorded ones (a prompt chunk went unscored,
-                which the scheduler never allows).
-        """
-        parent = self._parents[self._sequences[sched.request.request_id].parent_id]
-        recorded = parent.prompt_logprobs
-        first = sched.num_computed_tokens + 1
-        if first > len(recorded):
-            raise RuntimeError(
-                f"prompt logprobs of {sched.request.request_id!r}: got tokens from {first} on, "
-                f"only {len(recorded)} recorded"
-            )
-        for _, top in scored[len(recorded) - first :]:
-            recorded.append(self._logprob_dict(top))
-
-    def _logprob_dict(self, top: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        """``{token_id: Logprob}`` with each token's text (decoded once per token id)."""
-        texts = self._token_texts
-        for token_id in top.keys() - texts.keys():
-            texts[token_id] = self.tokenizer.decode([token_id])
-        return {t: Logprob(lp, rank, texts[t]) for t, (lp, rank) in top.items()}
+    def _propose(self, scheduler_output: SchedulerOutput, deltas: list[RequestDelta]) -> None:
+        """Draft the next tokens of the unfinished sequences that sampled (speculative
+        decoding); constrained ones are not speculated: drafts would need their grammar too."""
+        if self.proposer is None:
+            return
+        self.proposer.propose(
+            scheduler_output,
+            [
+                d.request
+                for d in deltas
+                if not d.request.is_finished
+                and not self.structured_output_manager.has_request(d.request.request_id)
+            ],
+        )
 
     def get_stats(self) -> EngineStats:
         """A snapshot of gauges and counters (see ``EngineStats``)."""
-        pool = self.kv_cache_manager.block_pool
         capacity = self.cache_config.capacity_tokens
         return EngineStats(
-            num_running_reqs=len(self.scheduler.running),
-            num_waiting_reqs=len(self.scheduler.waiting),
-            kv_cache_usage=pool.get_usage(),
-            num_total_blocks=pool.num_blocks,
-            num_free_blocks=pool.get_num_free_blocks(),
+            **vars(self.scheduler.make_stats()),
             kv_capacity_tokens=capacity,
             max_concurrency=capacity / self.scheduler_config.max_model_len,
-            num_preemptions_total=self.scheduler.num_preemptions_total,
-            prefix_cache_queries_total=self.scheduler.prefix_cache_queries_total,
-            prefix_cache_hits_total=self.scheduler.prefix_cache_hits_total,
-            prompt_tokens_total=self.prompt_tokens_total,
-            generation_tokens_total=self.generation_tokens_total,
-            running_lora_adapters=_lora_names(self.scheduler.running),
-            waiting_lora_adapters=_lora_names(self.scheduler.waiting),
+            prompt_tokens_total=self.output_processor.prompt_tokens_total,
+            generation_tokens_total=self.output_processor.generation_tokens_total,
             max_lora=self.scheduler_config.max_loras,
             spec_decode=self.scheduler.spec_decoding_stats.snapshot() if self.proposer else None,
         )
@@ -766,10 +521,6 @@ class LLMEngine:
     def get_tokenizer(self):
         """The model's Hugging Face tokenizer."""
         return self.tokenizer
-
-
-def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
-    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))
 
 
 def _resolve_device(device: str) -> torch.device:

@@ -42,11 +42,13 @@ def apply_logits_processors(
     Returns:
         ``logits`` (the same tensor).
 
+    Token ids in ``logit_bias`` and ``stop_token_ids`` are in ``[0, vocab_size)``: the input
+    processor refuses others when the request arrives (``check_sampling_params``).
+
     Raises:
-        ValueError: when the row counts differ, or a ``logit_bias`` or ``stop_token_ids``
-            token id lies outside ``[0, vocab_size)``.
+        ValueError: when the row counts differ.
     """
-    num_reqs, vocab_size = logits.shape
+    num_reqs = logits.shape[0]
     if not len(params) == len(prompt_token_ids) == len(output_token_ids) == num_reqs:
         raise ValueError(
             f"apply_logits_processors: {num_reqs} logits rows but {len(params)} params, "
@@ -56,10 +58,10 @@ def apply_logits_processors(
         if len(output) < p.min_tokens:
             # As in vLLM, EOS only counts as a stop token when it is not ignored.
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)
-            banned = _checked_ids(sorted(stops), vocab_size, "min_tokens")
+            banned = sorted(stops)
             logits[row, banned] = float("-inf")
         if p.logit_bias:
-            ids = _checked_ids([int(t) for t in p.logit_bias], vocab_size, "logit_bias")
+            ids = [int(t) for t in p.logit_bias]
             bias = torch.tensor(
                 list(p.logit_bias.values()), dtype=logits.dtype, device=logits.device
             )
@@ -113,14 +115,6 @@ def _token_counts(
         columns = torch.tensor(flat, dtype=torch.long, device=device)
         counts.index_put_((rows, columns), torch.ones_like(columns), accumulate=True)
     return counts
-
-
-def _checked_ids(ids, vocab_size: int, what: str) -> list[int]:
-    ids = list(ids)
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{what} token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
-    return ids
 
 
 TokenLogprobs = tuple[float, dict[int, tuple[float, int]]]

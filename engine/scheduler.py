@@ -18,8 +18,9 @@ from collections.abc import Iterable
 from kvpilot.engine.config import SchedulerConfig
 from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.request import Request, RequestStatus
-from kvpilot.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from kvpilot.engine.scheduler_output import RequestDelta, ScheduledRequest, SchedulerOutput
 from kvpilot.engine.spec_decode.metrics import SpecDecodingStats
+from kvpilot.engine.stats import SchedulerStats
 
 
 class Scheduler:
@@ -202,7 +203,7 @@ class Scheduler:
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]]
-    ) -> list[Request]:
+    ) -> list[RequestDelta]:
         """Advance the scheduled requests after the forward pass.
 
         With draft tokens, the tokens of a request are its accepted drafts followed by one
@@ -216,10 +217,11 @@ class Scheduler:
                 (requests with ``sample`` set).
 
         Returns:
-            The requests that got tokens this step (finished ones included, blocks freed).
+            What each request that got tokens this step got (finished ones included, blocks
+            freed), in batch order.
         """
         now = time.time()
-        updated = []
+        deltas = []
         for sched in scheduler_output.scheduled:
             request = sched.request
             if not sched.sample:
@@ -233,6 +235,7 @@ class Scheduler:
             request.spec_token_ids = []
             if num_drafts:
                 self.spec_decoding_stats.observe(num_drafts, len(token_ids) - 1)
+            before = request.num_output_tokens
             for token_id in token_ids:
                 request.append_output_token(token_id)
                 if request.check_stop():
@@ -246,8 +249,38 @@ class Scheduler:
                 self.kv_cache_manager.free_tail(
                     request, request.num_tokens + self.num_lookahead_tokens
                 )
-            updated.append(request)
-        return updated
+            deltas.append(RequestDelta(request, before, request.output_token_ids[before:]))
+        return deltas
+
+    def stop_request(self, request: Request, num_output_tokens: int, stop_reason: str) -> None:
+        """Stop a sequence at a stop string: keep its first ``num_output_tokens`` output tokens,
+        finish it (``finish_reason`` "stop", ``stop_reason`` the string), free its blocks.
+
+        A sequence that the same token already finished (a length limit) is finished again as
+        stopped: the stop string wins, as in vLLM.
+        """
+        request.truncate_output(num_output_tokens)
+        if request.is_finished:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = stop_reason
+        else:
+            self.finish_requests(request.request_id, RequestStatus.FINISHED_STOPPED, stop_reason)
+
+    def make_stats(self) -> SchedulerStats:
+        """A snapshot of the queues, the KV cache and the scheduler's counters."""
+        pool = self.kv_cache_manager.block_pool
+        return SchedulerStats(
+            num_running_reqs=len(self.running),
+            num_waiting_reqs=len(self.waiting),
+            kv_cache_usage=pool.get_usage(),
+            num_total_blocks=pool.num_blocks,
+            num_free_blocks=pool.get_num_free_blocks(),
+            num_preemptions_total=self.num_preemptions_total,
+            prefix_cache_queries_total=self.prefix_cache_queries_total,
+            prefix_cache_hits_total=self.prefix_cache_hits_total,
+            running_lora_adapters=_lora_names(self.running),
+            waiting_lora_adapters=_lora_names(self.waiting),
+        )
 
     def finish_requests(
         self,
@@ -281,3 +314,7 @@ class Scheduler:
         request.times.finished_time = now
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
+
+
+def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:
+    return tuple(sorted({r.lora_name for r in requests if r.lora_name is not None}))

@@ -62,3 +62,20 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass(frozen=True)
+class RequestDelta:
+    """What one step added to a sequence (``Scheduler.update_from_output``'s answer).
+
+    Attributes:
+        request: the sequence (finished ones included; their blocks are freed).
+        num_output_tokens_before: its output tokens before this step (tokens); 0 for its
+            first tokens.
+        new_token_ids: the tokens it got this step, ``[num_new]`` (several with accepted
+            drafts), up to and including one that finished it.
+    """
+
+    request: Request
+    num_output_tokens_before: int
+    new_token_ids: list[int]

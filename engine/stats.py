@@ -7,8 +7,25 @@ from dataclasses import dataclass
 from kvpilot.engine.spec_decode.metrics import SpecDecodingStats
 
 
-@dataclass(frozen=True)
-class EngineStats:
+@dataclass(frozen=True, kw_only=True)
+class SchedulerStats:
+    """The scheduler's part of :class:`EngineStats` (``Scheduler.make_stats``); the fields are
+    described there."""
+
+    num_running_reqs: int
+    num_waiting_reqs: int
+    kv_cache_usage: float
+    num_total_blocks: int
+    num_free_blocks: int
+    num_preemptions_total: int
+    prefix_cache_queries_total: int
+    prefix_cache_hits_total: int
+    running_lora_adapters: tuple[str, ...] = ()
+    waiting_lora_adapters: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineStats(SchedulerStats):
     """Engine gauges and counters at one moment (vLLM's metric meanings).
 
     Attributes:
@@ -32,19 +49,9 @@ class EngineStats:
             speculative decoding is off.
     """
 
-    num_running_reqs: int
-    num_waiting_reqs: int
-    kv_cache_usage: float
-    num_total_blocks: int
-    num_free_blocks: int
     kv_capacity_tokens: int
     max_concurrency: float
-    num_preemptions_total: int
-    prefix_cache_queries_total: int
-    prefix_cache_hits_total: int
     prompt_tokens_total: int
     generation_tokens_total: int
-    running_lora_adapters: tuple[str, ...] = ()
-    waiting_lora_adapters: tuple[str, ...] = ()
     max_lora: int = 0
     spec_decode: SpecDecodingStats | None = None

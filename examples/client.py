@@ -17,7 +17,7 @@ from openai import OpenAI
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    parser.add_argument("--prompt", default="Write a haiku about Kubernetes.")
+    parser.add_argument("--prompt", default="What is a GPU?")
     args = parser.parse_args()
 
     # kvpilot needs no API key; the client insists on one.
@@ -26,9 +26,8 @@ def main() -> None:
     stream = client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": args.prompt}],
-        max_tokens=64,
-        temperature=0,
-        stream=True,
+        max_tokens=128,
+        stream=True,  # sampling: the model's recommended settings (its generation config)
     )
     for chunk in stream:
         if chunk.choices and chunk.choices[0].delta.content:

@@ -57,6 +57,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 
+from kvpilot.operator.crd import default, field_schema, python_name
 from kvpilot.operator.forecast import (
     BUCKET_SECONDS,
     DemandHistory,
@@ -66,7 +67,12 @@ from kvpilot.operator.forecast import (
     verified_predict,
 )
 from kvpilot.operator.signals import MetricSample, Signals, summarize
-from kvpilot.operator.spec import AutoscalingSpec, LLMDeploymentSpec, SpecError
+from kvpilot.operator.spec import (
+    AutoscalingSpec,
+    LLMDeploymentSpec,
+    SpecError,
+    parse_autoscaling,
+)
 
 SHAPE_ANNOTATION = "kvpilot.dev/shape"
 """Annotation on the LLMDeployment holding the shape the autoscaler chose (JSON)."""
@@ -98,11 +104,18 @@ class AutoscalingPolicy:
     """The ``spec.autoscaling`` knobs the decision reads (units: replicas, seconds, ratios;
     ``predictive_scaling`` turns rule 9 on).
 
+    Each field is the ``spec.autoscaling`` field of the same name in camelCase, and stated
+    there once (``crd.SPEC_SCHEMA``): its range, the rules between fields and, where the CRD
+    has one, its default. The other defaults are the autoscaler's own, applied to a knob the
+    spec leaves unset; they are not CRD defaults, so that the API server does not store them
+    in every object and a later operator may change them.
+
     Raises:
-        ValueError: from ``__post_init__``, naming the first field out of range.
+        ValueError: from ``__post_init__``, naming the first field out of range or against a
+            rule between fields, as spec.py's reader of ``spec.autoscaling`` finds it.
     """
 
-    min_replicas: int = 1
+    min_replicas: int = default("autoscaling.minReplicas")
     max_replicas: int = 1
     target_kv_cache_usage: float = 0.7
     target_waiting_requests: float = 2.0
@@ -114,26 +127,18 @@ class AutoscalingPolicy:
     max_scale_up_rate: float = 2.0
     max_scale_down_rate: float = 2.0
     gpu_budget: int | None = None
-    predictive_scaling: bool = True
+    predictive_scaling: bool = default("autoscaling.predictiveScaling")
 
     def __post_init__(self) -> None:
-        checks = [
-            ("min_replicas", self.min_replicas >= 0),
-            ("max_replicas", self.max_replicas >= max(self.min_replicas, 1)),
-            ("target_kv_cache_usage", 0.0 < self.target_kv_cache_usage <= 1.0),
-            ("target_waiting_requests", self.target_waiting_requests >= 0),
-            ("idle_seconds", self.idle_seconds >= 0),
-            ("scale_up_stabilization_seconds", self.scale_up_stabilization_seconds >= 0),
-            ("scale_down_stabilization_seconds", self.scale_down_stabilization_seconds >= 0),
-            ("panic_window_seconds", 0 < self.panic_window_seconds <= self.stable_window_seconds),
-            ("stable_window_seconds", self.stable_window_seconds > 0),
-            ("max_scale_up_rate", self.max_scale_up_rate > 1.0),
-            ("max_scale_down_rate", self.max_scale_down_rate > 1.0),
-            ("gpu_budget", self.gpu_budget is None or self.gpu_budget >= 0),
-        ]
-        for name, ok in checks:
-            if not ok:
-                raise ValueError(f"autoscaling.{name} is out of range: {getattr(self, name)!r}")
+        knobs = {f.name: getattr(self, f.name) for f in fields(self)}
+        try:
+            parse_autoscaling(
+                {_SPEC_NAMES[name]: value for name, value in knobs.items() if value is not None},
+                path="autoscaling",
+            )
+        except SpecError as error:
+            name = _POLICY_NAMES[error.field.removeprefix("autoscaling.")]
+            raise ValueError(f"autoscaling.{name} is out of range: {error.message}") from error
 
     @classmethod
     def from_spec(cls, spec: AutoscalingSpec) -> AutoscalingPolicy:
@@ -145,6 +150,12 @@ class AutoscalingPolicy:
             if getattr(spec, f.name, None) is not None
         }
         return cls(**given)
+
+
+_SPEC_NAMES = {python_name(key): key for key in field_schema("autoscaling")["properties"]}
+"""``spec.autoscaling``'s camelCase field of each snake_case name (``AutoscalingPolicy``'s and
+``AutoscalingSpec``'s fields)."""
+_POLICY_NAMES = {key: name for name, key in _SPEC_NAMES.items()}
 
 
 @dataclass(frozen=True)

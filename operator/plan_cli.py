@@ -20,8 +20,9 @@ import pathlib
 import re
 import sys
 
+from kvpilot.operator.crd import SPEC_DTYPES
 from kvpilot.operator.gpus import CATALOGUE, CPU, CUSTOM, resolve_gpu_name
-from kvpilot.operator.spec import SPEC_DTYPES, SpecError
+from kvpilot.operator.spec import SpecError
 
 # Each option that becomes a spec field: argparse dest -> its path under ``spec``. The one map
 # both ways: ``_spec_dict`` writes the fields, ``_in_flags`` names them back as ``--flags``.

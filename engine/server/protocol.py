@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from kvpilot.engine.llm_engine import check_cache_salt
+from kvpilot.engine.input_processor import check_cache_salt, check_sampling_params
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.structured_output import check_json_schema
@@ -170,9 +170,14 @@ class _SamplingFields(OpenAIModel):
         return [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
 
     def to_sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, vocab_size: int
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        vocab_size: int,
+        defaults: SamplingParams | None = None,
     ) -> SamplingParams:
-        """Build the engine's ``SamplingParams``; unset OpenAI fields take vLLM's defaults.
+        """Build the engine's ``SamplingParams``; unset fields take ``defaults``' values (the
+        model's generation config over vLLM's defaults; ``SamplingParams()`` when None).
 
         Raises:
             ValueError: a value out of range (message starts with the parameter name), or a
@@ -186,18 +191,9 @@ class _SamplingFields(OpenAIModel):
                     token_id = int(key)
                 except ValueError:
                     raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
-                if not 0 <= token_id < vocab_size:
-                    raise ValueError(
-                        f"logit_bias: token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                    )
                 logit_bias[token_id] = value
-        for token_id in self.stop_token_ids or []:
-            if not 0 <= token_id < vocab_size:
-                raise ValueError(
-                    f"stop_token_ids: token id {token_id} is outside the vocabulary [0, {vocab_size})"
-                )
-        defaults = SamplingParams()
-        return SamplingParams(
+        defaults = defaults or SamplingParams()
+        params = SamplingParams(
             n=self.n,
             temperature=_default(self.temperature, defaults.temperature),
             top_p=_default(self.top_p, defaults.top_p),
@@ -220,6 +216,8 @@ class _SamplingFields(OpenAIModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured_outputs_params(),
         )
+        check_sampling_params(params, vocab_size)
+        return params
 
     def num_prompt_logprobs(self) -> int | None:
         """Top logprobs to compute per prompt token (``SamplingParams.prompt_logprobs``), or

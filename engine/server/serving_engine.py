@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from kvpilot.engine.async_llm import AsyncLLM, EngineError, QueueFullError, RequestStream
+from kvpilot.engine.input_processor import check_token_ids
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import Logprob, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
@@ -42,6 +43,8 @@ class OpenAIServing:
         max_model_len: longest prompt + output in tokens.
         vocab_size: the model's vocabulary size (bounds for token ids).
         models: the served names and LoRA adapters (default: ``served_model_names`` alone).
+        default_sampling_params: what a request's unset sampling fields take (the engine's
+            ``get_default_sampling_params()``; default ``SamplingParams()``).
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class OpenAIServing:
         max_model_len: int,
         vocab_size: int,
         models: OpenAIServingModels | None = None,
+        default_sampling_params: SamplingParams | None = None,
     ) -> None:
         self.engine = engine
+        self.default_sampling_params = default_sampling_params or SamplingParams()
         self.models = models or OpenAIServingModels(engine, served_model_names, max_model_len, [])
         self.tokenizer = tokenizer
         self.served_model_names = served_model_names
@@ -78,12 +83,10 @@ class OpenAIServing:
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """Raises a 400 naming ``param`` when a token id lies outside the vocabulary."""
-        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise bad_request(
-                f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})",
-                param,
-            )
+        try:
+            check_token_ids(token_ids, self.vocab_size, param)
+        except ValueError as exc:
+            raise bad_request(exc, param) from None
 
     async def encode(self, text: str, param: str) -> list[int]:
         """Tokenize ``text`` from the request on the tokenizer thread.
@@ -121,7 +124,9 @@ class OpenAIServing:
     ) -> SamplingParams:
         """``request.to_sampling_params`` with its ``ValueError`` turned into a 400."""
         try:
-            return request.to_sampling_params(max_tokens, logprobs, self.vocab_size)
+            return request.to_sampling_params(
+                max_tokens, logprobs, self.vocab_size, self.default_sampling_params
+            )
         except ValueError as exc:
             raise bad_request(exc) from None
 

@@ -18,13 +18,13 @@ def _crds() -> list[dict]:
 
 
 def test_chart_crds_are_exact_copies() -> None:
-    """crds/ is the one source; hack/sync-crds.sh copies it into the chart."""
+    """The chart's copy of crds/: `make crd` writes both from operator/crd.py."""
     source = {p.name: p.read_bytes() for p in SOURCE.glob("*.yaml")}
     copies = {p.name: p.read_bytes() for p in CHART_CRDS.glob("*.yaml")}
     assert source, "crds/ holds no CRD"
-    assert copies.keys() == source.keys(), "run hack/sync-crds.sh"
+    assert copies.keys() == source.keys(), "run make crd"
     for name, content in source.items():
-        assert copies[name] == content, f"{CHART_CRDS}/{name} differs: run hack/sync-crds.sh"
+        assert copies[name] == content, f"{CHART_CRDS}/{name} differs: run make crd"
 
 
 def test_rendered_crds_are_the_source_with_helm_labels_and_kept(render) -> None:

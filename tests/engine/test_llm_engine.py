@@ -210,6 +210,9 @@ def small_llm(llama_dir) -> LLM:
         (42, None, "prompt must be a string or a dict"),
         ({"prompt_token_ids": [5]}, SamplingParams(prompt_logprobs=49153), "prompt_logprobs"),
         ({"prompt_token_ids": [5]}, SamplingParams(logprobs=49153), "logprobs must be at most"),
+        # Caught on arrival, not in the step the others share (which it would fail).
+        ({"prompt_token_ids": [5]}, SamplingParams(logit_bias={49152: 1.0}), "logit_bias: token"),
+        ({"prompt_token_ids": [5]}, SamplingParams(stop_token_ids=[-1]), "stop_token_ids: token"),
     ],
 )
 def test_bad_request_is_refused_and_others_keep_running(small_llm, prompt, params, message):
