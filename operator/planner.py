@@ -170,6 +170,45 @@ def activation_bytes(
     return max_num_batched_tokens * per_token * dtype_bytes + logits
 
 
+@dataclass(frozen=True)
+class _Ask:
+    """What one ``plan()`` call asks, resolved by the first rules: the state the later rules
+    read. Bytes are per GPU (per process in CPU mode), lengths in tokens."""
+
+    model: ModelShape
+    gpu: GpuType | None
+    dtype_name: str
+    max_model_len: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    candidates: list[int]
+    gpu_memory_utilization: float | None
+    budget: int
+    memory_bytes: int | None
+    requested_tensor_parallel_size: int | None
+    concurrency: int
+    block_size: int
+
+    @property
+    def blocks_per_sequence(self) -> int:
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def needed_blocks(self) -> int:
+        return self.concurrency * self.blocks_per_sequence
+
+
+@dataclass(frozen=True)
+class _Fit:
+    """One tensor parallel size's memory split, per device (bytes), and the KV blocks left."""
+
+    tensor_parallel_size: int
+    weights: int
+    reserve: int
+    kv_per_token: int
+    num_blocks: int
+
+
 def plan(
     model: ModelShape,
     *,
@@ -186,6 +225,12 @@ def plan(
     block_size: int = 16,
 ) -> Plan:
     """Size one replica of ``model`` on ``gpu`` (or on CPU when ``gpu`` is None).
+
+    The rules, in order, each a function of its own: the dtype, the context length
+    (:func:`_max_model_len`), the step budget (:func:`_max_num_batched_tokens`), the device's
+    candidates and memory budget (:func:`_cpu_budget`, :func:`_gpu_budget`), then the memory
+    split of each candidate tensor parallel size (:func:`_fit`); the first that holds
+    ``concurrency`` sequences is the plan, else :func:`_no_fit` says why not.
 
     Args:
         model: the model's shape.
@@ -212,9 +257,43 @@ def plan(
     """
     _check_arguments(gpu, memory_bytes, gpu_memory_utilization, concurrency, block_size)
     _check_model(model)
-    device = "cpu" if gpu is None else "cuda"
-    dtype_name = model.resolve_dtype(dtype, device)
-    dtype_bytes = DTYPE_BYTES[dtype_name]
+    dtype_name = model.resolve_dtype(dtype, "cpu" if gpu is None else "cuda")
+    max_len = _max_model_len(model, max_model_len)
+    batched = _max_num_batched_tokens(
+        max_num_batched_tokens, max_len, enable_chunked_prefill, gpu is not None
+    )
+    if gpu is None:
+        seqs = max_num_seqs or CPU_MAX_NUM_SEQS
+        candidates, utilization, budget = _cpu_budget(tensor_parallel_size, memory_bytes)
+    else:
+        seqs = max_num_seqs or GPU_MAX_NUM_SEQS
+        candidates, utilization, budget = _gpu_budget(
+            model, gpu, tensor_parallel_size, gpu_memory_utilization
+        )
+    ask = _Ask(
+        model=model,
+        gpu=gpu,
+        dtype_name=dtype_name,
+        max_model_len=max_len,
+        max_num_batched_tokens=batched,
+        max_num_seqs=seqs,
+        candidates=candidates,
+        gpu_memory_utilization=utilization,
+        budget=budget,
+        memory_bytes=memory_bytes,
+        requested_tensor_parallel_size=tensor_parallel_size,
+        concurrency=concurrency,
+        block_size=block_size,
+    )
+    for tp in ask.candidates:
+        fit = _fit(ask, tp)
+        if fit.num_blocks >= ask.needed_blocks:
+            return _plan(ask, fit)
+    raise _no_fit(ask, fit)
+
+
+def _max_model_len(model: ModelShape, max_model_len: int | None) -> int:
+    """The context length: the one asked, at most the model's (rope scaling included)."""
     limit = model.derived_max_model_len
     max_len = limit if max_model_len is None else max_model_len
     if max_len > limit:
@@ -223,122 +302,138 @@ def plan(
             f"maxModelLen {max_len} exceeds the model's maximum context of {limit} tokens "
             "(max_position_embeddings with its rope scaling)",
         )
+    return max_len
+
+
+def _max_num_batched_tokens(
+    asked: int | None, max_model_len: int, enable_chunked_prefill: bool, on_gpu: bool
+) -> int:
+    """The step's token budget, by the engine's own rule."""
     try:
-        batched = resolve_max_num_batched_tokens(
-            max_num_batched_tokens,
-            max_len,
-            enable_chunked_prefill=enable_chunked_prefill,
-            on_gpu=gpu is not None,
+        return resolve_max_num_batched_tokens(
+            asked, max_model_len, enable_chunked_prefill=enable_chunked_prefill, on_gpu=on_gpu
         )
     except ValueError as exc:
         raise PlanError("InvalidEngineLimits", f"maxNumBatchedTokens: {exc}") from exc
-    if gpu is None:
-        seqs = max_num_seqs or CPU_MAX_NUM_SEQS
-        candidates = [tensor_parallel_size or 1]
-        if candidates != [1]:
-            raise PlanError("InvalidTensorParallelSize", "CPU mode runs one process: TP must be 1")
-        utilization = None
-        budget = memory_bytes - CPU_RUNTIME_BYTES
-        if budget <= 0:
-            raise PlanError(
-                "ModelTooLarge",
-                f"the memory limit {_gib(memory_bytes)} does not cover the engine's CPU runtime "
-                f"({_gib(CPU_RUNTIME_BYTES)}) before weights and KV cache: raise it",
-            )
-    else:
-        seqs = max_num_seqs or GPU_MAX_NUM_SEQS
-        candidates = _tensor_parallel_candidates(model, gpu, tensor_parallel_size)
-        utilization = gpu_memory_utilization or default_gpu_memory_utilization(gpu)
-        budget = int(gpu.memory_bytes * utilization)
 
-    blocks_per_sequence = -(-max_len // block_size)
-    needed_blocks = concurrency * blocks_per_sequence
 
-    def size(tp: int) -> tuple[int, int, int, int]:
-        # Per device at ``tp``: weight shard, activations + runtime, KV bytes per token, blocks.
-        weights = model.weight_bytes(dtype_bytes, tp)
-        reserve = activation_bytes(
-            model,
-            dtype_bytes=dtype_bytes,
-            tensor_parallel_size=tp,
-            max_num_batched_tokens=batched,
-            max_num_seqs=seqs,
-        ) + (0 if gpu is None else GPU_RUNTIME_BYTES)
-        kv_per_token = model.kv_bytes_per_token(dtype_bytes, tp)
-        return (
-            weights,
-            reserve,
-            kv_per_token,
-            max(0, budget - weights - reserve) // (kv_per_token * block_size),
+def _cpu_budget(tensor_parallel_size: int | None, memory_bytes: int) -> tuple[list[int], None, int]:
+    """CPU mode: one process (TP 1), the memory limit less the runtime (bytes)."""
+    candidates = [tensor_parallel_size or 1]
+    if candidates != [1]:
+        raise PlanError("InvalidTensorParallelSize", "CPU mode runs one process: TP must be 1")
+    budget = memory_bytes - CPU_RUNTIME_BYTES
+    if budget <= 0:
+        raise PlanError(
+            "ModelTooLarge",
+            f"the memory limit {_gib(memory_bytes)} does not cover the engine's CPU runtime "
+            f"({_gib(CPU_RUNTIME_BYTES)}) before weights and KV cache: raise it",
         )
+    return candidates, None, budget
 
-    for tp in candidates:
-        weights, reserve, kv_per_token, num_blocks = size(tp)
-        if num_blocks >= needed_blocks:
-            return Plan(
-                gpu_type=CPU if gpu is None else gpu.name,
-                dtype=dtype_name,
-                tensor_parallel_size=tp,
-                gpus_per_replica=0 if gpu is None else tp,
-                gpu_memory_utilization=utilization,
-                max_model_len=max_len,
-                max_num_seqs=seqs,
-                max_num_batched_tokens=batched,
-                block_size=block_size,
-                num_parameters=model.num_parameters(),
-                weight_bytes_per_gpu=weights,
-                reserve_bytes_per_gpu=reserve,
-                kv_cache_bytes_per_gpu=num_blocks * block_size * kv_per_token,
-                kv_bytes_per_token=kv_per_token,
-                kv_capacity_tokens=num_blocks * block_size,
-                max_concurrency=num_blocks // blocks_per_sequence,
-            )
 
-    # Why the last candidate failed, and, when the user forced the size, which one would fit.
-    what = f"{model.num_parameters() / 1e9:.1f}B parameters in {dtype_name}"
+def _gpu_budget(
+    model: ModelShape,
+    gpu: GpuType,
+    tensor_parallel_size: int | None,
+    gpu_memory_utilization: float | None,
+) -> tuple[list[int], float, int]:
+    """GPU mode: the valid tensor parallel sizes, and ``gpu_memory_utilization`` of one GPU."""
+    candidates = _tensor_parallel_candidates(model, gpu, tensor_parallel_size)
+    utilization = gpu_memory_utilization or default_gpu_memory_utilization(gpu)
+    return candidates, utilization, int(gpu.memory_bytes * utilization)
+
+
+def _fit(ask: _Ask, tp: int) -> _Fit:
+    """The memory split at tensor parallel size ``tp``: weight shard, activations and
+    runtime, and the whole KV blocks the rest of the budget holds."""
+    model, dtype_bytes = ask.model, DTYPE_BYTES[ask.dtype_name]
+    weights = model.weight_bytes(dtype_bytes, tp)
+    reserve = activation_bytes(
+        model,
+        dtype_bytes=dtype_bytes,
+        tensor_parallel_size=tp,
+        max_num_batched_tokens=ask.max_num_batched_tokens,
+        max_num_seqs=ask.max_num_seqs,
+    ) + (0 if ask.gpu is None else GPU_RUNTIME_BYTES)
+    kv_per_token = model.kv_bytes_per_token(dtype_bytes, tp)
+    num_blocks = max(0, ask.budget - weights - reserve) // (kv_per_token * ask.block_size)
+    return _Fit(tp, weights, reserve, kv_per_token, num_blocks)
+
+
+def _plan(ask: _Ask, fit: _Fit) -> Plan:
+    tokens = fit.num_blocks * ask.block_size
+    return Plan(
+        gpu_type=CPU if ask.gpu is None else ask.gpu.name,
+        dtype=ask.dtype_name,
+        tensor_parallel_size=fit.tensor_parallel_size,
+        gpus_per_replica=0 if ask.gpu is None else fit.tensor_parallel_size,
+        gpu_memory_utilization=ask.gpu_memory_utilization,
+        max_model_len=ask.max_model_len,
+        max_num_seqs=ask.max_num_seqs,
+        max_num_batched_tokens=ask.max_num_batched_tokens,
+        block_size=ask.block_size,
+        num_parameters=ask.model.num_parameters(),
+        weight_bytes_per_gpu=fit.weights,
+        reserve_bytes_per_gpu=fit.reserve,
+        kv_cache_bytes_per_gpu=tokens * fit.kv_per_token,
+        kv_bytes_per_token=fit.kv_per_token,
+        kv_capacity_tokens=tokens,
+        max_concurrency=fit.num_blocks // ask.blocks_per_sequence,
+    )
+
+
+def _no_fit(ask: _Ask, fit: _Fit) -> PlanError:
+    """Why the last candidate (``fit``) failed, and, when the user fixed the tensor parallel
+    size, which one would fit."""
+    gpu, tp, budget = ask.gpu, fit.tensor_parallel_size, ask.budget
+    what = f"{ask.model.num_parameters() / 1e9:.1f}B parameters in {ask.dtype_name}"
     alternative = ""
     if gpu is None:
         where, per = "on CPU", "per process"
         budget_text = (
-            f"{_gib(budget)} budget ({_gib(memory_bytes)} memory limit less "
+            f"{_gib(budget)} budget ({_gib(ask.memory_bytes)} memory limit less "
             f"{_gib(CPU_RUNTIME_BYTES)} runtime)"
         )
     else:
         where, per = f"on {gpu.name} x{tp}", "per GPU"
-        budget_text = f"{_gib(budget)} budget ({utilization:.2f} of {_gib(gpu.memory_bytes)})"
-    if gpu is not None and tensor_parallel_size is not None:
+        budget_text = (
+            f"{_gib(budget)} budget ({ask.gpu_memory_utilization:.2f} of {_gib(gpu.memory_bytes)})"
+        )
+    if gpu is not None and ask.requested_tensor_parallel_size is not None:
         where = f"at the requested tensor parallel size {tp} on {gpu.name}"
         fitting = [
             other
-            for other in _tensor_parallel_candidates(model, gpu, None)
-            if size(other)[3] >= needed_blocks
+            for other in _tensor_parallel_candidates(ask.model, gpu, None)
+            if _fit(ask, other).num_blocks >= ask.needed_blocks
         ]
         alternative = (
             f"; tensor parallel size {fitting[0]} would fit"
             if fitting
             else f"; no tensor parallel size up to {gpu.per_node} would fit either"
         )
-    if weights + reserve >= budget:
+    if fit.weights + fit.reserve >= budget:
         exceed = (
-            f"weights {_gib(weights)} + activations {_gib(reserve)} {per} exceed the {budget_text}"
+            f"weights {_gib(fit.weights)} + activations {_gib(fit.reserve)} {per} exceed the "
+            f"{budget_text}"
         )
         if gpu is None:
             message = f"{what}: {exceed}"
-        elif tensor_parallel_size is not None:
+        elif ask.requested_tensor_parallel_size is not None:
             message = f"{what} do not fit {where}: {exceed}{alternative}"
         else:
             message = (
                 f"{what}: {exceed} even at tensor parallel size {tp}, the largest valid one "
                 f"with {gpu.per_node} {gpu.name} per node"
             )
-        raise PlanError("ModelTooLarge", message)
-    fitting_len = num_blocks * block_size // concurrency
-    raise PlanError(
+        return PlanError("ModelTooLarge", message)
+    tokens = fit.num_blocks * ask.block_size
+    return PlanError(
         "InsufficientKVCache",
-        f"after weights {_gib(weights)} and activations {_gib(reserve)} of the {budget_text} "
-        f"{where}, the KV cache holds {num_blocks * block_size} tokens: fewer than "
-        f"{concurrency} x maxModelLen {max_len}; a maxModelLen of at most {fitting_len} "
-        f"fits{alternative}",
+        f"after weights {_gib(fit.weights)} and activations {_gib(fit.reserve)} of the "
+        f"{budget_text} {where}, the KV cache holds {tokens} tokens: fewer than "
+        f"{ask.concurrency} x maxModelLen {ask.max_model_len}; a maxModelLen of at most "
+        f"{tokens // ask.concurrency} fits{alternative}",
     )
 
 
