@@ -86,7 +86,9 @@ def calibrate(model: pathlib.Path) -> dict[str, float]:
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     line = next(line for line in out.splitlines() if line.startswith("--step-base"))
-    values = [float(v) for v in re.findall(r"[-+0-9.e]+(?=\s|$)", line)]
+    # A least-squares fit of a model this small can give a slightly negative slope (noise):
+    # a step never gets cheaper with more work.
+    values = [max(0.0, float(v)) for v in re.findall(r"--[a-z-]+ (\S+)", line)]
     return dict(zip(("step_base", "per_batch_token", "per_context_token"), values, strict=True))
 
 
@@ -233,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slo", type=float, default=2.0, help="TTFT SLO, seconds")
     parser.add_argument("--interval", type=float, default=5.0, help="autoscaling interval, s")
     parser.add_argument("--max-replicas", type=int, default=4)
+    parser.add_argument("--max-num-seqs", type=int, default=4, help="sequence slots per engine")
     args = parser.parse_args(argv)
 
     autoscaling = {
@@ -249,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     coefficients = calibrate(model_dir)
     spec = {
         "model": {"source": f"file://{model_dir}"},
-        "engine": {"maxModelLen": MAX_MODEL_LEN, "maxNumSeqs": 8},
+        "engine": {"maxModelLen": MAX_MODEL_LEN, "maxNumSeqs": args.max_num_seqs},
         "resources": {"requests": {"cpu": "100m", "memory": "1600Mi"}, "limits": {"memory": "1600Mi"}},
         "autoscaling": autoscaling,
     }  # fmt: skip
