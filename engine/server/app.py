@@ -231,7 +231,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     own_tokenizer = copy.deepcopy(engine.tokenizer)
     if config.chat_template is not None:
         own_tokenizer.chat_template = config.chat_template
-    tokenizer = AsyncTokenizer(own_tokenizer)
+    tokenizer = AsyncTokenizer(own_tokenizer, max_prompt_tokens=max_model_len)
     models = OpenAIServingModels(
         async_llm, config.served_model_names, max_model_len, engine.list_loras()
     )

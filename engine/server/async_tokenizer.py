@@ -17,7 +17,12 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kvpilot.engine.tokenization import apply_chat_template, encode_text
+from kvpilot.engine.tokenization import (
+    apply_chat_template,
+    check_prompt_chars,
+    encode_text,
+    max_prompt_chars,
+)
 
 T = TypeVar("T")
 
@@ -27,12 +32,17 @@ class AsyncTokenizer:
 
     Args:
         tokenizer: a Hugging Face tokenizer owned by this object from now on.
+        max_prompt_tokens: the model's context (tokens): prompts far longer, by their length
+            in characters, are refused before they reach the tokenizer; None: no limit.
 
     Call ``shutdown()`` when the server stops.
     """
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, max_prompt_tokens: int | None = None) -> None:
         self._tokenizer = tokenizer
+        self.max_chars = (
+            None if max_prompt_tokens is None else max_prompt_chars(tokenizer, max_prompt_tokens)
+        )
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     async def call(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -47,8 +57,10 @@ class AsyncTokenizer:
         """``[num_tokens]`` token ids of ``text`` (see ``tokenization.encode_text``).
 
         Raises:
-            ValueError: ``"{param}: the text is not valid Unicode (...)"``.
+            ValueError: ``"{param}: the text is not valid Unicode (...)"``, or the text is far
+                longer than any prompt that fits (refused at once, off no thread).
         """
+        check_prompt_chars(text, self.max_chars, param)
         return await self.call(encode_text, text, param, add_special_tokens)
 
     async def decode(self, token_ids: list[int]) -> str:
@@ -63,7 +75,9 @@ class AsyncTokenizer:
         Raises:
             ValueError: naming ``messages`` or ``continue_final_message``.
         """
-        return await self.call(apply_chat_template, conversation, **kwargs)
+        return await self.call(
+            apply_chat_template, conversation, max_chars=self.max_chars, **kwargs
+        )
 
     def shutdown(self) -> None:
         """Drop queued work and let the thread end once its current call returns."""
