@@ -1,14 +1,19 @@
 """Maps the top-level folders onto the ``kvpilot`` namespace (see docs/architecture.md).
 
-``engine/``, ``kernels/`` and ``operator/`` are installed as ``kvpilot.engine``,
-``kvpilot.kernels`` and ``kvpilot.operator``; they are never top-level import packages
-(``operator`` would shadow the standard library, ``kernels`` is a PyPI name transformers probes).
+``engine/``, ``kernels/``, ``operator/`` and ``router/`` are installed as ``kvpilot.engine``,
+``kvpilot.kernels``, ``kvpilot.operator`` and ``kvpilot.router``; they are never top-level import
+packages (``operator`` would shadow the standard library, ``kernels`` is a PyPI name transformers probes).
 Everything else about the distribution lives in pyproject.toml.
 """
 
 from setuptools import find_packages, setup
 
-SUBPACKAGES = {"engine": "engine", "kernels": "kernels", "operator": "operator"}
+SUBPACKAGES = {
+    "engine": "engine",
+    "kernels": "kernels",
+    "operator": "operator",
+    "router": "router",
+}
 
 package_dir = {"kvpilot": "kvpilot"}
 packages = ["kvpilot"]

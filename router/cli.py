@@ -1,0 +1,100 @@
+"""``kvpilot router --endpoint URL ...``: the OpenAI-compatible router in front of engine
+replicas (local mode: the replicas are the URLs given).
+
+Imports nothing heavy at module level: ``kvpilot --help`` must not load torch. The defaults
+are ``RouterConfig``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+
+from kvpilot.engine.server.cli import API_KEY_ENV_VARS, UVICORN_LOG_LEVELS
+from kvpilot.router.config import RouterConfig
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
+
+# flag -> (RouterConfig field, type, help)
+_TUNING = {
+    "--tokenizer": (
+        "tokenizer",
+        str,
+        "the served model's tokenizer (folder or Hub id) for prefix-aware routing; without "
+        "it, consistent hashing on the prompt's first characters",
+    ),
+    "--load-factor": (
+        "load_factor",
+        float,
+        "bounded load (>= 1): no replica gets more than this factor of the mean in-flight "
+        "requests, rounded up, counting the new one",
+    ),
+    "--prefix-weight": ("prefix_weight", float, "score per fraction of the prompt cached"),
+    "--load-weight": ("load_weight", float, "score taken off per fraction of the bound used"),
+    "--down-seconds": (
+        "down_s",
+        float,
+        "how long a replica that refused a connection is routed around",
+    ),
+    "--refresh-interval": (
+        "refresh_s",
+        float,
+        "seconds between polls of the replicas' /metrics and /v1/models",
+    ),
+    "--connect-timeout": ("connect_timeout_s", float, "seconds to connect to a replica"),
+    "--api-key": (
+        "api_key",
+        str,
+        "the replicas' API key, for the router's own /v1/models polls (LoRA adapter names); "
+        "default: $KVPILOT_API_KEY or $VLLM_API_KEY. Clients' keys pass through as sent",
+    ),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the router's flags."""
+    parser.add_argument(
+        "--endpoint",
+        dest="endpoints",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="an engine replica's base URL, e.g. http://127.0.0.1:8001 (repeat per replica)",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on")
+    for flag, (dest, kind, text) in _TUNING.items():
+        default = _DEFAULTS[dest]
+        suffix = "" if default is None else " (default: %(default)s)"
+        metavar = flag.removeprefix("--").upper().replace("-", "_")
+        parser.add_argument(
+            flag, dest=dest, type=kind, default=default, metavar=metavar, help=text + suffix
+        )
+    parser.add_argument("--log-level", choices=UVICORN_LOG_LEVELS[:-1], default="info")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve the router until interrupted.
+
+    Raises:
+        SystemExit: invalid settings (no endpoint, one twice, ``--load-factor`` below 1).
+    """
+    import uvicorn
+
+    from kvpilot.router.app import create_app
+
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    values = {name: getattr(args, name) for name in _DEFAULTS}
+    values["api_key"] = args.api_key or next(
+        (os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None
+    )
+    try:
+        app = create_app(RouterConfig(**values))
+    except ValueError as exc:
+        raise SystemExit(f"kvpilot router: {exc}") from None
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

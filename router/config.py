@@ -1,0 +1,38 @@
+"""The router's settings, one dataclass; ``cli.py`` builds it from the flags (imports nothing
+heavy, so ``kvpilot --help`` stays fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpilot.router.scoring import DEFAULT_LOAD_FACTOR, LOAD_WEIGHT, PREFIX_WEIGHT
+
+
+@dataclass
+class RouterConfig:
+    """What ``kvpilot router`` was started with.
+
+    Attributes:
+        endpoints: the replicas' base URLs.
+        tokenizer: a tokenizer folder or Hub id for prefix affinity; None: consistent hashing.
+        load_factor: bounded load (>= 1): no replica above this factor of the mean.
+        prefix_weight, load_weight: the score's weights (``scoring.py``).
+        down_s: seconds a replica that refused a connection is routed around.
+        refresh_s: seconds between polls of the replicas' ``/metrics`` and ``/v1/models``.
+        connect_timeout_s: seconds to connect to a replica.
+        api_key: the key of the router's own polls of ``/v1/models`` (LoRA adapter names).
+    """
+
+    endpoints: list[str]
+    tokenizer: str | None = None
+    load_factor: float = DEFAULT_LOAD_FACTOR
+    prefix_weight: float = PREFIX_WEIGHT
+    load_weight: float = LOAD_WEIGHT
+    down_s: float = 10.0
+    refresh_s: float = 5.0
+    connect_timeout_s: float = 3.0
+    api_key: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.load_factor < 1:
+            raise ValueError(f"--load-factor must be >= 1, got {self.load_factor}")

@@ -1,0 +1,104 @@
+"""A request's prompt as the engine will see it: token ids, then the engine's own block hashes.
+
+The router tokenizes with the engine's code (``kvpilot.engine.tokenization``: ``encode_text`` for
+completions, ``apply_chat_template`` for chat, as ``engine/server`` does) and hashes the tokens
+with the engine's hash chain (``kvpilot.engine.kv_cache_manager.extend_block_hashes`` and
+``block_extra_keys``, over ``block_pool.hash_block_tokens``), so a router index keyed by these
+hashes speaks the engine's language: given the engine's root hash, block size, salt and adapter
+digest, they are the engine's hashes (``tests/router/test_prompt_hashes.py`` holds them equal).
+
+Until the engines publish their KV events, the router roots each chain at
+``model_root_hash(model)`` and leaves adapter digests out (it cannot read them): the index is the
+router's own, so it only needs to agree with itself, and the model name keeps models and adapters
+apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvpilot.engine.block_pool import BlockHash
+from kvpilot.engine.kv_cache_manager import block_extra_keys, extend_block_hashes
+from kvpilot.engine.tokenization import apply_chat_template, encode_text, parse_chat_messages
+
+logger = logging.getLogger(__name__)
+
+CHAT_PATH = "/v1/chat/completions"
+PREFIX_KEY_CHARS = 256
+"""Characters of the prompt that the consistent-hash fallback keys on."""
+
+
+def model_root_hash(model: str) -> BlockHash:
+    """The router's root of every chain for ``model`` (32 bytes)."""
+    return hashlib.sha256(f"kvpilot-router\0{model}".encode()).digest()
+
+
+def prompt_block_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    root_hash: BlockHash,
+    cache_salt: str | None = None,
+    lora: tuple[str, str | None] | None = None,
+) -> list[BlockHash]:
+    """The engine's hashes of every full block of a prompt.
+
+    Args:
+        token_ids: the prompt's token ids.
+        block_size: the engine's ``--block-size`` (tokens per block, > 0).
+        root_hash: the parent of the first block (the engine's model identity, or
+            ``model_root_hash``).
+        cache_salt: the request's ``cache_salt``.
+        lora: ``(adapter name, weight digest)`` of the request's adapter, or None.
+
+    Returns:
+        ``len(token_ids) // block_size`` hashes of 32 bytes.
+    """
+    return extend_block_hashes(
+        [], token_ids, block_size, root_hash, block_extra_keys(cache_salt, lora)
+    )
+
+
+def prompt_token_ids(tokenizer: Any, path: str, body: Mapping[str, Any]) -> list[int] | None:
+    """The prompt token ids the engine's server computes for a request body, or None when the
+    body has no prompt the router can tokenize (the engine answers those with a 400 itself).
+
+    A completions request's first prompt only (a batch goes to one replica). Chat requests are
+    rendered with the tokenizer's chat template, or the request's ``chat_template``; a server
+    started with ``--chat-template`` renders otherwise, and the router's affinity then only
+    matches its own earlier routing, which it still does. Runs the tokenizer: call it from the
+    one thread that owns it.
+    """
+    try:
+        if path == CHAT_PATH:
+            return apply_chat_template(
+                tokenizer,
+                parse_chat_messages(body["messages"]),
+                tools=body.get("tools") or None,
+                chat_template=body.get("chat_template"),
+                add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False),
+                chat_template_kwargs=body.get("chat_template_kwargs"),
+            )
+        prompt = body["prompt"]
+        if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return encode_text(tokenizer, prompt, "prompt")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+    except Exception as exc:  # noqa: BLE001 - any bad input: no affinity, the engine answers it
+        logger.debug("not tokenized (%s): %s", type(exc).__name__, exc)
+    return None
+
+
+def prefix_key(body: Mapping[str, Any]) -> bytes:
+    """The consistent-hash key of a request: its model, salt and the first
+    ``PREFIX_KEY_CHARS`` characters of its prompt or messages (as JSON)."""
+    prompt = body.get("messages", body.get("prompt", ""))
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+    head = f"{body.get('model')}\0{body.get('cache_salt')}\0{text[:PREFIX_KEY_CHARS]}"
+    return head.encode("utf-8", "surrogatepass")

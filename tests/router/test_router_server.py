@@ -1,0 +1,264 @@
+"""The router in front of two real ``kvpilot serve`` replicas of the tiny model, on loopback.
+
+The router runs in this process (uvicorn on a thread, on a loopback port); the replicas are
+``tests/server``'s ``LiveServer`` processes. Tests run in file order: the last one kills a
+replica.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from kvpilot.router.app import create_app
+from kvpilot.router.config import RouterConfig
+from tests.server.conftest import API_KEY, LiveServer, free_port
+
+MODEL = "tiny"
+GREEDY = {"temperature": 0, "max_tokens": 12}
+LONG_PREFIX = "Once upon a time, in a cluster far away, a router kept every prefix warm. " * 8
+
+
+class RouterThread:
+    """``create_app(config)`` served by uvicorn on a thread; ``url`` is its base address."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.app = create_app(config)
+        self.server = uvicorn.Server(
+            uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the router did not start")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+    metrics = LiveServer.metrics  # reads ``self.url``'s /metrics
+
+    def metric(self, name: str, **labels: str) -> float:
+        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@pytest.fixture(scope="module")
+def replicas(tiny_model_dir):
+    flags = ("--served-model-name", MODEL, "--max-model-len", "512", "--max-num-seqs", "4")
+    servers = [LiveServer(str(tiny_model_dir("llama")), *flags) for _ in range(2)]
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(replicas, tiny_model_dir):
+    config = RouterConfig(
+        endpoints=[s.url for s in replicas],
+        tokenizer=str(tiny_model_dir("llama")),
+        down_s=30.0,
+        refresh_s=60.0,  # no poll marks the killed replica down first
+        api_key=API_KEY,
+    )
+    router = RouterThread(config)
+    yield router
+    router.stop()
+
+
+@pytest.fixture(scope="module")
+def client(router) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{router.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+def hits(server: LiveServer) -> float:
+    return server.metric("vllm:prefix_cache_hits_total", model_name=MODEL)
+
+
+def prompt_tokens(server: LiveServer) -> float:
+    return server.metric("vllm:prompt_tokens_total", model_name=MODEL)
+
+
+def aborts(server: LiveServer) -> float:
+    return server.metrics().get(
+        ("vllm:request_success_total", (("finished_reason", "abort"), ("model_name", MODEL))), 0.0
+    )
+
+
+def test_models_and_health(router, client) -> None:
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    health = httpx.get(f"{router.url}/health", timeout=10)
+    assert health.status_code == 200 and all(health.json()["replicas"].values())
+    refused = httpx.get(f"{router.url}/v1/models", headers={"Authorization": "Bearer no"})
+    assert refused.status_code == 401  # the replicas' answer, unchanged
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_greedy_answers_equal_the_replicas_direct_answers(replicas, client, stream) -> None:
+    direct = replicas[0].openai_client()
+    messages = [{"role": "user", "content": "Name three colors."}]
+    for make in (
+        lambda c, **kw: c.completions.create(model=MODEL, prompt="The capital of", **kw),
+        lambda c, **kw: c.chat.completions.create(model=MODEL, messages=messages, **kw),
+    ):
+        if not stream:
+            ours, theirs = make(client, **GREEDY), make(direct, **GREEDY)
+            assert ours.model_dump(exclude={"id", "created"}) == theirs.model_dump(
+                exclude={"id", "created"}
+            )
+            continue
+        options = {**GREEDY, "stream": True, "stream_options": {"include_usage": True}}
+        ours = [c.model_dump(exclude={"id", "created"}) for c in make(client, **options)]
+        theirs = [c.model_dump(exclude={"id", "created"}) for c in make(direct, **options)]
+        assert len(ours) > 3 and ours == theirs
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"model": MODEL, "prompt": "Hi", "temperature": -1},
+        {"model": MODEL, "messages": [{"role": "user"}], "max_tokens": -3},
+        {"model": MODEL, "prompt": [10**9]},
+    ],
+)
+def test_a_replicas_400_passes_through_unchanged(router, replicas, body) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    ours = httpx.post(f"{router.url}{path}", json=body, headers=headers, timeout=30)
+    theirs = httpx.post(f"{replicas[0].url}{path}", json=body, headers=headers, timeout=30)
+    assert ours.status_code == theirs.status_code == 400
+    assert ours.content == theirs.content
+
+
+def test_bad_bodies_and_keys_get_the_replicas_own_4xx(router) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    not_json = httpx.post(f"{router.url}/v1/completions", content=b"{oops", headers=headers)
+    assert not_json.status_code == 400 and "not valid JSON" in not_json.json()["error"]["message"]
+    wrong_key = httpx.post(
+        f"{router.url}/v1/completions",
+        json={"model": MODEL, "prompt": "Hi"},
+        headers={"Authorization": "Bearer wrong"},
+    )
+    assert wrong_key.status_code == 401
+
+
+def test_an_unknown_model_is_an_openai_404(client) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)
+    assert caught.value.body == {
+        "message": "The model `no-such-model` does not exist.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+
+
+def test_a_shared_prefix_lands_on_the_replica_that_holds_it(router, replicas, client) -> None:
+    before = [(hits(s), prompt_tokens(s)) for s in replicas]
+    decisions = router.metric("kvpilot:router_routing_decisions_total", reason="prefix")
+    for question in ("What did the router keep?", "Where was the cluster?"):
+        client.completions.create(model=MODEL, prompt=LONG_PREFIX + question, **GREEDY)
+    after = [(hits(s), prompt_tokens(s)) for s in replicas]
+    grew = [i for i in range(2) if after[i][1] > before[i][1]]
+    assert len(grew) == 1, (before, after)  # both requests went to one replica
+    [chosen] = grew
+    assert after[chosen][0] - before[chosen][0] >= 96  # the second one hit the prefix
+    assert router.metric("kvpilot:router_routing_decisions_total", reason="prefix") > decisions
+    assert router.metric("kvpilot:router_prefix_matched_tokens_total", replica=replicas[chosen].url)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_the_replicas_blocks(router, replicas) -> None:
+    body = {
+        "model": MODEL,
+        "prompt": "Count:",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    aborted = sum(aborts(s) for s in replicas)
+    with httpx.stream(
+        "POST", f"{router.url}/v1/completions", json=body, headers=headers, timeout=30
+    ) as response:
+        assert response.status_code == 200
+        next(response.iter_bytes())
+    for server in replicas:
+        server.wait_for(
+            lambda s=server: (
+                s.metric("vllm:num_requests_running", model_name=MODEL) == 0
+                and s.metric("vllm:kv_cache_usage_perc", model_name=MODEL) == 0
+            )
+        )
+    assert sum(aborts(s) for s in replicas) == aborted + 1  # cut short, not finished
+    for server in replicas:
+        assert router.metric("kvpilot:router_in_flight_requests", replica=server.url) == 0
+
+
+def test_the_kvpilot_router_command_serves(replicas, tiny_model_dir) -> None:
+    port = free_port()
+    command = [sys.executable, "-m", "kvpilot", "router", "--port", str(port), "--api-key", API_KEY]
+    command += ["--tokenizer", str(tiny_model_dir("llama")), "--log-level", "debug"]
+    command += [arg for s in replicas for arg in ("--endpoint", s.url)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=API_KEY)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        answer = client.completions.create(model=MODEL, prompt=LONG_PREFIX, **GREEDY)
+        assert answer.choices[0].text
+    finally:
+        process.terminate()
+        output = process.communicate(timeout=30)[0]
+    # The debug line that explains the decision.
+    assert "chose http://127.0.0.1:" in output and "bound=1" in output, output[-2000:]
+
+
+def test_a_killed_replica_is_routed_around(router, replicas, client) -> None:
+    prompt = LONG_PREFIX + "Which replica?"
+    before = {s.url: prompt_tokens(s) for s in replicas}
+    client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    # The replica that now holds the prompt's prefix: the router would send it there again.
+    [target] = [s for s in replicas if prompt_tokens(s) > before[s.url]]
+    [survivor] = [s for s in replicas if s is not target]
+    target.stop()
+    retries = router.metric("kvpilot:router_retries_total", model=MODEL)
+    answer = client.completions.create(model=MODEL, prompt=prompt, **GREEDY)
+    assert answer.choices[0].text
+    assert router.metric("kvpilot:router_retries_total", model=MODEL) == retries + 1
+    assert router.metric("kvpilot:router_errors_total", model=MODEL, replica=target.url,
+                         kind="connect") == 1  # fmt: skip
+    assert router.metric("kvpilot:router_replica_up", replica=target.url) == 0
+    served = router.metric(
+        "kvpilot:router_requests_total", model=MODEL, replica=survivor.url, status="200"
+    )
+    for question in ("One?", "Two?", "Three?"):
+        client.completions.create(model=MODEL, prompt=LONG_PREFIX + question, **GREEDY)
+    assert router.metric("kvpilot:router_retries_total", model=MODEL) == retries + 1
+    assert (
+        router.metric(
+            "kvpilot:router_requests_total", model=MODEL, replica=survivor.url, status="200"
+        )
+        == served + 3
+    )
