@@ -69,25 +69,26 @@ def run(args: argparse.Namespace) -> int:
     import logging
 
     from kvpilot.engine.llm import LLM
+    from kvpilot.engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
-        engine_args = EngineArgs.from_cli_args(args)
-        llm = LLM(show_progress=True, **vars(engine_args))
         given = {
             name: getattr(args, name)
             for name in ("temperature", "top_p", "top_k", "min_p")
             if getattr(args, name) is not None
         }
-        params = dataclasses.replace(
-            llm.get_default_sampling_params(),
-            **given,
+        requested = dict(
             n=args.n,
             seed=args.sampling_seed,
             max_tokens=args.max_tokens,
             stop=args.stop,
             ignore_eos=args.ignore_eos,
         )
+        SamplingParams(**given, **requested)  # a bad value is refused before the model loads
+        engine_args = EngineArgs.from_cli_args(args)
+        llm = LLM(show_progress=True, **vars(engine_args))
+        params = dataclasses.replace(llm.get_default_sampling_params(), **given, **requested)
         if args.chat_template and llm.get_tokenizer().chat_template:
             conversations = [[{"role": "user", "content": p}] for p in args.prompt]
             outputs = llm.chat(conversations, params)

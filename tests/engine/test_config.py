@@ -124,3 +124,14 @@ def test_generate_cli_reports_a_model_it_cannot_find(tmp_path, capsys):
     err = capsys.readouterr().err  # the loading progress bar, then the error
     assert err.splitlines()[-1].startswith("kvpilot generate: error: model ")
     assert str(missing) in err and "Traceback" not in err
+
+
+def test_generate_cli_refuses_a_bad_sampling_value_before_loading(tmp_path, capsys):
+    """The sampling flags are checked before the model is looked for: a missing model would
+    be the error otherwise."""
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(missing), "--prompt", "x", "--temperature", "-1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == "kvpilot generate: error: temperature must be >= 0, got -1.0"
