@@ -7,12 +7,22 @@ Runs, in one process and with one ``torch.set_num_threads`` value:
 2. kvpilot (``LLMEngine`` stepped to completion, all prompts submitted at once), recording the
    KV cache waste at peak allocation (allocated but unused token slots / allocated slots);
 3. transformers' continuous batching (``generate_batch``) on the same prompts;
-4. transformers' ``generate()`` one prompt at a time (``--skip-sequential`` to leave it out).
+4. transformers' ``generate()`` one prompt at a time (``--skip-sequential`` to leave it out);
+5. with ``--vllm-python``, vLLM's CPU build (the peer users would pick; its own virtual
+   environment from ``benchmarks/peers/install-vllm.sh``) on the same prompts, in its own
+   processes (``benchmarks/peers/vllm_offline.py``), timed on ``generate`` alone, CPU time of
+   all its processes; at its own block size (its CPU attention takes multiples of 32 only).
+
+``--cores 0`` (or ``0-1``) pins every system to those cores (this process with
+``sched_setaffinity``, vLLM's processes too, and its OpenMP threads with
+``VLLM_CPU_OMP_THREADS_BIND``), so that a system with more processes cannot use more cores.
 
 Workload (issue 2): ``--num-prompts`` random prompts with lengths spread evenly over
 ``--min-len``..``--max-len`` tokens, ``--output-len`` new tokens each, greedy, EOS ignored.
 
     python benchmarks/throughput.py --threads 2
+    python benchmarks/throughput.py --threads 1 --cores 0 --skip-sequential \
+        --vllm-python "$(benchmarks/peers/install-vllm.sh | tail -1)"
 
 Prints the command, the machine, the thread count, each system's time and tokens/s, the ratios,
 the model FLOP utilisation and the KV waste. Numbers go to docs/benchmarks.md.
@@ -21,8 +31,12 @@ the model FLOP utilisation and the KV waste. Numbers go to docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import pathlib
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -70,12 +84,34 @@ def parse_args() -> argparse.Namespace:
         help="kvpilot's step budget (default: the engine's)",
     )
     parser.add_argument(
+        "--skip-transformers",
+        action="store_true",
+        help="leave out both transformers columns (kvpilot against vLLM only)",
+    )
+    parser.add_argument(
         "--skip-sequential",
         action="store_true",
         help="leave out transformers generate() one prompt at a time",
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cores", default=None, help="pin every system to these cores, e.g. 0 or 0-1"
+    )
+    parser.add_argument(
+        "--vllm-python",
+        default=None,
+        help="python of vLLM's virtual environment (benchmarks/peers/install-vllm.sh): adds vLLM",
+    )
     return parser.parse_args()
+
+
+def parse_cores(text: str) -> set[int]:
+    """``0``, ``0-1`` or ``0,2`` -> the set of core numbers."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
 
 
 def matmul_peak_flops(n: int = 2048, reps: int = 5) -> dict[str, float]:
@@ -202,8 +238,45 @@ def run_hf_sequential(args, prompts, model) -> tuple[Timer, list[list[int]]]:
     return timer, outputs
 
 
+def run_vllm(args, prompts, model_dir) -> tuple[Timer, list[list[int]]]:
+    """vLLM's CPU build on the same prompts, in its own processes (see the module docstring)."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(args.threads),
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": args.cores or "all",
+    }
+    env.pop("PYTHONPATH", None)
+    script = pathlib.Path(__file__).with_name("peers") / "vllm_offline.py"
+    cores = parse_cores(args.cores) if args.cores else None
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
+        json.dump(prompts, file)
+        file.flush()
+        print("vLLM: starting (it compiles the model first; minutes)", flush=True)
+        done = subprocess.run(
+            [
+                args.vllm_python, "-I", str(script), "--model", str(model_dir),
+                "--prompts", file.name, "--output-len", str(args.output_len),
+                "--max-model-len", str(args.max_len + args.output_len),
+            ],
+            env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False,
+            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
+        )  # fmt: skip
+    if done.returncode != 0:
+        raise SystemExit(f"vLLM failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    prefix = "vllm_offline result: "
+    line = next(x for x in done.stdout.splitlines() if x.startswith(prefix))
+    result = json.loads(line.removeprefix(prefix))
+    print(f"vLLM {result['version']}: generate took {result['wall']:.1f} s", flush=True)
+    timer = Timer()
+    timer.wall, timer.cpu = result["wall"], result["cpu"]
+    return timer, result["tokens"]
+
+
 def main() -> None:
     args = parse_args()
+    if args.cores:
+        os.sched_setaffinity(0, parse_cores(args.cores))
     torch.set_num_threads(args.threads)
     import transformers
 
@@ -212,6 +285,7 @@ def main() -> None:
     print(f"command: {' '.join([os.path.basename(sys.executable), *sys.argv])}")
     print(f"machine: {describe_machine()}")
     print(f"threads: {torch.get_num_threads()} (torch.set_num_threads, every system)")
+    print(f"cores: {args.cores or 'all'} (every system pinned to them)")
     print(f"load average at start: {os.getloadavg()[0]:.2f}")
     peaks = matmul_peak_flops()
     for name, flops in peaks.items():
@@ -230,10 +304,14 @@ def main() -> None:
 
     kv_timer, kv_tokens, waste, spec = run_kvpilot(args, prompts)
     results: dict[str, tuple[Timer, list[list[int]]]] = {"kvpilot": (kv_timer, kv_tokens)}
-    hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    results["transformers generate_batch"] = run_hf_batch(args, prompts, hf_model)
-    if not args.skip_sequential:
-        results["transformers generate() 1 by 1"] = run_hf_sequential(args, prompts, hf_model)
+    if not args.skip_transformers:
+        hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        results["transformers generate_batch"] = run_hf_batch(args, prompts, hf_model)
+        if not args.skip_sequential:
+            results["transformers generate() 1 by 1"] = run_hf_sequential(args, prompts, hf_model)
+        del hf_model
+    if args.vllm_python:
+        results["vLLM"] = run_vllm(args, prompts, model_dir)
 
     print()
     print(

@@ -1,0 +1,79 @@
+"""vLLM's offline ``LLM.generate`` on given prompts: the vLLM column of benchmarks/throughput.py.
+
+Runs in vLLM's own virtual environment (benchmarks/peers/install-vllm.sh), started by
+throughput.py with the prompts in a JSON file:
+
+    VENV/bin/python -I benchmarks/peers/vllm_offline.py --model DIR --prompts FILE --output-len 64
+
+Times only ``generate`` (vLLM compiles the model with torch.compile at every start). CPU time is
+that of this process and every process it started (vLLM's engine core and workers), read from
+/proc before and after. Prints one line ``RESULT_PREFIX`` + JSON ``{"wall", "cpu", "tokens",
+"version"}`` (seconds, seconds, the output token ids per prompt) among vLLM's own log lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+RESULT_PREFIX = "vllm_offline result: "
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of ``root`` and all its descendants now alive."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+    tree, frontier = {root}, [root]
+    while frontier:
+        pid = frontier.pop()
+        for child, parent in parents.items():
+            if parent == pid and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(times.get(pid, 0.0) for pid in tree)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--prompts", required=True, help="JSON file: a list of token id lists")
+    parser.add_argument("--output-len", type=int, required=True)
+    parser.add_argument("--max-model-len", type=int, required=True)
+    args = parser.parse_args()
+
+    import vllm
+    from vllm import LLM, SamplingParams, TokensPrompt
+
+    with open(args.prompts) as f:
+        prompts = json.load(f)
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        max_model_len=args.max_model_len,
+        seed=0,
+    )
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate([TokensPrompt(prompt_token_ids=prompts[0][:8])], SamplingParams(max_tokens=2))
+    cpu, wall = tree_cpu_seconds(os.getpid()), time.perf_counter()
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params)
+    wall, cpu = time.perf_counter() - wall, tree_cpu_seconds(os.getpid()) - cpu
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    result = {"wall": wall, "cpu": cpu, "tokens": tokens, "version": vllm.__version__}
+    print(RESULT_PREFIX + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
