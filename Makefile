@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install tools control-plane cluster crd e2e serve generate test test-engine test-cluster test-fast test-kernels lint format bench-serve bench-kernels bench-autoscaling bench-lora clean
+.PHONY: install tools control-plane cluster crd e2e serve generate test test-engine test-cluster test-fast test-kernels lint format bench bench-vllm bench-vllm-serve bench-serve bench-kernels bench-autoscaling bench-lora clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -77,6 +77,18 @@ test-kernels: install
 ## Offline throughput: kvpilot vs transformers generate() and generate_batch() (issue 2 figures).
 bench: install
 	$(BIN)/python benchmarks/throughput.py --threads 1
+
+## Offline throughput against vLLM's CPU build (installed once into ~/.cache/kvpilot/peers by
+## benchmarks/peers/install-vllm.sh), both pinned to core 0, then to cores 0-1.
+bench-vllm: install
+	$(BIN)/python benchmarks/throughput.py --threads 1 --cores 0 --skip-transformers \
+		--vllm-python "$$(benchmarks/peers/install-vllm.sh | tail -1)"
+	$(BIN)/python benchmarks/throughput.py --threads 2 --cores 0-1 --skip-transformers \
+		--vllm-python "$$(benchmarks/peers/install-vllm.sh | tail -1)"
+
+## Serving against vLLM, measured by vLLM's own `vllm bench serve` (a burst and 2 requests/s).
+bench-vllm-serve: install
+	benchmarks/peers/serve_side_by_side.sh
 
 ## Throughput of a batch mixing 8 LoRA adapters against the base model alone.
 bench-lora: install
