@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpilot.engine.executor.abstract import EngineDeadError
+from kvpilot.engine.kv_events import KVEventBatch
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -298,6 +299,11 @@ class AsyncLLM:
     def _notify_stats(self) -> None:
         for logger_ in self.stat_loggers:
             logger_.record_stats(self.stats)
+
+    async def kv_events(self, since: int) -> KVEventBatch:
+        """The engine's KV events numbered ``since`` and later, read on the engine thread (which
+        owns the block pool), after the step in progress."""
+        return await self._call(self.engine.get_kv_events, since)
 
     async def check_health(self) -> None:
         """Return when the engine can serve; raise ``EngineDeadError`` naming the cause if not.

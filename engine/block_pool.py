@@ -4,6 +4,10 @@ Follows vLLM V1's ``BlockPool`` (PagedAttention, Kwon et al. 2023; automatic pre
 a block whose reference count drops to 0 keeps its contents and its hash and goes to the tail of
 the free list; fresh blocks are taken from the head, so the least recently used cached block is
 evicted first, and only when a fresh block is needed.
+
+With caching on, the pool records its KV events (``kv_events.py``): ``BlockStored`` when a full
+block enters the prefix cache, ``BlockRemoved`` when a cached hash is evicted,
+``AllBlocksCleared`` when the cache is reset.
 """
 
 from __future__ import annotations
@@ -14,6 +18,14 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvpilot.engine.kv_events import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    DEFAULT_MAX_KV_EVENTS,
+    KVEventLog,
+)
 
 BlockHash = bytes
 
@@ -60,12 +72,18 @@ class BlockPool:
     Args:
         num_blocks: blocks in the cache (> 0).
         enable_caching: index full blocks by hash so that later requests reuse them.
+        max_kv_events: how many of the latest KV events ``kv_events`` holds.
+
+    Attributes:
+        kv_events: the log of KV events; None when caching is off (nothing is recorded).
 
     Raises:
-        ValueError: when ``num_blocks`` < 1.
+        ValueError: when ``num_blocks`` or ``max_kv_events`` < 1.
     """
 
-    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, enable_caching: bool, max_kv_events: int = DEFAULT_MAX_KV_EVENTS
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -76,6 +94,7 @@ class BlockPool:
             (b.block_id, b) for b in self.blocks
         )
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
+        self.kv_events = KVEventLog(max_kv_events) if enable_caching else None
 
     def get_num_free_blocks(self) -> int:
         """Blocks with reference count 0 (fresh, or cached and evictable)."""
@@ -149,17 +168,24 @@ class BlockPool:
             if block_hash not in self.cached_blocks:
                 block.block_hash = block_hash
                 self.cached_blocks[block_hash] = block
+                if self.kv_events is not None:
+                    self.kv_events.record(BLOCK_STORED, block_hash)
 
     def _evict(self, block: KVCacheBlock) -> None:
         if block.block_hash is not None:
             del self.cached_blocks[block.block_hash]
+            if self.kv_events is not None:
+                self.kv_events.record(BLOCK_REMOVED, block.block_hash)
             block.block_hash = None
 
     def reset_prefix_cache(self) -> bool:
-        """Drop every cached hash; refused (False) while any block is in use."""
+        """Drop every cached hash (one ``AllBlocksCleared`` event); refused (False) while any
+        block is in use."""
         if len(self.free_blocks) != self.num_blocks:
             return False
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.kv_events is not None:
+            self.kv_events.record(ALL_BLOCKS_CLEARED)
         return True

@@ -25,6 +25,7 @@ from kvpilot.engine.detokenizer import IncrementalDetokenizer
 from kvpilot.engine.executor import WorkerConfig, create_executor
 from kvpilot.engine.input_processor import InputProcessor, PromptType, sequence_ids
 from kvpilot.engine.kv_cache_manager import KVCacheManager
+from kvpilot.engine.kv_events import KVEventBatch
 from kvpilot.engine.lora.request import LoRARequest, parse_lora_modules
 from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
 from kvpilot.engine.output_processor import OutputProcessor, ParentRequestState, SequenceState
@@ -438,6 +439,12 @@ class LLMEngine:
         """Forget every cached block hash (vLLM's ``reset_prefix_cache``), e.g. between
         benchmark runs; refused (False) while requests hold blocks."""
         return self.kv_cache_manager.block_pool.reset_prefix_cache()
+
+    def get_kv_events(self, since: int) -> KVEventBatch:
+        """The prefix cache's KV events numbered ``since`` and later (``kv_events.py``); none,
+        and never truncated, when prefix caching is off. Call it on the engine's thread."""
+        log = self.kv_cache_manager.block_pool.kv_events
+        return KVEventBatch(0, [], False) if log is None else log.since(since)
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run and sample one batch.

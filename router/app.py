@@ -119,19 +119,22 @@ class Router:
         if self.tokenizer is not None and body:
             token_ids = await self.tokenizer.call(prompt_token_ids, path, body)
         order = self.ring.order(prefix_key(body))
-        hashes: dict[int, list[bytes]] = {}  # block size -> the prompt's chain
+        hashes: dict[tuple, list[bytes]] = {}  # (block size, root, adapter) -> the chain
 
         def chain(replica: Replica) -> list[bytes]:
             if token_ids is None:
                 return []
-            if replica.block_size not in hashes:
-                hashes[replica.block_size] = prompt_block_hashes(
-                    token_ids,
-                    replica.block_size,
-                    model_root_hash(model or ""),
-                    body.get("cache_salt"),
+            # The engine's root where it publishes it (then its real hashes match), else the
+            # router's own. An adapter's digest is the engine's secret: its chains are keyed on
+            # its name, which matches the router's own sends only, never another model's.
+            root = replica.root_hash or model_root_hash(model or "")
+            lora = (model, None) if replica.root_hash and model in replica.adapters else None
+            key = (replica.block_size, root, lora)
+            if key not in hashes:
+                hashes[key] = prompt_block_hashes(
+                    token_ids, replica.block_size, root, body.get("cache_salt"), lora
                 )
-            return hashes[replica.block_size]
+            return hashes[key]
 
         tried: set[str] = set()
         label = model or ""
@@ -144,7 +147,7 @@ class Router:
                 Candidate(
                     r.url,
                     r.in_flight,
-                    r.index.match(chain(r)) * r.block_size,
+                    r.match(chain(r)) * r.block_size,
                     order.index(r.url),
                 )
                 for r in replicas
@@ -163,7 +166,7 @@ class Router:
             self._count_decision(replica, decision.reason, token_ids, decision.matched_tokens)
             replica.in_flight += 1
             self.metrics.in_flight.labels(replica.url).inc()
-            replica.index.insert(chain(replica))
+            replica.record_sent(chain(replica))
             try:
                 upstream = await self._open_or_disconnect(raw, replica, path, payload)
             except proxy.UpstreamUnreachable as exc:

@@ -7,10 +7,12 @@ with the engine's hash chain (``kvpilot.engine.kv_cache_manager.extend_block_has
 hashes speaks the engine's language: given the engine's root hash, block size, salt and adapter
 digest, they are the engine's hashes (``tests/router/test_prompt_hashes.py`` holds them equal).
 
-Until the engines publish their KV events, the router roots each chain at
-``model_root_hash(model)`` and leaves adapter digests out (it cannot read them): the index is the
-router's own, so it only needs to agree with itself, and the model name keeps models and adapters
-apart.
+Where a replica publishes its KV events (``GET /kv_events``), the router roots the chain at the
+``root_hash`` it reports, so that the chain is the engine's own and matches its cached hashes.
+Elsewhere (an engine without KV events, or not polled yet) it roots each chain at
+``model_root_hash(model)``: the index is then the router's own guess, which only needs to agree
+with itself, and the model name keeps models and adapters apart. Adapter digests are left out
+either way (the router cannot read them).
 """
 
 from __future__ import annotations

@@ -1,9 +1,13 @@
 """The engine replicas behind the router (local mode: a fixed list of URLs) and what it knows of
 each: the models it serves, its block size and KV capacity, its in-flight requests, whether it
-is up, and its prefix index.
+is up, and what its prefix cache holds.
 
-A replica that refuses connections is marked down for ``down_s`` seconds and routed around; a
-poll that reaches it again (``refresh``, every ``--refresh-interval`` seconds) brings it back.
+Every poll (``refresh``, every ``--refresh-interval`` seconds) reads ``/metrics``, ``/v1/models``
+and ``/kv_events?since=N``: a replica that publishes its KV events gets an ``EventIndex`` (its
+engine's real cached hashes and root hash); one that does not (a 404) keeps the router's guess,
+its ``PrefixIndex``. A replica that refuses connections is marked down for ``down_s`` seconds
+and routed around; a poll that reaches it again brings it back, and its events are read again
+from the start (a restarted engine begins a new log).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpilot.router.prefix_index import PrefixIndex
+from kvpilot.router.prefix_index import EventIndex, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +38,9 @@ class Replica:
         block_size: its KV block size in tokens.
         in_flight: requests the router has sent and not finished.
         down_until: ``time.monotonic()`` before which it is routed around.
-        index: the block hashes the router has sent there.
+        adapters: the served names that are LoRA adapters (a ``parent`` in ``/v1/models``).
+        index: the block hashes the router has sent there (its guess).
+        events: the engine's cached hashes from its KV events; None until it publishes them.
     """
 
     url: str
@@ -43,6 +49,33 @@ class Replica:
     in_flight: int = 0
     down_until: float = 0.0
     index: PrefixIndex = field(default_factory=PrefixIndex)
+    adapters: set[str] = field(default_factory=set)
+    events: EventIndex | None = None
+
+    @property
+    def root_hash(self) -> bytes | None:
+        """The engine's root hash, once it publishes its KV events."""
+        return None if self.events is None else self.events.root_hash
+
+    def match(self, hashes: list[bytes]) -> int:
+        """Leading blocks of a chain it holds: its engine's events where it publishes them,
+        else the router's guess (blocks, not tokens)."""
+        return (self.index if self.events is None else self.events).match(hashes)
+
+    def record_sent(self, hashes: list[bytes]) -> None:
+        """Note a chain just sent there (both indexes: the guess is the fallback)."""
+        self.index.insert(hashes)
+        if self.events is not None:
+            self.events.insert(hashes)
+
+    def apply_kv_events(self, answer: dict) -> None:
+        """Apply one ``/kv_events`` answer; a new root hash (another model or a restarted
+        engine) starts a new index."""
+        root_hash = bytes.fromhex(answer["root_hash"])
+        if self.events is None or self.events.root_hash != root_hash:
+            self.events = EventIndex(root_hash)
+        self.block_size = int(answer["block_size"])
+        self.events.apply(answer)
 
     def is_up(self, now: float | None = None) -> bool:
         """False while it is marked down."""
@@ -109,12 +142,14 @@ class ReplicaSet:
         return up or serving
 
     async def refresh(self, session: aiohttp.ClientSession) -> None:
-        """Poll every replica's ``/metrics`` and ``/v1/models`` once, concurrently."""
+        """Poll every replica's ``/metrics``, ``/v1/models`` and ``/kv_events`` once,
+        concurrently."""
         await asyncio.gather(*(self._poll(session, r) for r in self.replicas.values()))
 
     async def _poll(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         models: set[str] = set()
+        adapters: set[str] = set()
         try:
             async with session.get(f"{replica.url}/metrics") as response:
                 if response.status == 200:
@@ -122,7 +157,9 @@ class ReplicaSet:
             async with session.get(f"{replica.url}/v1/models", headers=headers) as response:
                 if response.status == 200:
                     body = await response.json()
-                    models |= {m["id"] for m in body.get("data", []) if "id" in m}
+                    data = [m for m in body.get("data", []) if "id" in m]
+                    models |= {m["id"] for m in data}
+                    adapters = {m["id"] for m in data if m.get("parent")}
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if isinstance(exc, aiohttp.ClientConnectionError | TimeoutError):
                 replica.mark_down(self.down_s)
@@ -130,5 +167,22 @@ class ReplicaSet:
             return
         if not replica.is_up():
             logger.info("replica %s is back", replica.url)
+            replica.events = None
         replica.down_until = 0.0
         replica.models = models
+        replica.adapters = adapters
+        await self._poll_kv_events(session, replica, headers)
+
+    async def _poll_kv_events(
+        self, session: aiohttp.ClientSession, replica: Replica, headers: dict[str, str]
+    ) -> None:
+        since = 0 if replica.events is None else replica.events.next_seq
+        url = f"{replica.url}/kv_events"
+        try:
+            async with session.get(url, params={"since": since}, headers=headers) as response:
+                if response.status == 404:  # an engine without KV events: keep the guess
+                    replica.events = None
+                elif response.status == 200:
+                    replica.apply_kv_events(await response.json())
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            logger.debug("KV events of %s not read: %s", replica.url, exc)

@@ -1,8 +1,15 @@
-"""The FastAPI application: OpenAI routes, ``/health``, ``/metrics``, ``/version``.
+"""The FastAPI application: OpenAI routes, ``/health``, ``/metrics``, ``/version``, ``/kv_events``.
 
 The model loads in the background after the server starts listening, so ``/health`` answers
 503 while it loads (a Kubernetes readiness probe holds traffic back) and 200 once requests can
 be served; an orchestrator sees a live process that is not ready yet, not a closed port.
+
+``GET /kv_events?since=N`` publishes the prefix cache's KV events (``engine/kv_events.py``) for
+the router: ``{"next": M, "events": [{"seq", "type", "block_hash"}, ...], "truncated": bool,
+"block_size": tokens per block, "root_hash": hex of the first block's parent}``. Poll it with
+``since`` = the last answer's ``next``; ``truncated`` says the log no longer holds event ``N``:
+drop what was built from the older events and rebuild from these. It needs the API key when the
+server has one (the hashes tell which prompts were sent).
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -91,6 +98,8 @@ class _State:
     chat: OpenAIServingChat | None = None
     models: OpenAIServingModels | None = None
     max_model_len: int | None = None
+    block_size: int = 0
+    root_hash: str = ""
     load_error: BaseException | None = None
     registry: CollectorRegistry = field(default_factory=CollectorRegistry)
 
@@ -182,6 +191,25 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
+    @app.get("/kv_events", dependencies=[Depends(authenticate)])
+    async def kv_events(since: int = Query(0, ge=0)) -> dict[str, Any]:
+        ready = ready_state()
+        batch = await ready.engine.kv_events(since)
+        return {
+            "next": batch.next,
+            "events": [
+                {
+                    "seq": e.seq,
+                    "type": e.type,
+                    "block_hash": None if e.block_hash is None else e.block_hash.hex(),
+                }
+                for e in batch.events
+            ],
+            "truncated": batch.truncated,
+            "block_size": ready.block_size,
+            "root_hash": ready.root_hash,
+        }
+
     @v1.get("/models")
     async def models() -> ModelList:
         return ready_state().models.model_list()
@@ -253,6 +281,8 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     state.models = models
     state.tokenizer = tokenizer
     state.max_model_len = max_model_len
+    state.block_size = cache.block_size
+    state.root_hash = engine.kv_cache_manager.root_hash.hex()
     state.engine = async_llm
 
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.engine.block_pool import BlockPool, hash_block_tokens
-from kvpilot.engine.kv_cache_manager import KVCacheManager
+from kvpilot.engine.kv_cache_manager import KVCacheManager, extend_block_hashes
+from kvpilot.engine.kv_events import (
+    ALL_BLOCKS_CLEARED,
+    BLOCK_REMOVED,
+    BLOCK_STORED,
+    KVEvent,
+    KVEventBatch,
+    KVEventLog,
+)
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampling_params import SamplingParams
 
@@ -143,3 +151,50 @@ def test_decode_fills_block_and_caches_it():
     assert manager.num_cached_blocks["a"] == 1
     b = make_request("b", [1, 2, 3, 4, 5])
     assert admit(manager, b) == 4
+
+
+def test_kv_events_record_stored_removed_and_cleared_hashes():
+    manager = KVCacheManager(4, BS, enable_caching=True, root_hash=b"root")
+    pool = manager.block_pool
+    a = make_request("a", list(range(12)))  # 3 full blocks
+    admit(manager, a)
+    stored = extend_block_hashes([], list(range(12)), BS, b"root")
+    batch = pool.kv_events.since(0)
+    assert batch == KVEventBatch(3, [KVEvent(i, BLOCK_STORED, h) for i, h in enumerate(stored)],
+                                 False)  # fmt: skip
+    manager.free(a)
+    # Filling the cache: 4 fresh blocks take the never-used one, then evict a's three, tail
+    # first (the free list's order).
+    b = make_request("b", list(range(100, 116)))
+    admit(manager, b)
+    events = pool.kv_events.since(3).events
+    removed = [e for e in events if e.type == BLOCK_REMOVED]
+    assert [e.block_hash for e in removed] == stored[::-1]
+    assert [e.seq for e in events] == list(range(3, 3 + len(events)))
+    assert [e.block_hash for e in events if e.type == BLOCK_STORED] == extend_block_hashes(
+        [], list(range(100, 116)), BS, b"root"
+    )
+    manager.free(b)
+    assert pool.reset_prefix_cache()
+    last = pool.kv_events.since(pool.kv_events.next_seq - 1)
+    assert last.events == [KVEvent(last.next - 1, ALL_BLOCKS_CLEARED, None)]
+
+
+def test_kv_event_log_is_bounded_and_says_truncated():
+    log = KVEventLog(max_events=2)
+    for i in range(5):
+        log.record(BLOCK_STORED, bytes([i]))
+    assert log.since(3) == KVEventBatch(5, [KVEvent(3, BLOCK_STORED, b"\x03"),
+                                            KVEvent(4, BLOCK_STORED, b"\x04")], False)  # fmt: skip
+    assert log.since(5) == KVEventBatch(5, [], False)
+    behind = log.since(1)
+    assert behind.truncated and [e.seq for e in behind.events] == [3, 4]
+    assert log.since(9).truncated  # a cursor from before a restart
+    with pytest.raises(ValueError, match="max_events"):
+        KVEventLog(0)
+
+
+def test_no_kv_events_without_prefix_caching():
+    manager = KVCacheManager(4, BS, enable_caching=False)
+    admit(manager, make_request("a", list(range(12))))
+    assert manager.block_pool.kv_events is None

@@ -17,6 +17,9 @@ import openai
 import pytest
 import uvicorn
 
+from kvpilot.engine.kv_cache_manager import extend_block_hashes
+from kvpilot.engine.model_loader import load_tokenizer
+from kvpilot.engine.tokenization import encode_text
 from kvpilot.router.app import create_app
 from kvpilot.router.config import RouterConfig
 from tests.server.conftest import API_KEY, LiveServer, free_port
@@ -233,6 +236,54 @@ def test_the_kvpilot_router_command_serves(replicas, tiny_model_dir) -> None:
         output = process.communicate(timeout=30)[0]
     # The debug line that explains the decision.
     assert "chose http://127.0.0.1:" in output and "bound=1" in output, output[-2000:]
+
+
+def test_the_index_of_a_replica_is_its_engines_kv_events(replicas, tiny_model_dir) -> None:
+    config = RouterConfig(
+        endpoints=[s.url for s in replicas],
+        tokenizer=str(tiny_model_dir("llama")),
+        refresh_s=0.2,
+        api_key=API_KEY,
+    )
+    fresh = RouterThread(config)
+    try:
+        state = fresh.app.state.router
+        client = openai.OpenAI(base_url=f"{fresh.url}/v1", api_key=API_KEY, max_retries=0)
+        prompt = "A story of KV events, told to the router block by block. " * 10
+        before = {s.url: prompt_tokens(s) for s in replicas}
+        client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=1)
+        [a] = [s for s in replicas if prompt_tokens(s) > before[s.url]]
+        [b] = [s for s in replicas if s is not a]
+        # The engine's own account: its log from the start, replayed.
+        log = httpx.get(f"{a.url}/kv_events", headers={"Authorization": f"Bearer {API_KEY}"})
+        log = log.json()
+        assert not log["truncated"]
+        engine_held: set[bytes] = set()
+        for event in log["events"]:
+            if event["type"] == "BlockStored":
+                engine_held.add(bytes.fromhex(event["block_hash"]))
+            elif event["type"] == "BlockRemoved":
+                engine_held.discard(bytes.fromhex(event["block_hash"]))
+            else:
+                engine_held.clear()
+        tokens = encode_text(load_tokenizer(tiny_model_dir("llama")), prompt, "prompt")
+        root = bytes.fromhex(log["root_hash"])
+        full = extend_block_hashes([], tokens, log["block_size"], root)
+        assert len(full) >= 4 and set(full) <= engine_held
+        index = state.replicas.replicas[a.url]
+        a.wait_for(lambda: index.events is not None and index.events.next_seq >= log["next"])
+        time.sleep(3 * config.refresh_s)  # two more polls: what the router sent is forgotten
+        assert index.root_hash == root
+        assert set(index.events.blocks) == engine_held
+        assert not set(full) & state.replicas.replicas[b.url].events.blocks
+        matched = fresh.metric("kvpilot:router_prefix_matched_tokens_total", replica=a.url)
+        client.completions.create(model=MODEL, prompt=prompt + " More?", **GREEDY)
+        assert prompt_tokens(a) > before[a.url] + len(tokens) and prompt_tokens(b) == before[b.url]
+        assert fresh.metric("kvpilot:router_prefix_matched_tokens_total", replica=a.url) == (
+            matched + len(full) * log["block_size"]
+        )
+    finally:
+        fresh.stop()
 
 
 def test_a_killed_replica_is_routed_around(router, replicas, client) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvpilot.router.consistent_hash import HashRing
-from kvpilot.router.prefix_index import PrefixIndex
+from kvpilot.router.prefix_index import EventIndex, PrefixIndex
 from kvpilot.router.scoring import Candidate, choose_replica, load_bound
 
 
@@ -106,3 +106,39 @@ def test_the_prefix_index_matches_leading_blocks_and_evicts_tails_first() -> Non
     assert index.match([b"1"]) == 1 and len(index) == 1
     with pytest.raises(ValueError, match="capacity_blocks"):
         PrefixIndex(0)
+
+
+def answer(next_seq: int, *events: tuple[str, bytes | None], truncated: bool = False) -> dict:
+    """A ``/kv_events`` answer whose events end at ``next_seq``."""
+    first = next_seq - len(events)
+    return {
+        "next": next_seq,
+        "truncated": truncated,
+        "events": [
+            {"seq": first + i, "type": kind, "block_hash": None if h is None else h.hex()}
+            for i, (kind, h) in enumerate(events)
+        ],
+    }
+
+
+def test_the_event_index_replays_stored_removed_and_cleared() -> None:
+    index = EventIndex(b"root")
+    index.apply(answer(3, ("BlockStored", b"1"), ("BlockStored", b"2"), ("BlockStored", b"3")))
+    assert index.blocks == {b"1", b"2", b"3"} and index.next_seq == 3
+    assert index.match([b"1", b"2", b"9", b"3"]) == 2
+    index.apply(answer(4, ("BlockRemoved", b"2")))
+    assert index.match([b"1", b"2"]) == 1
+    index.apply(answer(5, ("AllBlocksCleared", None)))
+    assert index.blocks == set()
+    index.apply(answer(9, ("BlockStored", b"7"), truncated=True))  # fell behind: start over
+    assert index.blocks == {b"7"} and index.next_seq == 9
+
+
+def test_the_event_index_holds_a_sent_chain_for_two_polls() -> None:
+    index = EventIndex(b"root")
+    index.insert([b"1", b"2"])  # routed there; the engine has not scheduled it yet
+    assert index.match([b"1", b"2"]) == 2
+    index.apply(answer(0))
+    assert index.match([b"1", b"2"]) == 2  # a poll may come before the engine stores them
+    index.apply(answer(0))
+    assert index.match([b"1", b"2"]) == 0  # never stored (evicted, or failed): forgotten
