@@ -22,8 +22,9 @@ _TUNING = {
     "--tokenizer": (
         "tokenizer",
         str,
-        "the served model's tokenizer (folder or Hub id) for prefix-aware routing; without "
-        "it, consistent hashing on the prompt's first characters",
+        "the served model's tokenizer (folder, Hub id, or SmolLM2-135M-Instruct for the "
+        "built-in model) for prefix-aware routing; without it, consistent hashing on the "
+        "prompt's first characters",
     ),
     "--load-factor": (
         "load_factor",

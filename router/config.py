@@ -14,7 +14,8 @@ class RouterConfig:
 
     Attributes:
         endpoints: the replicas' base URLs.
-        tokenizer: a tokenizer folder or Hub id for prefix affinity; None: consistent hashing.
+        tokenizer: a tokenizer folder, Hub id, or the built-in model's name for prefix
+            affinity; None: consistent hashing.
         load_factor: bounded load (>= 1): no replica above this factor of the mean.
         prefix_weight, load_weight: the score's weights (``scoring.py``).
         down_s: seconds a replica that refused a connection is routed around.

@@ -116,3 +116,25 @@ def test_bodies_without_a_usable_prompt_give_no_tokens(tokenizer) -> None:
     assert prefix_key({"model": "m", "prompt": "x" * 1000}) == prefix_key(
         {"model": "m", "prompt": "x" * 300}
     )
+
+
+async def test_the_built_in_model_name_names_its_tokenizer(default_model_dir):
+    """``--tokenizer SmolLM2-135M-Instruct`` loads the built-in model's tokenizer, as
+    ``kvpilot serve`` without ``--model`` serves it."""
+    import prometheus_client
+
+    from kvpilot.engine.model_loader import load_tokenizer
+    from kvpilot.router.app import Router
+    from kvpilot.router.config import RouterConfig
+
+    router = Router(
+        # No replica listens there: only the tokenizer matters here.
+        RouterConfig(endpoints=["http://127.0.0.1:9"], tokenizer="SmolLM2-135M-Instruct"),
+        prometheus_client.CollectorRegistry(),
+    )
+    await router.start()
+    try:
+        ids = await router.tokenizer.encode("Hello, world", "prompt")
+        assert ids == load_tokenizer(default_model_dir).encode("Hello, world")
+    finally:
+        await router.stop()
