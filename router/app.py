@@ -73,17 +73,10 @@ class Router:
         """Open the client session, load the tokenizer, poll the replicas once."""
         self.session = proxy.make_session(self.config.connect_timeout_s)
         if self.config.tokenizer is not None:
-            from kvpilot.engine.model_loader import (
-                DEFAULT_MODEL_NAME,
-                load_tokenizer,
-                resolve_model,
-            )
+            from kvpilot.engine.model_loader import load_tokenizer
             from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 
-            source = self.config.tokenizer
-            if source == DEFAULT_MODEL_NAME:  # the built-in model, as `kvpilot serve` names it
-                source = await asyncio.to_thread(resolve_model, None)
-            tokenizer = await asyncio.to_thread(load_tokenizer, source)
+            tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer)
             self.tokenizer = AsyncTokenizer(tokenizer)
         await self.refresh()
 

@@ -11,9 +11,18 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 def load_tokenizer(model_dir: pathlib.Path | str) -> PreTrainedTokenizerBase:
     """Load the folder's tokenizer through transformers (chat template included when present).
 
+    ``model_dir`` may also be a Hub id, or the built-in model's name (``DEFAULT_MODEL_NAME``,
+    unless a folder of that name exists), as ``resolve_model`` reads it.
+
     Raises:
         FileNotFoundError: the folder has no tokenizer files.
     """
+    from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
+
+    if str(model_dir) == DEFAULT_MODEL_NAME and not pathlib.Path(model_dir).exists():
+        from kvpilot.engine.model_loader.resolve import resolve_model
+
+        model_dir = resolve_model(None)
     model_dir = pathlib.Path(model_dir)
     try:
         return AutoTokenizer.from_pretrained(model_dir)
