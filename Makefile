@@ -27,11 +27,12 @@ $(TOOLS):
 
 tools: $(TOOLS)
 
-## The test control plane: kube-apiserver, kube-controller-manager, kube-scheduler, etcd and kwok,
-## built once per machine from the pinned Go modules in hack/control-plane/ into
+## The test control plane: kube-apiserver, kube-controller-manager, kube-scheduler, etcd, kwok
+## and the LeaderWorkerSet controller, built once per machine from the pinned Go modules in hack/control-plane/ into
 ## ~/.cache/kvpilot/k8s/ (needs Go; tens of minutes cold, instant once built).
 control-plane:
 	hack/control-plane/build.sh >/dev/null
+	hack/control-plane/build-lws.sh >/dev/null
 
 ## A real Kubernetes control plane on this machine, with simulated GPU nodes and the operator
 ## installed by its Helm chart; prints the KUBECONFIG to use. Ctrl-C stops it.

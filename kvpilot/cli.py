@@ -23,6 +23,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "size a model for a GPU type (tensor parallel, KV capacity)",
     ),
     "operator": ("kvpilot.operator.main", "run the Kubernetes operator (kopf)"),
+    "ray-node": (
+        "kvpilot.engine.entrypoints.ray_node",
+        "run a Ray head or worker of a multi-node replica (LeaderWorkerSet pods)",
+    ),
     "router": (
         "kvpilot.router.cli",
         "route OpenAI requests across engine replicas (prefix- and load-aware)",

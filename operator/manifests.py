@@ -141,6 +141,11 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
         "--device", "cpu" if spec.gpu is None else "cuda",
         "--dtype", plan.dtype,
         "--tensor-parallel-size", str(plan.tensor_parallel_size),
+        *(
+            ["--pipeline-parallel-size", str(plan.pipeline_parallel_size),
+             "--distributed-executor-backend", "ray"]
+            if plan.pipeline_parallel_size > 1 else []
+        ),
         "--max-model-len", str(plan.max_model_len),
         "--max-num-seqs", str(plan.max_num_seqs),
         "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
@@ -249,8 +254,7 @@ def _deployment(
     replicas: int,
     selector: dict[str, str],
 ) -> dict[str, Any]:
-    template_hash = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:16]
-    template["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION] = template_hash
+    template["metadata"]["annotations"][TEMPLATE_HASH_ANNOTATION] = template_hash(template)
     rolling = (
         {"maxSurge": 1, "maxUnavailable": 0}
         if spec.gpu is None
@@ -263,7 +267,11 @@ def _deployment(
             "name": deployment_name,
             "namespace": namespace,
             "labels": dict(template["metadata"]["labels"]),
-            "annotations": {TEMPLATE_HASH_ANNOTATION: template_hash},
+            "annotations": {
+                TEMPLATE_HASH_ANNOTATION: template["metadata"]["annotations"][
+                    TEMPLATE_HASH_ANNOTATION
+                ]
+            },
         },
         "spec": {
             "replicas": replicas,
@@ -274,6 +282,20 @@ def _deployment(
             "template": template,
         },
     }
+
+
+def template_hash(template: dict[str, Any]) -> str:
+    """``TEMPLATE_HASH_ANNOTATION``'s value: 16 hex digits of the SHA-256 of the pod template
+    (without that annotation)."""
+    without = copy.deepcopy(template)
+    without["metadata"].get("annotations", {}).pop(TEMPLATE_HASH_ANNOTATION, None)
+    return hashlib.sha256(json.dumps(without, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def gpus_per_pod(plan: Plan) -> int:
+    """GPUs one engine pod asks for: the whole replica's, or one node's share when the replica
+    spans ``plan.pipeline_parallel_size`` nodes."""
+    return plan.gpus_per_replica // plan.pipeline_parallel_size
 
 
 def pod_template(
@@ -489,7 +511,7 @@ def _engine_container(
     resources = {part: dict(values) for part, values in (spec.resources or {}).items()}
     if spec.gpu is not None:
         # Extended resources must have requests == limits; setting the limit implies it.
-        resources.setdefault("limits", {})[spec.gpu.resource_name] = str(plan.gpus_per_replica)
+        resources.setdefault("limits", {})[spec.gpu.resource_name] = str(gpus_per_pod(plan))
     return {
         "name": "engine",
         "image": spec.image,
@@ -585,7 +607,7 @@ def _volumes(
                 "readOnly": True,
             }
         )
-    if plan.tensor_parallel_size > 1:
+    if plan.tensor_parallel_size > 1 or plan.pipeline_parallel_size > 1:
         volumes.append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": SHM_SIZE}})
         mounts.append({"name": "dshm", "mountPath": "/dev/shm"})
     return volumes, mounts

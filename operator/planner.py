@@ -104,6 +104,7 @@ class Plan:
         kv_capacity_tokens: tokens the KV cache holds (per replica; every rank holds the same
             tokens for its own heads).
         max_concurrency: sequences of ``max_model_len`` tokens the cache holds at once.
+        pipeline_parallel_size: pipeline stages, one node each (1: the replica fits one node).
     """
 
     gpu_type: str
@@ -122,6 +123,7 @@ class Plan:
     kv_bytes_per_token: int
     kv_capacity_tokens: int
     max_concurrency: int
+    pipeline_parallel_size: int = 1
 
     def to_status(self) -> dict[str, Any]:
         """The plan as ``status.plan`` (camelCase keys, JSON values)."""

@@ -11,7 +11,8 @@ controller manager runs every default controller (Deployment, ReplicaSet, garbag
 disruption, namespace, persistent volume binder, ...) each with its own service account, as
 ``kubeadm`` sets it up, but the Endpoints and EndpointSlice ones (they refuse loopback pod
 IPs). The scheduler is the default one. kwok simulates the nodes of
-``tests/cluster/nodes.py``.
+``tests/cluster/nodes.py``. The LeaderWorkerSet controller (``sigs.k8s.io/lws``, the add-on
+multi-node replicas use) runs beside them with its CRD and webhooks (:mod:`tests.cluster.lws`).
 
 Everything listens on 127.0.0.1; node and pod addresses are in 127.0.0.0/8 too. No component
 downloads anything. Any component can be restarted alone (:meth:`ControlPlane.restart`).
@@ -35,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from . import pki, processes
+from . import lws, pki, processes
 from .nodes import DEFAULT_POOLS, NodePool, node_objects
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -136,7 +137,10 @@ class ControlPlane:
         audit_log: the API server's audit log (JSON lines).
     """
 
-    ORDER = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+    ORDER = (
+        "etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok",
+        "lws-controller",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -144,9 +148,14 @@ class ControlPlane:
         binaries: pathlib.Path,
         pools: tuple[NodePool, ...] = DEFAULT_POOLS,
         subnet: int = 1,
+        lws_folder: pathlib.Path | None = None,
     ) -> None:
+        """``lws_folder``: what ``hack/control-plane/build-lws.sh`` built (built on demand when
+        None)."""
         self.workdir = workdir
         self.binaries = binaries
+        self.lws_folder = lws_folder or lws.build()
+        self.lws_webhook_port = free_port()
         self.pools = pools
         self.subnet = subnet
         self.pki_dir = workdir / "pki"
@@ -168,7 +177,12 @@ class ControlPlane:
             ["127.0.0.1"],
             ["localhost", "kubernetes", "kubernetes.default", "kubernetes.default.svc"],
         )
-        for name, identity in IDENTITIES.items():
+        pki.make_serving_cert(self.pki_dir, "lws-webhook", ["127.0.0.1"], ["localhost"])
+        lws_certs = self.workdir / "lws-certs"
+        lws_certs.mkdir(exist_ok=True)
+        for suffix, target in (("crt", "tls.crt"), ("key", "tls.key")):
+            (lws_certs / target).write_bytes((self.pki_dir / f"lws-webhook.{suffix}").read_bytes())
+        for name, identity in {**IDENTITIES, "lws-controller": lws.IDENTITY}.items():
             cert, key = pki.make_client_cert(self.pki_dir, name, identity)
             write_kubeconfig(
                 self.kubeconfig_path(name),
@@ -194,6 +208,13 @@ class ControlPlane:
         kcm_port, scheduler_port = free_port(), free_port()
         etcd_url = f"http://127.0.0.1:{etcd_port}"
         peer_url = f"http://127.0.0.1:{peer_port}"
+        lws_health_port = free_port()
+        lws_config = work / "lws-config.yaml"
+        lws_config.write_text(
+            yaml.safe_dump(
+                lws.configuration(self.lws_webhook_port, lws_health_port, work / "lws-certs")
+            )
+        )
         kcm = str(self.kubeconfig_path("kube-controller-manager"))
         scheduler = str(self.kubeconfig_path("kube-scheduler"))
         return [
@@ -278,6 +299,15 @@ class ControlPlane:
                 ],
                 lambda: True,
             ),
+            Component(
+                "lws-controller",
+                [
+                    str(self.lws_folder / "lws-controller"),
+                    f"--kubeconfig={self.kubeconfig_path('lws-controller')}",
+                    f"--config={lws_config}",
+                ],
+                lambda: self._http_ok(f"http://127.0.0.1:{lws_health_port}/readyz"),
+            ),
         ]  # fmt: skip
 
     # ---- health -----------------------------------------------------------------------------
@@ -339,6 +369,8 @@ class ControlPlane:
             },
         )
         for name in self.ORDER:
+            if name == "lws-controller":
+                self._install_lws()
             self._start_component(name)
         self._register_nodes()
 
@@ -355,6 +387,31 @@ class ControlPlane:
             component = self.components.get(name)
             if component is not None and component.process is not None:
                 processes.stop(component.process, grace_seconds=5)
+
+    def _install_lws(self) -> None:
+        """The LeaderWorkerSet CRD, the controller's RBAC and its webhooks (see
+        :mod:`tests.cluster.lws`), before the controller starts."""
+        import base64
+
+        import kubernetes
+
+        client = self.api_client()
+        ca_bundle = base64.b64encode(self.ca_file.read_bytes()).decode()
+        objects = [
+            *lws.crds(self.lws_folder),
+            *lws.rbac(self.lws_folder),
+            *lws.webhook_configurations(self.lws_folder, self.lws_webhook_port, ca_bundle),
+        ]
+        for obj in objects:
+            kubernetes.utils.create_from_dict(client, obj)
+        extensions = kubernetes.client.ApiextensionsV1Api(client)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            status = extensions.read_custom_resource_definition(lws.CRD_NAME).status
+            if any(c.type == "Established" and c.status == "True" for c in status.conditions or []):
+                return
+            time.sleep(0.2)
+        raise RuntimeError(f"the {lws.CRD_NAME} CRD was not Established within 60 s")
 
     def _register_nodes(self) -> None:
         import kubernetes

@@ -1,0 +1,124 @@
+"""Multi-node replicas rendered as a LeaderWorkerSet (pure; the same objects on the real
+control plane with the LWS controller: tests/cluster/test_leaderworkerset.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from kvpilot.engine.entrypoints import ray_node
+from kvpilot.engine.model_shape import ModelShape
+from kvpilot.operator import leaderworkerset, manifests
+from kvpilot.operator.planner import plan_for_spec
+from kvpilot.operator.spec import parse_spec
+
+CONFIGS = Path(__file__).parent / "configs"
+SPEC = {
+    "model": {"source": "hf://meta-llama/Meta-Llama-3-70B-Instruct"},
+    "engine": {"maxModelLen": 8192},
+    "gpu": {"type": "H100-80GB"},
+    "replicas": 2,
+}
+
+
+def two_node_plan():
+    """The 70B model's H100 plan stretched to TP 8 x PP 2 (16 GPUs over two 8-GPU nodes): the
+    renderer reads only the plan's fields, so the numbers need not be the planner's."""
+    spec = parse_spec(SPEC)
+    config = json.loads((CONFIGS / "Meta-Llama-3-70B.json").read_text())
+    plan = plan_for_spec(spec, ModelShape.from_hf_config(config))
+    return spec, dataclasses.replace(
+        plan, tensor_parallel_size=8, pipeline_parallel_size=2, gpus_per_replica=16
+    )
+
+
+def flag(args: list[str], name: str) -> str:
+    return args[args.index(name) + 1]
+
+
+def test_a_two_node_plan_is_groups_of_a_ray_leader_and_a_worker():
+    spec, plan = two_node_plan()
+    lws = leaderworkerset.leader_worker_set("big", "team-a", spec, plan)
+    assert lws["apiVersion"] == "leaderworkerset.x-k8s.io/v1" and lws["spec"]["replicas"] == 2
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert group["size"] == 2
+    assert group["restartPolicy"] == "RecreateGroupOnPodRestart"
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+
+    (leader,) = group["leaderTemplate"]["spec"]["containers"]
+    args = leader["args"]
+    assert args[:5] == ["ray-node", "leader", "--nodes", "2", "--"]
+    serve = args[5:]
+    assert serve[0] == "serve"
+    assert flag(serve, "--tensor-parallel-size") == "8"
+    assert flag(serve, "--pipeline-parallel-size") == "2"
+    assert flag(serve, "--distributed-executor-backend") == "ray"
+    assert leader["resources"]["limits"]["nvidia.com/gpu"] == "8"  # one node's share
+    assert {"name": "ray", "containerPort": 6379, "protocol": "TCP"} in leader["ports"]
+    assert leader["readinessProbe"]["httpGet"]["path"] == "/health"
+
+    (worker,) = group["workerTemplate"]["spec"]["containers"]
+    assert worker["args"] == ["ray-node", "worker", "--address", "$(LWS_LEADER_ADDRESS)"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert "readinessProbe" not in worker and worker["ports"] == []
+    mounts = {m["mountPath"] for m in worker["volumeMounts"]}
+    assert {"/dev/shm", "/tmp"} <= mounts  # Ray's object store and session folder
+    for template in (group["leaderTemplate"], group["workerTemplate"]):
+        assert template["spec"]["tolerations"][0]["key"] == "nvidia.com/gpu"
+        annotations = template["metadata"]["annotations"]
+        assert annotations[manifests.TEMPLATE_HASH_ANNOTATION] == manifests.template_hash(template)
+
+
+def test_only_leaders_carry_the_selector_of_service_pdb_and_scraper():
+    spec, plan = two_node_plan()
+    group = leaderworkerset.leader_worker_set("big", "team-a", spec, plan)["spec"][
+        "leaderWorkerTemplate"
+    ]
+    selector = manifests.service("big", "team-a")["spec"]["selector"]
+    leader_labels = group["leaderTemplate"]["metadata"]["labels"]
+    worker_labels = group["workerTemplate"]["metadata"]["labels"]
+    assert selector.items() <= leader_labels.items()
+    assert not selector.items() <= worker_labels.items()
+    assert worker_labels[leaderworkerset.WORKER_OF_LABEL] == "big"
+    assert worker_labels["app.kubernetes.io/instance"] == "big"
+
+
+def test_pod_templates_are_valid_kubernetes_pod_specs():
+    spec, plan = two_node_plan()
+    group = leaderworkerset.leader_worker_set("big", "team-a", spec, plan)["spec"][
+        "leaderWorkerTemplate"
+    ]
+    for template in (group["leaderTemplate"], group["workerTemplate"]):
+        pod = {"apiVersion": "v1", "kind": "Pod", **template}
+        pod["metadata"] = {**template["metadata"], "name": "p"}
+        kubernetes_validate.validate(pod, "1.32.0", strict=True)
+
+
+def test_a_single_node_plan_is_not_a_leader_worker_set():
+    spec = parse_spec(SPEC)
+    config = json.loads((CONFIGS / "Meta-Llama-3-70B.json").read_text())
+    plan = plan_for_spec(spec, ModelShape.from_hf_config(config))
+    assert not leaderworkerset.is_multi_node(plan)
+    assert "--pipeline-parallel-size" not in manifests.engine_args(spec, plan)
+    with pytest.raises(ValueError, match="Deployment"):
+        leaderworkerset.leader_worker_set("big", "team-a", spec, plan)
+
+
+def test_ray_node_arguments():
+    options, command = ray_node.parse_role_args(["--nodes", "2", "--", "serve", "--nodes", "x"])
+    assert options.nodes == 2 and command == ["serve", "--nodes", "x"]
+    ray = ["python", "-m", "ray.scripts.scripts"]
+    assert ray_node.worker_command(ray, "big-0.big.team-a")[3:5] == [
+        "start",
+        "--address=big-0.big.team-a:6379",
+    ]
+    assert "--block" in ray_node.worker_command(ray, "10.0.0.1:7000")
+    assert ray_node.head_command(ray, 6379, "127.0.0.1")[-1] == "--node-ip-address=127.0.0.1"
+    with pytest.raises(SystemExit):
+        ray_node.serve_command([])
+    with pytest.raises(SystemExit):
+        ray_node.parse_role_args(["--bogus"])
