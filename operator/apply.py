@@ -43,6 +43,7 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("kvpilot.dev/v1alpha1", "LLMDeployment"): "llmdeployments",
+    ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
 }
 _TRANSIENT_STATUSES = {409, 429, 500, 502, 503, 504}
 

@@ -54,7 +54,7 @@ import urllib3
 
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
 from kvpilot.engine.model_shape import ModelShape
-from kvpilot.operator import conditions, manifests
+from kvpilot.operator import conditions, leaderworkerset, manifests
 from kvpilot.operator.apply import (
     ApplyResult,
     KubeApiError,
@@ -83,6 +83,8 @@ from kvpilot.operator.tuning import TUNING_ANNOTATION, Rollout
 
 GROUP, VERSION, PLURAL = "kvpilot.dev", "v1alpha1", "llmdeployments"
 API_VERSION = f"{GROUP}/{VERSION}"
+WORKLOAD_KINDS = ("Deployment", leaderworkerset.KIND)
+"""Children whose status is the replicas' progress (``_rollout_progress`` reads either)."""
 KIND = "LLMDeployment"
 INVALID_SPEC = "InvalidSpec"
 # A reconcile re-reads its object and tries again this often when its status write conflicts.
@@ -104,12 +106,15 @@ class HandlerConfig:
         resync_interval: seconds between timer-driven reconciles of each object.
         retry_delay: seconds kopf waits before retrying a reconcile that hit API trouble.
         model_config_ttl: seconds a model's config.json is reused before it is read again.
+        watch_leader_worker_sets: watch LeaderWorkerSets (multi-node replicas) for changes;
+            set when their CRD was installed at start (a watch on a missing kind fails).
     """
 
     engine_image: str
     resync_interval: float = 300.0
     retry_delay: float = 10.0
     model_config_ttl: float = 600.0
+    watch_leader_worker_sets: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -538,6 +543,33 @@ def _apply_one(rt: Runtime, desired: dict[str, Any]) -> ApplyResult:
     return apply_child(rt.client, manifests.claim_update(desired, live).desired)
 
 
+def leader_worker_sets_installed(client: KubeClient) -> bool:
+    """Whether the cluster serves ``leaderworkerset.x-k8s.io/v1`` (the LWS CRD is installed).
+
+    Raises:
+        KubeApiError: the API server answered anything but success or 404.
+    """
+    try:
+        client.request("GET", leaderworkerset.GROUP_VERSION_PATH)
+    except KubeApiError as exc:
+        if exc.status == 404:
+            return False
+        raise
+    return True
+
+
+def leader_worker_sets_missing(plan: Plan) -> tuple[str, str]:
+    """The Degraded condition's (reason, message) of a multi-node plan on a cluster without
+    the LeaderWorkerSet CRD."""
+    return (
+        "LeaderWorkerSetNotInstalled",
+        f"each replica needs {plan.pipeline_parallel_size} nodes (tensor parallel "
+        f"{plan.tensor_parallel_size} x pipeline parallel {plan.pipeline_parallel_size}), "
+        "which kvpilot runs as a LeaderWorkerSet; install the LeaderWorkerSet controller "
+        "(sigs.k8s.io/lws) and restart the operator",
+    )
+
+
 def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> Applied:
     """Apply every child (a refused one does not stop the others).
 
@@ -558,6 +590,9 @@ def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> 
         meta["name"], meta["namespace"], planned.spec, planned.plan, rollout
     ):
         where = f"{child['kind']} {child['metadata']['name']}"
+        if child["kind"] == leaderworkerset.KIND and not leader_worker_sets_installed(rt.client):
+            applied.failure = applied.failure or leader_worker_sets_missing(planned.plan)
+            continue
         try:
             result = _apply_one(rt, _owned(child, body))
         except OwnershipConflict as exc:
@@ -575,7 +610,7 @@ def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> 
                     f"{verb} {child['kind']} {meta['namespace']}/{child['metadata']['name']}",
                 )
             )
-        if child["kind"] == "Deployment":
+        if child["kind"] in WORKLOAD_KINDS:
             applied.deployments[child["metadata"]["name"]] = result.obj
         elif child["kind"] == "PersistentVolumeClaim":
             applied.claim = result.obj
@@ -703,7 +738,11 @@ def operator_settings(
     settings.watching.client_timeout = watch_timeout + 30
     settings.watching.connect_timeout = 30
     # Only the operator's own children and pods are listed and watched (server-side).
-    for resource in (("apps", "v1", "deployments"), ("", "v1", "pods")):
+    for resource in (
+        ("apps", "v1", "deployments"),
+        ("leaderworkerset.x-k8s.io", "v1", "leaderworkersets"),
+        ("", "v1", "pods"),
+    ):
         settings.watching.label_selectors[resource] = manifests.LLMDEPLOYMENT_LABEL
     return settings
 
@@ -748,11 +787,16 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             GROUP, VERSION, PLURAL, id="reconcile", backoff=rt.config.retry_delay, registry=registry
         )(on_llmdeployment(trigger))
 
-    @kopf.on.event("apps", "v1", "deployments", registry=registry)
     def child_changed(body: kopf.Body, **_: Any) -> None:
         owner = _owner(body)
         if owner is not None:
             reconcile(rt, body.metadata["namespace"], owner[0], "child", uid=owner[1])
+
+    kopf.on.event("apps", "v1", "deployments", id="deployment", registry=registry)(child_changed)
+    if rt.config.watch_leader_worker_sets:
+        kopf.on.event(
+            "leaderworkerset.x-k8s.io", "v1", "leaderworkersets", id="lws", registry=registry
+        )(child_changed)
 
     seen: dict[str, tuple[Any, ...]] = {}
 
@@ -768,7 +812,8 @@ def register(registry: kopf.OperatorRegistry, rt: Runtime) -> None:
             return
         seen[uid] = state
         for ref in body.metadata.get("ownerReferences") or []:
-            if ref.get("kind") == "ReplicaSet":
+            # A Deployment's pods, or a LeaderWorkerSet's leaders (of its leader StatefulSet).
+            if ref.get("kind") in ("ReplicaSet", "StatefulSet"):
                 name = (body.metadata.get("labels") or {}).get(manifests.LLMDEPLOYMENT_LABEL)
                 if name:
                     reconcile(rt, body.metadata["namespace"], name, "pod")

@@ -136,6 +136,7 @@ def run(args: argparse.Namespace) -> int:
     import kubernetes
 
     from kvpilot.operator import autoscaling_handlers, handlers, periodic
+    from kvpilot.operator.apply import KubeClient
     from kvpilot.operator.images import ENGINE_IMAGE
     from kvpilot.operator.operator_metrics import OperatorMetrics
 
@@ -164,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         engine_image=args.engine_image or ENGINE_IMAGE,
         resync_interval=args.resync_interval,
         retry_delay=args.retry_delay,
+        watch_leader_worker_sets=handlers.leader_worker_sets_installed(KubeClient()),
     )
     runtime = handlers.build_runtime(config, metrics)
     registry = kopf.OperatorRegistry()

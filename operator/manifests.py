@@ -493,12 +493,22 @@ def children(
 ) -> list[dict[str, Any]]:
     """Every child object, in the order to create them (the claim before the pods using it).
 
-    ``rollout`` is the live tuning to render (see the module docstring), or None.
+    ``rollout`` is the live tuning to render (see the module docstring), or None. A plan that
+    spans several nodes per replica gets a LeaderWorkerSet instead of the Deployments
+    (:mod:`kvpilot.operator.leaderworkerset`; no tuning canary).
     """
+    from kvpilot.operator import leaderworkerset  # it builds on this module's pod template
+
+    if leaderworkerset.is_multi_node(plan):
+        workloads = [leaderworkerset.leader_worker_set(name, namespace, spec, plan)]
+    else:
+        workloads = [
+            deployment(name, namespace, spec, plan, rollout),
+            canary_deployment(name, namespace, spec, plan, rollout),
+        ]
     objects = [
         model_cache_claim(name, namespace, spec),
-        deployment(name, namespace, spec, plan, rollout),
-        canary_deployment(name, namespace, spec, plan, rollout),
+        *workloads,
         service(name, namespace),
         pod_disruption_budget(name, namespace),
     ]

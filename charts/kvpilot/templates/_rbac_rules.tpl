@@ -35,6 +35,11 @@ kopf runs standalone (no peering), so no kopfpeerings rules.
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# Multi-node replicas (a plan with pipeline parallelism across nodes) are LeaderWorkerSets,
+# written and watched like the Deployments; used only where the LWS CRD is installed.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "create", "patch"]
