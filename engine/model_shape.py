@@ -315,7 +315,7 @@ class ModelShape:
         if supported:
             return None
         return (
-            f"{'/'.join(self.architectures) or repr(self.model_type)} is not implemented by the "
+            f"{('/'.join(self.architectures) or self.model_type)!r} is not implemented by the "
             f"kvpilot engine; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
         )
 

@@ -98,7 +98,7 @@ def test_size_reports_invalid_specs_and_plan_failures():
     assert (invalid.ok, invalid.reason, invalid.spec) == (False, "InvalidSpec", None)
     assert "spec.tensorParallelSize" in invalid.message
     too_big = plan_user_spec(
-        body({"model": {"source": "hf://x/y"}, "gpu": {"type": "L4", "perNode": 1}}),
+        body({"model": {"source": "hf://x/y"}, "gpu": {"type": "L4"}, "tensorParallelSize": 2}),
         load("Meta-Llama-3-70B"),
         "x",
     )
