@@ -543,7 +543,8 @@ class ModelShape:
                 _Linear(f"{attn}.o_proj", heads * self.v_head_dim, hidden, "row"),
             ]
         q_out = heads * self.head_dim
-        kv_out = self.kv_heads_per_rank(tp) * self.head_dim
+        # Not kv_heads_per_rank: its check of tp sizes these very layers.
+        kv_out = max(1, self.num_key_value_heads // tp) * self.head_dim
         o = _Linear(f"{attn}.o_proj", q_out, hidden, "row")
         if self.model_type in _FUSED_PROJECTION_MODEL_TYPES:
             out = q_out + 2 * kv_out

@@ -480,6 +480,8 @@ def _no_fit(ask: _Ask, fit: _Fit) -> PlanError:
     size, which one would fit."""
     gpu, tp, budget = ask.gpu, fit.tensor_parallel_size, ask.budget
     what = f"{ask.model.num_parameters() / 1e9:.1f}B parameters in {ask.dtype_name}"
+    if ask.model.quantization is not None:
+        what += f" ({ask.model.quantization.description} weights)"
     alternative = ""
     if gpu is None:
         where, per = "on CPU", "per process"
