@@ -184,10 +184,12 @@ def larger_shape(
 
 
 def _plan_or_none(spec: LLMDeploymentSpec, model: ModelShape) -> Plan | None:
+    """The plan of ``spec``, or None when it has none or spans nodes (not rendered yet)."""
     try:
-        return plan_for_spec(spec, model)
+        plan = plan_for_spec(spec, model)
     except PlanError:
         return None
+    return plan if plan.pipeline_parallel_size == 1 else None
 
 
 def remembered(body: dict[str, Any]) -> AutoscalerMemory:
@@ -218,10 +220,13 @@ def tuning_step(
     apply: bool,
     now: float,
     canary_seconds: float,
+    allow_kv_cache_dtype: bool = False,
 ) -> TuningStep:
     """Recommend engine settings from the window and, with ``apply`` (``tuneEngine``), move the
     rollout along (:func:`kvpilot.operator.tuning.next_rollout`), judging the canary pod
-    (label ``CANARY_LABEL``) against the others over the canary's time."""
+    (label ``CANARY_LABEL``) against the others over the canary's time.
+    ``allow_kv_cache_dtype`` (``allowKvCacheDtype``) lets the recommendation switch the KV
+    cache to fp8."""
     if plan.gpu_memory_utilization is None:
         return TuningStep({"reason": "CPU mode: no GPU memory to tune"})
     try:
@@ -239,9 +244,11 @@ def tuning_step(
     observed = observe(baseline)
     if observed is None:
         return TuningStep({"reason": "no metrics yet"}, current)
-    plan_settings = EngineSettings(plan.gpu_memory_utilization, plan.max_num_seqs)
+    plan_settings = EngineSettings(
+        plan.gpu_memory_utilization, plan.max_num_seqs, plan.kv_cache_dtype
+    )
     in_force = (current.in_force() if current else None) or plan_settings
-    recommendation = recommend(in_force, observed)
+    recommendation = recommend(in_force, observed, allow_kv_cache_dtype=allow_kv_cache_dtype)
     status: dict[str, Any] = {**recommendation.settings.as_dict(), "reason": recommendation.reason}
     if not apply:
         return TuningStep(status, current)
@@ -395,6 +402,7 @@ def plan_writes(
         apply=planned.spec.autoscaling.tune_engine,
         now=t,
         canary_seconds=CANARY_WINDOWS * policy.stable_window_seconds,
+        allow_kv_cache_dtype=planned.spec.autoscaling.allow_kv_cache_dtype,
     )
     previous = body.get("status") or {}
     status = decision_status(decision, previous, now)
@@ -514,6 +522,9 @@ class AutoscalingLoop:
                 planned.reason,
                 planned.message,
             )
+            return None
+        if planned.not_rendered is not None:
+            logger.info("%s/%s: not autoscaled: %s", namespace, name, planned.not_rendered[1])
             return None
         assert planned.plan is not None
         pods = await asyncio.to_thread(self._pods, namespace, name)

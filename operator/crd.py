@@ -34,6 +34,8 @@ from typing import Any
 
 import yaml
 
+from kvpilot.engine.model_shape import KV_CACHE_DTYPE_BYTES
+from kvpilot.engine.weight_quantization import SUPPORTED_QUANTIZATION_METHODS
 from kvpilot.operator.gpus import CATALOGUE, CUSTOM, DEFAULT_RESOURCE_NAME
 from kvpilot.operator.images import ENGINE_IMAGE
 
@@ -52,6 +54,12 @@ HEADER = """\
 
 SPEC_DTYPES = ("auto", "float16", "bfloat16", "float32")
 """``spec.engine.dtype``'s values (the engine also takes ``float``, ``half``)."""
+
+KV_CACHE_DTYPES = tuple(KV_CACHE_DTYPE_BYTES)
+"""``spec.engine.kvCacheDtype``'s values: vLLM's ``--kv-cache-dtype`` choices."""
+
+QUANTIZATION_METHODS = SUPPORTED_QUANTIZATION_METHODS
+"""``spec.engine.quantization``'s values: the ``--quantization`` methods the engine loads."""
 
 AUTOSCALING_MODES = ("kvpilot", "external")
 """``spec.autoscaling.mode``'s values."""
@@ -72,6 +80,9 @@ MANAGED_FLAGS = (
     "--port",
     "--device",
     "--dtype",
+    "--kv-cache-dtype",
+    "--quantization",
+    "-q",
     "--tensor-parallel-size",
     "-tp",
     "--pipeline-parallel-size",
@@ -248,6 +259,18 @@ ENGINE = obj(
             enum=SPEC_DTYPES,
             default="auto",
         ),
+        "kvCacheDtype": string(
+            "KV cache dtype (vLLM's --kv-cache-dtype): auto = dtype; fp8 (e4m3) and fp8_e5m2 "
+            "store one byte per element, twice the tokens of a 16-bit cache, at some accuracy.",
+            enum=KV_CACHE_DTYPES,
+            default="auto",
+        ),
+        "quantization": string(
+            "Weight quantization method (vLLM's --quantization); absent = the checkpoint's own "
+            "quantization_config. fp8 also quantizes an unquantized checkpoint while loading; "
+            "the others must match the checkpoint's.",
+            enum=QUANTIZATION_METHODS,
+        ),
         "enablePrefixCaching": boolean(),
         "enableChunkedPrefill": boolean(),
         "speculativeConfig": free_object("vLLM's --speculative-config, passed as JSON."),
@@ -340,6 +363,12 @@ AUTOSCALING = obj(
         ),
         "tuneEngine": boolean(
             "Apply the operator's gpuMemoryUtilization/maxNumSeqs recommendations."
+        ),
+        "allowKvCacheDtype": boolean(
+            "With tuneEngine: the tuner may switch spec.engine.kvCacheDtype auto to fp8 under "
+            "sustained KV-cache pressure (it changes numerics), through the same canary and "
+            "rollback as the other settings.",
+            default=False,
         ),
         "allowedGpuTypes": array(
             string(enum=GPU_TYPES),
@@ -506,11 +535,15 @@ PLAN = obj(
         "gpuType": string(),
         "dtype": string(),
         "tensorParallelSize": integer(),
+        "pipelineParallelSize": integer(),
         "gpusPerReplica": integer(),
         "gpuMemoryUtilization": number(),
         "maxModelLen": integer(),
         "numParameters": _INT64,
+        "numActiveParameters": _INT64,
+        "quantization": string(),
         "weightBytesPerGpu": _INT64,
+        "kvCacheDtype": string(),
         "kvBytesPerToken": _INT64,
         "kvCacheBytesPerGpu": _INT64,
         "kvCapacityTokens": _INT64,
@@ -581,6 +614,7 @@ CRD = {
                     _column("Model", "string", ".status.model"),
                     _column("GPU", "string", ".status.plan.gpuType"),
                     _column("TP", "integer", ".status.plan.tensorParallelSize"),
+                    _column("PP", "integer", ".status.plan.pipelineParallelSize"),
                     _column("GPUs/Replica", "integer", ".status.plan.gpusPerReplica"),
                     _column("Replicas", "integer", ".spec.replicas"),
                     _column("Ready", "integer", ".status.readyReplicas"),

@@ -30,7 +30,10 @@ One reconcile:
    changed) and one per child created or updated; none when nothing changed.
 
 An invalid spec or a model that does not fit is reported in the conditions (and an Event) and
-creates nothing; the handler still succeeds, so there is no retry loop. API conflicts and
+creates nothing; so is a plan that needs more than one node per replica (pipeline parallel,
+``MULTI_NODE_NOT_RENDERED``: ``Sized`` true with its plan in ``status.plan``, ``Progressing``
+false and ``Degraded`` true with that reason) until multi-node replicas are rendered
+(LeaderWorkerSet, issue 19); the handler still succeeds, so there is no retry loop. API conflicts and
 outages are retried inside the reconcile, then handed to kopf as ``TemporaryError``.
 
 No handler needs a finalizer, and the operator sets none: an LLMDeployment deleted while the
@@ -86,6 +89,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 WORKLOAD_KINDS = ("Deployment", leaderworkerset.KIND)
 """Children whose status is the replicas' progress (``_rollout_progress`` reads either)."""
 KIND = "LLMDeployment"
+MULTI_NODE_NOT_RENDERED = "MultiNodeNotRendered"
+"""Condition reason of a plan with pipeline parallel size > 1 (replicas spanning nodes), which
+the operator plans but does not render yet."""
+
 INVALID_SPEC = "InvalidSpec"
 # A reconcile re-reads its object and tries again this often when its status write conflicts.
 STATUS_CONFLICT_ATTEMPTS = 5
@@ -138,8 +145,24 @@ class PlanOutcome:
 
     @property
     def ok(self) -> bool:
-        """Whether there is a plan to deploy."""
+        """Whether there is a plan (it may still not be renderable: :attr:`not_rendered`)."""
         return self.plan is not None
+
+    @property
+    def not_rendered(self) -> tuple[str, str] | None:
+        """(reason, message) when the plan exists but the operator cannot render it yet: a
+        replica spanning nodes (pipeline parallel size > 1); None otherwise."""
+        if self.plan is None or self.plan.pipeline_parallel_size == 1:
+            return None
+        plan = self.plan
+        return (
+            MULTI_NODE_NOT_RENDERED,
+            f"the plan needs {plan.pipeline_parallel_size} nodes of {plan.tensor_parallel_size} "
+            f"{plan.gpu_type} per replica (tensor parallel size {plan.tensor_parallel_size} x "
+            f"pipeline parallel size {plan.pipeline_parallel_size}); multi-node replicas "
+            "(LeaderWorkerSet) are not rendered yet, so no engine pods are created: choose a "
+            "GPU type with more memory or a quantized checkpoint to fit one node",
+        )
 
 
 # ---- pure decisions ---------------------------------------------------------------------------
@@ -208,7 +231,8 @@ def tuning_rollout(body: dict[str, Any], planned: PlanOutcome) -> Rollout | None
     """The live tuning to render: the autoscaler's ``TUNING_ANNOTATION``, or None without one.
 
     With ``spec.autoscaling`` no longer ``mode: kvpilot`` with ``tuneEngine: true`` (or a CPU
-    plan), a recorded rollout is rendered as rolled back to the plan's settings: every pod runs
+    plan), or a rollout that changes the KV cache dtype once ``allowKvCacheDtype`` is off, a
+    recorded rollout is rendered as rolled back to the plan's settings: every pod runs
     the plan and the canary Deployment keeps 0 replicas. A malformed annotation is ignored
     (logged); the autoscaler writes a well-formed one with its next tuning decision.
     """
@@ -227,10 +251,19 @@ def tuning_rollout(body: dict[str, Any], planned: PlanOutcome) -> Rollout | None
         and autoscaling.tune_engine
         and planned.plan is not None
         and planned.plan.gpu_memory_utilization is not None
+        and (autoscaling.allow_kv_cache_dtype or not _changes_kv_cache_dtype(rollout, planned.plan))
     )
     if enabled:
         return rollout
     return dataclasses.replace(rollout, phase="RolledBack", previous=None)
+
+
+def _changes_kv_cache_dtype(rollout: Rollout, plan: Plan) -> bool:
+    """Whether ``rollout`` runs a KV cache dtype other than the plan's."""
+    recorded = (rollout.settings, rollout.previous)
+    return any(
+        s is not None and s.kv_cache_dtype not in ("auto", plan.kv_cache_dtype) for s in recorded
+    )
 
 
 def plan_summary(plan: Plan) -> str:
@@ -241,8 +274,13 @@ def plan_summary(plan: Plan) -> str:
         if plan.gpu_memory_utilization is None
         else f", gpu_memory_utilization {plan.gpu_memory_utilization:g}"
     )
+    pipeline = (
+        ""
+        if plan.pipeline_parallel_size == 1
+        else f" x pipeline_parallel_size {plan.pipeline_parallel_size}"
+    )
     return (
-        f"{device} per replica (tensor_parallel_size {plan.tensor_parallel_size}{utilization}, {plan.dtype}); "
+        f"{device} per replica (tensor_parallel_size {plan.tensor_parallel_size}{pipeline}{utilization}, {plan.dtype}); "
         f"KV cache {plan.kv_capacity_tokens} tokens = {plan.max_concurrency} sequences of {plan.max_model_len}"
     )
 
@@ -359,6 +397,8 @@ def desired_status(
             "NotSized",
             "nothing is rolled out until the spec can be planned",
         )
+    elif planned.not_rendered is not None:
+        conds = put(conds, conditions.PROGRESSING, False, *planned.not_rendered)
     elif deployment is None or not finished:
         conds = put(
             conds, conditions.PROGRESSING, True, "RollingOut", f"{ready}/{desired} replicas ready"
@@ -390,7 +430,8 @@ def desired_status(
     failure = (
         (planned.reason or INVALID_SPEC, planned.message)
         if not planned.ok
-        else apply_failure
+        else planned.not_rendered
+        or apply_failure
         or observed_failure
         or _deployment_failure(deployment)
         or _deployment_failure(canary)
@@ -579,7 +620,7 @@ def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> 
     """
     meta = body["metadata"]
     applied = Applied()
-    if not planned.ok:
+    if not planned.ok or planned.not_rendered is not None:
         live = rt.client.get("apps/v1", "Deployment", meta["namespace"], meta["name"])
         if live is not None:
             applied.deployments[meta["name"]] = live

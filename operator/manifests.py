@@ -124,8 +124,10 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
     """The ``kvpilot serve`` arguments (vLLM's flag names) from the spec and the plan.
 
     The plan's numbers are passed explicitly (not left to the engine's defaults), so the engine
-    sizes itself as the planner did. ``spec.adapters`` become ``--enable-lora --max-loras N
-    --lora-modules name=path ...``. ``engine.extraArgs`` come last.
+    sizes itself as the planner did. ``--kv-cache-dtype`` is passed when it is not ``auto``
+    (the spec's, or the tuner's), ``--quantization`` when the spec forces one (else the engine
+    reads the checkpoint's ``quantization_config``, as vLLM does). ``spec.adapters`` become
+    ``--enable-lora --max-loras N --lora-modules name=path ...``. ``engine.extraArgs`` come last.
     """
     args = ["serve"]
     model = model_argument(spec)
@@ -156,6 +158,10 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
     else:
         args += ["--gpu-memory-utilization", f"{plan.gpu_memory_utilization:g}"]
     engine = spec.engine
+    if plan.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", plan.kv_cache_dtype]
+    if engine.quantization is not None:
+        args += ["--quantization", engine.quantization]
     for flag, value in (
         ("enable-prefix-caching", engine.enable_prefix_caching),
         ("enable-chunked-prefill", engine.enable_chunked_prefill),
@@ -178,7 +184,8 @@ def tuned(plan: Plan, settings: EngineSettings | None) -> Plan:
     """``plan`` running the engine ``settings`` live tuning chose (None: the plan's own).
 
     Only the flags the pods run change; the planner's figures (``status.plan``) stay as planned.
-    A CPU plan has no GPU memory to tune and is returned unchanged.
+    A CPU plan has no GPU memory to tune and is returned unchanged. The KV cache dtype changes
+    only when the settings name one (``auto`` keeps the plan's, e.g. the spec's ``fp8``).
     """
     if settings is None or plan.gpu_memory_utilization is None:
         return plan
@@ -186,6 +193,9 @@ def tuned(plan: Plan, settings: EngineSettings | None) -> Plan:
         plan,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_num_seqs=settings.max_num_seqs,
+        kv_cache_dtype=(
+            plan.kv_cache_dtype if settings.kv_cache_dtype == "auto" else settings.kv_cache_dtype
+        ),
     )
 
 

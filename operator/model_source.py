@@ -53,6 +53,8 @@ _GGUF_CONFIG_KEYS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "vocab_size": "vocab_size",
     "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
+    "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
 }
 _GGUF_ROPE_SCALING_KEYS = {
     "rope.scaling.factor": "factor",
@@ -93,7 +95,7 @@ def load_model_shape(source: ModelSource, *, token: str | None = None) -> ModelS
 
     Raises:
         PlanError: ``ConfigUnavailable``; ``InvalidModelConfig`` for a config missing sizes;
-            ``UnsupportedArchitecture`` for layouts ``ModelShape`` refuses (MLA, unknown MoE).
+            ``UnsupportedArchitecture`` for layouts ``ModelShape`` refuses (an unknown MoE).
     """
     config = read_model_config(source, token=token)
     try:

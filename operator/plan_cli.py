@@ -20,7 +20,7 @@ import pathlib
 import re
 import sys
 
-from kvpilot.operator.crd import SPEC_DTYPES
+from kvpilot.operator.crd import KV_CACHE_DTYPES, QUANTIZATION_METHODS, SPEC_DTYPES
 from kvpilot.operator.gpus import CATALOGUE, CPU, CUSTOM, resolve_gpu_name
 from kvpilot.operator.spec import SpecError
 
@@ -34,6 +34,8 @@ _SPEC_FIELDS = {
     "revision": "model.revision",
     "max_model_len": "engine.maxModelLen",
     "dtype": "engine.dtype",
+    "kv_cache_dtype": "engine.kvCacheDtype",
+    "quantization": "engine.quantization",
     "max_num_seqs": "engine.maxNumSeqs",
     "max_num_batched_tokens": "engine.maxNumBatchedTokens",
     "tensor_parallel_size": "tensorParallelSize",
@@ -78,6 +80,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default=None, help="hub branch, tag or commit")
     parser.add_argument("--max-model-len", type=int, default=None, help="tokens per sequence")
     parser.add_argument("--dtype", default="auto", choices=SPEC_DTYPES)
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="KV cache dtype (fp8: one byte per element, twice the tokens)",
+    )
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=QUANTIZATION_METHODS,
+        help="weight quantization (default the checkpoint's; fp8 also quantizes an unquantized one)",
+    )
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=None)
     parser.add_argument("--gpu-memory-utilization", type=float, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
@@ -179,10 +194,17 @@ def _print_table(model: str, plan) -> None:
     table.add_column(style="bold")
     table.add_column(justify="right")
     utilization = plan.gpu_memory_utilization
+    active = (
+        plan.num_parameters if plan.num_active_parameters is None else plan.num_active_parameters
+    )
     rows = [
-        ("parameters", f"{plan.num_parameters / 1e9:.2f} B"),
+        ("parameters (total)", f"{plan.num_parameters / 1e9:.2f} B"),
+        ("parameters (active per token)", f"{active / 1e9:.2f} B"),
         ("dtype", plan.dtype),
+        ("quantization", plan.quantization or "-"),
+        ("kvCacheDtype", plan.kv_cache_dtype),
         ("tensorParallelSize", str(plan.tensor_parallel_size)),
+        ("pipelineParallelSize", str(plan.pipeline_parallel_size)),
         ("gpusPerReplica", str(plan.gpus_per_replica)),
         ("gpuMemoryUtilization", "-" if utilization is None else f"{utilization:.2f}"),
         ("maxModelLen", f"{plan.max_model_len:,} tokens"),

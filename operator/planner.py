@@ -9,8 +9,23 @@ shard, the peak activations of one profiling step plus non-torch allocations, an
 
 Tensor parallel size: the smallest ``tp`` in ``1..gpu.per_node`` that passes vLLM's divisor
 rule (``check_tensor_parallel_size``; any divisor, not only powers of two, as vLLM accepts) and
-leaves room for ``concurrency`` sequences of ``max_model_len`` tokens. A replica never spans
-nodes (no pipeline parallelism), so ``gpus_per_replica == tp``.
+leaves room for ``concurrency`` sequences of ``max_model_len`` tokens.
+
+Pipeline parallel size: 1 whenever a ``tp`` within one node fits (those plans are exactly what
+they were before pipelining existed). A model that fits no node is split as vLLM's docs advise
+("Distributed inference and serving": tensor parallel size = GPUs per node, pipeline parallel
+size = nodes): ``tp = gpu.per_node`` (the largest valid size when that one does not divide the
+model) and the smallest ``pp`` in ``2..num_layers`` that fits, so ``gpus_per_replica = tp * pp``.
+Each stage holds its layers (``ModelShape.pipeline_stage_layers``, vLLM's split), the first also
+the embedding, the last the LM head; the plan's per-GPU bytes are the largest stage's and its KV
+capacity the smallest stage's (vLLM sizes every stage's cache to the same number of blocks). A
+user-set ``tensorParallelSize`` below ``gpu.per_node`` is never pipelined (the error stays the
+one-node error); a pipelined plan is not rendered yet (``handlers.MULTI_NODE_NOT_RENDERED``).
+
+Weights are sized from the checkpoint's quantization (``ModelShape.weight_bytes``: packed
+weights and scales for fp8/AWQ/GPTQ/compressed-tensors, the rest at ``dtype``), or with
+``quantization="fp8"`` of an unquantized checkpoint quantized while loading; the KV cache from
+``kv_cache_dtype`` (``fp8`` = 1 byte per element: twice the tokens of a 16-bit cache).
 
 ``gpu_memory_utilization`` when not given: 0.90 (vLLM's default), lowered on small GPUs so that
 at least ``OUTSIDE_BUDGET_HEADROOM_BYTES`` stay outside the budget for what vLLM does not count
@@ -35,10 +50,11 @@ from kvpilot.engine.config import (
 )
 from kvpilot.engine.model_shape import (
     DTYPE_BYTES,
-    SUPPORTED_ARCHITECTURES,
+    KV_CACHE_DTYPE_BYTES,
     ModelShape,
     check_tensor_parallel_size,
 )
+from kvpilot.engine.weight_quantization import UnsupportedQuantizationError
 from kvpilot.operator.gpus import CPU, GiB, GpuType
 from kvpilot.operator.spec import LLMDeploymentSpec
 
@@ -88,23 +104,30 @@ class Plan:
 
     Attributes:
         gpu_type: catalogue name, ``"custom"``, or ``"cpu"``.
-        dtype: concrete weight and KV dtype (``"bfloat16"``, ...).
-        tensor_parallel_size: ranks per replica.
-        gpus_per_replica: GPUs a pod requests (0 in CPU mode).
+        dtype: concrete dtype of the unquantized weights and activations (``"bfloat16"``, ...).
+        tensor_parallel_size: ranks per pipeline stage (per replica without pipelining).
+        gpus_per_replica: GPUs a replica uses, ``tensor_parallel_size *
+            pipeline_parallel_size`` (0 in CPU mode).
         gpu_memory_utilization: the budget fraction passed to the engine (None in CPU mode).
         max_model_len: longest prompt + output, tokens.
         max_num_seqs: most sequences per step (the engine default unless set).
         max_num_batched_tokens: token budget per step (the engine default unless set).
         block_size: tokens per KV block.
-        num_parameters: whole model.
-        weight_bytes_per_gpu: this rank's weight shard.
+        num_parameters: whole model (every expert of an MoE; memory is sized from these).
+        weight_bytes_per_gpu: this rank's weight shard (the largest stage's when pipelined), in
+            the checkpoint's quantized format where it has one.
         reserve_bytes_per_gpu: peak activations of one step plus runtime overhead.
         kv_cache_bytes_per_gpu: the KV cache (whole blocks), also ``--kv-cache-memory`` on CPU.
         kv_bytes_per_token: KV of one token on one rank.
         kv_capacity_tokens: tokens the KV cache holds (per replica; every rank holds the same
             tokens for its own heads).
         max_concurrency: sequences of ``max_model_len`` tokens the cache holds at once.
-        pipeline_parallel_size: pipeline stages, one node each (1: the replica fits one node).
+        pipeline_parallel_size: pipeline stages (nodes) per replica; 1 within one node.
+        kv_cache_dtype: ``--kv-cache-dtype`` (``auto`` = ``dtype``; ``fp8*`` = 1 byte).
+        quantization: the weights' quantization method (the checkpoint's, or ``fp8`` forced on
+            an unquantized one), None for unquantized weights.
+        num_active_parameters: parameters one token runs through (MoE: the routed experts
+            only); equal to ``num_parameters`` for dense models.
     """
 
     gpu_type: str
@@ -124,6 +147,9 @@ class Plan:
     kv_capacity_tokens: int
     max_concurrency: int
     pipeline_parallel_size: int = 1
+    kv_cache_dtype: str = "auto"
+    quantization: str | None = None
+    num_active_parameters: int | None = None
 
     def to_status(self) -> dict[str, Any]:
         """The plan as ``status.plan`` (camelCase keys, JSON values)."""
@@ -131,10 +157,17 @@ class Plan:
             "gpuType": self.gpu_type,
             "dtype": self.dtype,
             "tensorParallelSize": self.tensor_parallel_size,
+            "pipelineParallelSize": self.pipeline_parallel_size,
             "gpusPerReplica": self.gpus_per_replica,
             "maxModelLen": self.max_model_len,
             "numParameters": self.num_parameters,
+            "numActiveParameters": (
+                self.num_parameters
+                if self.num_active_parameters is None
+                else self.num_active_parameters
+            ),
             "weightBytesPerGpu": self.weight_bytes_per_gpu,
+            "kvCacheDtype": self.kv_cache_dtype,
             "kvBytesPerToken": self.kv_bytes_per_token,
             "kvCacheBytesPerGpu": self.kv_cache_bytes_per_gpu,
             "kvCapacityTokens": self.kv_capacity_tokens,
@@ -142,6 +175,8 @@ class Plan:
         }
         if self.gpu_memory_utilization is not None:
             status["gpuMemoryUtilization"] = self.gpu_memory_utilization
+        if self.quantization is not None:
+            status["quantization"] = self.quantization
         return status
 
 
@@ -163,11 +198,13 @@ def activation_bytes(
 
     The largest live tensors of a step of ``max_num_batched_tokens`` tokens: the MLP's
     ``[tokens, 2 * intermediate / tp]`` gate/up output with its ``[tokens, intermediate / tp]``
-    product (per routed expert for MoE), about four ``[tokens, hidden]`` residual and norm
-    buffers, and ``[max_num_seqs, vocab_size]`` float32 logits.
+    product (per routed expert for MoE, ``intermediate`` one expert's width, plus the shared
+    expert's), about four ``[tokens, hidden]`` residual and norm buffers, and
+    ``[max_num_seqs, vocab_size]`` float32 logits.
     """
-    intermediate = model.intermediate_size // tensor_parallel_size
+    intermediate = model.expert_intermediate_size // tensor_parallel_size
     per_token = 3 * intermediate * max(1, model.num_experts_per_tok) + 4 * model.hidden_size
+    per_token += 3 * (model.shared_expert_intermediate_size // tensor_parallel_size)
     logits = max_num_seqs * model.vocab_size * LOGITS_BYTES
     return max_num_batched_tokens * per_token * dtype_bytes + logits
 
@@ -180,6 +217,7 @@ class _Ask:
     model: ModelShape
     gpu: GpuType | None
     dtype_name: str
+    kv_cache_dtype: str
     max_model_len: int
     max_num_batched_tokens: int
     max_num_seqs: int
@@ -199,16 +237,22 @@ class _Ask:
     def needed_blocks(self) -> int:
         return self.concurrency * self.blocks_per_sequence
 
+    @property
+    def kv_dtype_bytes(self) -> int:
+        return KV_CACHE_DTYPE_BYTES[self.kv_cache_dtype] or DTYPE_BYTES[self.dtype_name]
+
 
 @dataclass(frozen=True)
 class _Fit:
-    """One tensor parallel size's memory split, per device (bytes), and the KV blocks left."""
+    """One replica shape's memory split, per device (bytes; the largest stage's when
+    pipelined), and the KV blocks left (the smallest stage's)."""
 
     tensor_parallel_size: int
     weights: int
     reserve: int
     kv_per_token: int
     num_blocks: int
+    pipeline_parallel_size: int = 1
 
 
 def plan(
@@ -225,6 +269,8 @@ def plan(
     enable_chunked_prefill: bool = True,
     concurrency: int = 1,
     block_size: int = 16,
+    kv_cache_dtype: str = "auto",
+    quantization: str | None = None,
 ) -> Plan:
     """Size one replica of ``model`` on ``gpu`` (or on CPU when ``gpu`` is None).
 
@@ -232,7 +278,8 @@ def plan(
     (:func:`_max_model_len`), the step budget (:func:`_max_num_batched_tokens`), the device's
     candidates and memory budget (:func:`_cpu_budget`, :func:`_gpu_budget`), then the memory
     split of each candidate tensor parallel size (:func:`_fit`); the first that holds
-    ``concurrency`` sequences is the plan, else :func:`_no_fit` says why not.
+    ``concurrency`` sequences is the plan; failing all, a model too large for one node is
+    pipelined (:func:`_pipelined`); else :func:`_no_fit` says why not.
 
     Args:
         model: the model's shape.
@@ -249,16 +296,22 @@ def plan(
         enable_chunked_prefill: whether the engine chunks long prompts.
         concurrency: sequences of ``max_model_len`` the KV cache must hold at once (>= 1).
         block_size: tokens per KV block.
+        kv_cache_dtype: ``--kv-cache-dtype`` (a key of ``KV_CACHE_DTYPE_BYTES``).
+        quantization: ``--quantization``: None for the checkpoint's own (``ModelShape.quantized_as``).
 
     Returns:
-        The plan for the smallest tensor parallel size that fits.
+        The plan for the smallest tensor parallel size that fits (then the smallest pipeline
+        parallel size at ``gpu.per_node``).
 
     Raises:
         PlanError: the model cannot be served as asked (``.reason`` says why).
         ValueError: an argument out of range (a caller's bug: spec.py validates user input).
     """
-    _check_arguments(gpu, memory_bytes, gpu_memory_utilization, concurrency, block_size)
+    _check_arguments(
+        gpu, memory_bytes, gpu_memory_utilization, concurrency, block_size, kv_cache_dtype
+    )
     _check_model(model)
+    model = _quantized(model, quantization)
     dtype_name = model.resolve_dtype(dtype, "cpu" if gpu is None else "cuda")
     max_len = _max_model_len(model, max_model_len)
     batched = _max_num_batched_tokens(
@@ -276,6 +329,7 @@ def plan(
         model=model,
         gpu=gpu,
         dtype_name=dtype_name,
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=max_len,
         max_num_batched_tokens=batched,
         max_num_seqs=seqs,
@@ -291,7 +345,25 @@ def plan(
         fit = _fit(ask, tp)
         if fit.num_blocks >= ask.needed_blocks:
             return _plan(ask, fit)
+    pipelined = _pipelined(ask)
+    if pipelined is not None:
+        return _plan(ask, pipelined)
     raise _no_fit(ask, fit)
+
+
+def _pipelined(ask: _Ask) -> _Fit | None:
+    """The smallest pipeline parallel size at ``gpu.per_node`` that fits (None on CPU, with a
+    user-set tensor parallel size below ``per_node``, or when none does)."""
+    if ask.gpu is None:
+        return None
+    tp = max(ask.candidates)
+    if ask.requested_tensor_parallel_size is not None and tp != ask.gpu.per_node:
+        return None
+    for pp in range(2, ask.model.num_layers + 1):
+        fit = _fit(ask, tp, pp)
+        if fit.num_blocks >= ask.needed_blocks:
+            return fit
+    return None
 
 
 def _max_model_len(model: ModelShape, max_model_len: int | None) -> int:
@@ -346,11 +418,11 @@ def _gpu_budget(
     return candidates, utilization, int(gpu.memory_bytes * utilization)
 
 
-def _fit(ask: _Ask, tp: int) -> _Fit:
-    """The memory split at tensor parallel size ``tp``: weight shard, activations and
-    runtime, and the whole KV blocks the rest of the budget holds."""
+def _fit(ask: _Ask, tp: int, pp: int = 1) -> _Fit:
+    """The memory split at tensor parallel size ``tp`` and pipeline parallel size ``pp``:
+    weight shard, activations and runtime, and the whole KV blocks the rest of the budget
+    holds (per stage; the largest shard and the fewest blocks decide)."""
     model, dtype_bytes = ask.model, DTYPE_BYTES[ask.dtype_name]
-    weights = model.weight_bytes(dtype_bytes, tp)
     reserve = activation_bytes(
         model,
         dtype_bytes=dtype_bytes,
@@ -358,9 +430,21 @@ def _fit(ask: _Ask, tp: int) -> _Fit:
         max_num_batched_tokens=ask.max_num_batched_tokens,
         max_num_seqs=ask.max_num_seqs,
     ) + (0 if ask.gpu is None else GPU_RUNTIME_BYTES)
-    kv_per_token = model.kv_bytes_per_token(dtype_bytes, tp)
-    num_blocks = max(0, ask.budget - weights - reserve) // (kv_per_token * ask.block_size)
-    return _Fit(tp, weights, reserve, kv_per_token, num_blocks)
+    stages = []
+    for rank in range(pp):
+        where = {"pipeline_parallel_size": pp, "pipeline_rank": rank}
+        weights = model.weight_bytes(dtype_bytes, tp, **where)
+        kv_per_token = model.kv_bytes_per_token(ask.kv_dtype_bytes, tp, **where)
+        num_blocks = max(0, ask.budget - weights - reserve) // (kv_per_token * ask.block_size)
+        stages.append((weights, kv_per_token, num_blocks))
+    return _Fit(
+        tp,
+        max(weights for weights, _, _ in stages),
+        reserve,
+        max(kv for _, kv, _ in stages),
+        min(blocks for _, _, blocks in stages),
+        pp,
+    )
 
 
 def _plan(ask: _Ask, fit: _Fit) -> Plan:
@@ -369,7 +453,9 @@ def _plan(ask: _Ask, fit: _Fit) -> Plan:
         gpu_type=CPU if ask.gpu is None else ask.gpu.name,
         dtype=ask.dtype_name,
         tensor_parallel_size=fit.tensor_parallel_size,
-        gpus_per_replica=0 if ask.gpu is None else fit.tensor_parallel_size,
+        gpus_per_replica=(
+            0 if ask.gpu is None else fit.tensor_parallel_size * fit.pipeline_parallel_size
+        ),
         gpu_memory_utilization=ask.gpu_memory_utilization,
         max_model_len=ask.max_model_len,
         max_num_seqs=ask.max_num_seqs,
@@ -382,6 +468,10 @@ def _plan(ask: _Ask, fit: _Fit) -> Plan:
         kv_bytes_per_token=fit.kv_per_token,
         kv_capacity_tokens=tokens,
         max_concurrency=fit.num_blocks // ask.blocks_per_sequence,
+        pipeline_parallel_size=fit.pipeline_parallel_size,
+        kv_cache_dtype=ask.kv_cache_dtype,
+        quantization=ask.model.quantization_method,
+        num_active_parameters=ask.model.num_active_parameters(),
     )
 
 
@@ -390,6 +480,8 @@ def _no_fit(ask: _Ask, fit: _Fit) -> PlanError:
     size, which one would fit."""
     gpu, tp, budget = ask.gpu, fit.tensor_parallel_size, ask.budget
     what = f"{ask.model.num_parameters() / 1e9:.1f}B parameters in {ask.dtype_name}"
+    if ask.model.quantization is not None:
+        what += f" ({ask.model.quantization.description} weights)"
     alternative = ""
     if gpu is None:
         where, per = "on CPU", "per process"
@@ -460,6 +552,8 @@ def plan_for_spec(spec: LLMDeploymentSpec, model: ModelShape, *, concurrency: in
         max_num_batched_tokens=spec.engine.max_num_batched_tokens,
         enable_chunked_prefill=spec.engine.enable_chunked_prefill is not False,
         concurrency=concurrency,
+        kv_cache_dtype=spec.engine.kv_cache_dtype,
+        quantization=spec.engine.quantization,
     )
 
 
@@ -469,6 +563,7 @@ def _check_arguments(
     gpu_memory_utilization: float | None,
     concurrency: int,
     block_size: int,
+    kv_cache_dtype: str,
 ) -> None:
     if gpu is None and (memory_bytes is None or memory_bytes <= 0):
         raise ValueError("CPU mode needs memory_bytes (the container's memory limit)")
@@ -478,28 +573,31 @@ def _check_arguments(
         raise ValueError(
             f"concurrency and block_size must be >= 1, got {concurrency}, {block_size}"
         )
+    if kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of "
+            f"{', '.join(KV_CACHE_DTYPE_BYTES)}"
+        )
 
 
 def _check_model(model: ModelShape) -> None:
-    if model.quantization_method is not None:
+    if model.quantization_method is not None and model.quantization is None:
         raise PlanError(
             "UnsupportedQuantization",
-            f"the checkpoint is quantized ({model.quantization_method}); the kvpilot engine "
-            "loads unquantized safetensors only",
+            f"the checkpoint is quantized ({model.quantization_method}): "
+            f"{model.quantization_error}",
         )
-    if model.is_moe:
-        raise PlanError(
-            "UnsupportedArchitecture",
-            f"{'/'.join(model.architectures) or model.model_type} is a mixture of experts "
-            f"({model.num_experts} experts, {model.num_parameters() / 1e9:.1f}B parameters); "
-            "the kvpilot engine implements dense models only",
-        )
-    if not model.is_supported_by_engine:
-        raise PlanError(
-            "UnsupportedArchitecture",
-            f"{'/'.join(model.architectures) or model.model_type!r} is not implemented by the "
-            f"kvpilot engine; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}",
-        )
+    error = model.engine_support_error()
+    if error is not None:
+        raise PlanError("UnsupportedArchitecture", error)
+
+
+def _quantized(model: ModelShape, quantization: str | None) -> ModelShape:
+    """``model`` as ``--quantization`` loads it (``ModelShape.quantized_as``)."""
+    try:
+        return model.quantized_as(quantization)
+    except UnsupportedQuantizationError as exc:
+        raise PlanError("UnsupportedQuantization", f"quantization {quantization}: {exc}") from exc
 
 
 def _tensor_parallel_candidates(

@@ -14,7 +14,8 @@ mode (a memory limit, which the planner sizes the KV cache from).
 Defaults: the CRD's (``replicas`` 1, which the autoscaler moves into ``[minReplicas,
 maxReplicas]``; ``gpu.resourceName`` ``nvidia.com/gpu``; ``engine.dtype`` ``auto``;
 ``autoscaling.mode`` ``kvpilot``; ``autoscaling.minReplicas`` 1;
-``autoscaling.predictiveScaling`` true; ``hfTokenSecretRef.key`` ``token``), applied for
+``autoscaling.predictiveScaling`` true; ``autoscaling.allowKvCacheDtype`` false;
+``engine.kvCacheDtype`` ``auto``; ``hfTokenSecretRef.key`` ``token``), applied for
 objects that did not pass an API server; then the operator's own: ``gpu.perNode`` from the GPU
 catalogue, ``image`` ``ENGINE_IMAGE``, ``modelCache.accessMode`` ``ReadWriteOnce``, resources
 per mode (``DEFAULT_CPU_RESOURCES``, ``DEFAULT_GPU_RESOURCES``). Fields left ``None`` are
@@ -129,6 +130,8 @@ class EngineSpec:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     dtype: str = default("engine.dtype")
+    kv_cache_dtype: str = default("engine.kvCacheDtype")
+    quantization: str | None = None
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     speculative_config: dict[str, Any] | None = None
@@ -171,6 +174,7 @@ class AutoscalingSpec:
     gpu_budget: int | None = None
     predictive_scaling: bool = default("autoscaling.predictiveScaling")
     tune_engine: bool = False
+    allow_kv_cache_dtype: bool = default("autoscaling.allowKvCacheDtype")
     allowed_gpu_types: tuple[str, ...] = ()
 
 
@@ -380,6 +384,8 @@ def _engine(r: _Reader | None) -> EngineSpec:
         max_num_seqs=r.int("maxNumSeqs"),
         max_num_batched_tokens=batched,
         dtype=r.enum("dtype"),
+        kv_cache_dtype=r.enum("kvCacheDtype"),
+        quantization=r.enum("quantization"),
         enable_prefix_caching=r.bool("enablePrefixCaching"),
         enable_chunked_prefill=chunked,
         speculative_config=r.object("speculativeConfig"),
@@ -438,6 +444,7 @@ def _autoscaling(r: _Reader | None) -> AutoscalingSpec | None:
         gpu_budget=r.int("gpuBudget"),
         predictive_scaling=r.bool("predictiveScaling"),
         tune_engine=bool(r.bool("tuneEngine")),
+        allow_kv_cache_dtype=r.bool("allowKvCacheDtype"),
         allowed_gpu_types=tuple(dict.fromkeys(allowed)),
     )
 

@@ -7,8 +7,12 @@ conditional on what was measured:
 
 - **Preempting** (preemptions in the window, or the KV cache at ``FULL_KV`` or more): raise
   ``gpu_memory_utilization`` by up to ``UTILIZATION_STEP``, never past ``max_utilization`` or
-  past the measured peak device memory plus ``MEMORY_MARGIN``; if there is no room left, lower
-  ``max_num_seqs`` to ``SEQS_BACKOFF`` of the peak running requests.
+  past the measured peak device memory plus ``MEMORY_MARGIN``; if there is no room left, the
+  pressure is sustained: with ``allow_kv_cache_dtype`` (``autoscaling.allowKvCacheDtype``) and
+  a 16-bit cache, switch ``kv_cache_dtype`` to ``fp8`` (one byte per element: twice the tokens
+  in the same memory, as vLLM's docs "Quantized KV Cache" describe, at a small accuracy cost,
+  hence the user's consent); otherwise lower ``max_num_seqs`` to ``SEQS_BACKOFF`` of the peak
+  running requests.
 - **Sequence-bound** (no preemption, requests waiting, running at ``max_num_seqs``, KV cache
   under ``ROOMY_KV``): raise ``max_num_seqs`` in proportion to the free KV cache, at most 2x.
 - Otherwise: keep the settings.
@@ -27,11 +31,13 @@ for ``Applied`` every replica with ``settings``; for ``RolledBack`` every replic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvpilot.engine.model_shape import KV_CACHE_DTYPE_BYTES
 from kvpilot.operator.signals import MetricSample, summarize
 
 FULL_KV = 0.98
@@ -48,6 +54,9 @@ CANARY_LABEL = "kvpilot.dev/canary"
 
 PHASES = ("Canary", "Applied", "RolledBack")
 
+FP8_KV_CACHE_DTYPE = "fp8"
+"""The ``kv_cache_dtype`` the tuner proposes under sustained KV pressure (when allowed)."""
+
 
 @dataclass(frozen=True)
 class EngineSettings:
@@ -56,16 +65,23 @@ class EngineSettings:
     Attributes:
         gpu_memory_utilization: fraction of device memory the engine may use, 0..1.
         max_num_seqs: most sequences in one step.
+        kv_cache_dtype: ``--kv-cache-dtype`` (``auto``: the plan's).
     """
 
     gpu_memory_utilization: float
     max_num_seqs: int
+    kv_cache_dtype: str = "auto"
 
-    def as_dict(self) -> dict[str, float | int]:
-        return {
+    def as_dict(self) -> dict[str, float | int | str]:
+        """camelCase, as in ``status.recommendations``; ``kvCacheDtype`` only when not
+        ``auto``."""
+        settings: dict[str, float | int | str] = {
             "gpuMemoryUtilization": round(self.gpu_memory_utilization, 3),
             "maxNumSeqs": self.max_num_seqs,
         }
+        if self.kv_cache_dtype != "auto":
+            settings["kvCacheDtype"] = self.kv_cache_dtype
+        return settings
 
     @classmethod
     def from_dict(cls, raw: dict) -> EngineSettings:
@@ -75,11 +91,17 @@ class EngineSettings:
             ValueError: a missing key or a value out of range.
         """
         try:
-            settings = cls(float(raw["gpuMemoryUtilization"]), int(raw["maxNumSeqs"]))
-        except (KeyError, TypeError, ValueError) as error:
+            settings = cls(
+                float(raw["gpuMemoryUtilization"]),
+                int(raw["maxNumSeqs"]),
+                str(raw.get("kvCacheDtype", "auto")),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"not engine settings: {raw!r}") from error
         if not 0.0 < settings.gpu_memory_utilization <= 1.0 or settings.max_num_seqs < 1:
             raise ValueError(f"engine settings out of range: {raw!r}")
+        if settings.kv_cache_dtype not in KV_CACHE_DTYPE_BYTES:
+            raise ValueError(f"engine settings: unknown kvCacheDtype in {raw!r}")
         return settings
 
 
@@ -117,7 +139,11 @@ class Recommendation:
 
 
 def recommend(
-    current: EngineSettings, observed: Observation, *, max_utilization: float = 0.95
+    current: EngineSettings,
+    observed: Observation,
+    *,
+    max_utilization: float = 0.95,
+    allow_kv_cache_dtype: bool = False,
 ) -> Recommendation:
     """Recommend engine settings from ``observed`` (rules in the module docstring).
 
@@ -125,6 +151,7 @@ def recommend(
         current: the settings the pods run with.
         observed: peaks and rates over the observation window.
         max_utilization: never recommend a ``gpu_memory_utilization`` above this.
+        allow_kv_cache_dtype: the user allowed a fp8 KV cache (``allowKvCacheDtype``).
 
     Raises:
         ValueError: ``current`` is out of range (utilization outside (0, 1], seqs < 1).
@@ -142,14 +169,20 @@ def recommend(
         if room >= 0.01:
             utilization = current.gpu_memory_utilization + min(UTILIZATION_STEP, room)
             return Recommendation(
-                EngineSettings(round(utilization, 3), current.max_num_seqs),
+                dataclasses.replace(current, gpu_memory_utilization=round(utilization, 3)),
                 f"preempting at peak KV usage {observed.peak_kv_cache_usage:.0%}: give the "
                 f"KV cache more memory",
+            )
+        if allow_kv_cache_dtype and current.kv_cache_dtype == "auto":
+            return Recommendation(
+                dataclasses.replace(current, kv_cache_dtype=FP8_KV_CACHE_DTYPE),
+                f"preempting at peak KV usage {observed.peak_kv_cache_usage:.0%} with no memory "
+                "left: a fp8 KV cache holds twice the tokens",
             )
         seqs = max(1, math.floor(SEQS_BACKOFF * observed.peak_num_requests_running))
         if seqs < current.max_num_seqs:
             return Recommendation(
-                EngineSettings(current.gpu_memory_utilization, seqs),
+                dataclasses.replace(current, max_num_seqs=seqs),
                 "preempting with no memory left: admit fewer sequences",
             )
         return Recommendation(current, "preempting, but nothing left to tune")
@@ -162,7 +195,7 @@ def recommend(
         factor = min(2.0, ROOMY_KV / max(observed.peak_kv_cache_usage, ROOMY_KV / 2))
         seqs = math.ceil(current.max_num_seqs * factor)
         return Recommendation(
-            EngineSettings(current.gpu_memory_utilization, seqs),
+            dataclasses.replace(current, max_num_seqs=seqs),
             f"requests wait at max_num_seqs {current.max_num_seqs} with KV usage "
             f"{observed.peak_kv_cache_usage:.0%}: admit more sequences",
         )

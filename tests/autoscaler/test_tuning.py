@@ -119,3 +119,54 @@ def test_rollout_annotation_round_trip_and_errors():
         Rollout.from_annotation(rollout.to_annotation().replace("Applied", "Paused"))
     with pytest.raises(ValueError, match="not a rollout"):
         Rollout.from_annotation('{"phase": "Canary"}')
+
+
+# With no memory left to give (peak device memory 97%), a preempting fleet is under sustained
+# KV pressure: a fp8 KV cache (twice the tokens) comes before admitting fewer sequences, and
+# only when the user allowed it (autoscaling.allowKvCacheDtype).
+SUSTAINED = Observation(1.0, 40, 3, 0.2, peak_memory_fraction=0.97)
+
+
+def test_fp8_kv_cache_only_when_allowed():
+    assert recommend(CURRENT, SUSTAINED).settings == EngineSettings(0.85, 30)
+    allowed = recommend(CURRENT, SUSTAINED, allow_kv_cache_dtype=True)
+    assert allowed.settings == EngineSettings(0.85, 64, "fp8")
+    assert "fp8 KV cache holds twice the tokens" in allowed.reason
+    assert allowed.settings.as_dict() == {
+        "gpuMemoryUtilization": 0.85,
+        "maxNumSeqs": 64,
+        "kvCacheDtype": "fp8",
+    }
+    # Raising the memory comes first, numerics unchanged, while there is room.
+    roomy = Observation(1.0, 40, 3, 0.2)
+    assert recommend(CURRENT, roomy, allow_kv_cache_dtype=True).settings == EngineSettings(0.9, 64)
+    # Already fp8: fewer sequences, as without the permission.
+    fp8 = EngineSettings(0.85, 64, "fp8")
+    assert recommend(fp8, SUSTAINED, allow_kv_cache_dtype=True).settings == EngineSettings(
+        0.85, 30, "fp8"
+    )
+    # The other rules keep the KV dtype they find.
+    waiting = Observation(0.35, 64, 10, 0.0)
+    assert recommend(fp8, waiting).settings == EngineSettings(0.85, 128, "fp8")
+
+
+def test_a_fp8_kv_cache_goes_through_the_canary_and_rolls_back():
+    plan = EngineSettings(0.9, 256)
+    to_fp8 = recommend(plan, SUSTAINED, allow_kv_cache_dtype=True)
+    canary = next_rollout(None, to_fp8, plan, None, None, 0.0, canary_seconds=60)
+    assert (canary.phase, canary.settings.kv_cache_dtype) == ("Canary", "fp8")
+    base = Observation(0.9, 100, 0, 0.1, ttft_p90_seconds=0.4)
+    worse = Observation(0.9, 100, 0, 0.5, ttft_p90_seconds=0.4)
+    back = next_rollout(canary, to_fp8, plan, base, worse, 61.0, canary_seconds=60)
+    assert back.phase == "RolledBack" and "preemptions" in back.reason
+    assert back.in_force() is None
+    assert next_rollout(back, to_fp8, plan, base, base, 200.0, canary_seconds=60) is back
+    # The annotation keeps the KV dtype; one without it (older operators) reads as auto.
+    assert Rollout.from_annotation(back.to_annotation()) == back
+    assert EngineSettings.from_dict({"gpuMemoryUtilization": 0.9, "maxNumSeqs": 8}) == (
+        EngineSettings(0.9, 8, "auto")
+    )
+    with pytest.raises(ValueError, match="unknown kvCacheDtype"):
+        EngineSettings.from_dict(
+            {"gpuMemoryUtilization": 0.9, "maxNumSeqs": 8, "kvCacheDtype": "int4"}
+        )

@@ -98,7 +98,7 @@ def test_size_reports_invalid_specs_and_plan_failures():
     assert (invalid.ok, invalid.reason, invalid.spec) == (False, "InvalidSpec", None)
     assert "spec.tensorParallelSize" in invalid.message
     too_big = plan_user_spec(
-        body({"model": {"source": "hf://x/y"}, "gpu": {"type": "L4", "perNode": 1}}),
+        body({"model": {"source": "hf://x/y"}, "gpu": {"type": "L4"}, "tensorParallelSize": 2}),
         load("Meta-Llama-3-70B"),
         "x",
     )
@@ -284,3 +284,56 @@ def test_the_canary_counts_in_the_status():
     )
     assert states(ready)["Ready"] == ("True", "ReplicasReady")
     assert states(ready)["Progressing"] == ("False", "RolloutComplete")
+
+
+def test_a_kv_dtype_rollout_is_retired_when_no_longer_allowed():
+    allowed = {**TUNED, "autoscaling": {**TUNED["autoscaling"], "allowKvCacheDtype": True}}
+    fp8 = Rollout("Applied", EngineSettings(0.9, 256, "fp8"), None, 5.0, "pressure")
+    for spec, phase in ((allowed, "Applied"), (TUNED, "RolledBack")):
+        annotated = body(spec, annotations={TUNING_ANNOTATION: fp8.to_annotation()})
+        planned = plan_deployment(annotated, load("Meta-Llama-3-8B"), "x")
+        assert tuning_rollout(annotated, planned).phase == phase
+    # A spec that sets fp8 itself: the tuner's fp8 is the plan's, nothing to retire.
+    own = {**TUNED, "engine": {**TUNED["engine"], "kvCacheDtype": "fp8"}}
+    annotated = body(own, annotations={TUNING_ANNOTATION: fp8.to_annotation()})
+    planned = plan_deployment(annotated, load("Meta-Llama-3-8B"), "x")
+    assert planned.plan.kv_cache_dtype == "fp8"
+    assert tuning_rollout(annotated, planned).phase == "Applied"
+
+
+def test_a_plan_beyond_one_node_is_reported_not_rendered():
+    """Llama-3.1-405B in bf16 on H100s plans TP 8 x PP 2; until multi-node replicas are
+    rendered (LeaderWorkerSet), no Deployment is made and the conditions say why."""
+    spec = {"model": {"source": "hf://meta-llama/Llama-3.1-405B"}, "gpu": {"type": "H100-80GB"}}
+    planned = plan_user_spec(body(spec), load("Meta-Llama-3.1-405B"), "x")
+    assert planned.ok
+    assert (planned.plan.tensor_parallel_size, planned.plan.pipeline_parallel_size) == (8, 2)
+    reason, message = planned.not_rendered
+    assert reason == handlers.MULTI_NODE_NOT_RENDERED == "MultiNodeNotRendered"
+    assert message.startswith(
+        "the plan needs 2 nodes of 8 H100-80GB per replica (tensor parallel size 8 x pipeline "
+        "parallel size 2); multi-node replicas (LeaderWorkerSet) are not rendered yet"
+    )
+    status = desired_status(body(spec), planned, None, now=NOW)
+    assert states(status) == {
+        "Sized": ("True", "Planned"),
+        "Progressing": ("False", "MultiNodeNotRendered"),
+        "Ready": ("False", "NoDeployment"),
+        "Degraded": ("True", "MultiNodeNotRendered"),
+    }
+    assert status["plan"]["pipelineParallelSize"] == 2 and status["plan"]["gpusPerReplica"] == 16
+    sized = next(c for c in status["conditions"] if c["type"] == "Sized")
+    assert (
+        "16 x H100-80GB per replica (tensor_parallel_size 8 x pipeline_parallel_size 2"
+        in (sized["message"])
+    )
+
+    class NoWrites:
+        """The API client of _apply_children: a read of the live Deployment, nothing else."""
+
+        def get(self, *args):
+            return None
+
+    runtime = type("Runtime", (), {"client": NoWrites()})()
+    applied = handlers._apply_children(runtime, body(spec), planned)
+    assert (applied.deployments, applied.events, applied.failure) == ({}, [], None)

@@ -74,7 +74,8 @@ def test_hub_source_fetches_config_json_only(offline_hub):
     ("config", "reason"),
     [
         ({**LLAMA3_8B, "num_hidden_layers": None}, "InvalidModelConfig"),
-        ({**LLAMA3_8B, "kv_lora_rank": 512}, "UnsupportedArchitecture"),
+        ({**LLAMA3_8B, "kv_lora_rank": 512}, "InvalidModelConfig"),
+        ({**LLAMA3_8B, "num_experts": 60}, "UnsupportedArchitecture"),
     ],
 )
 def test_unusable_configs(config, reason):
@@ -156,8 +157,9 @@ def test_gguf_config_matches_transformers(tmp_path, arch, tied, extra):
 
 
 def test_gguf_moe_and_rope_scaling(tmp_path):
-    """A Mixtral-style "llama" GGUF is sized as a mixture of experts, a Qwen2-MoE one refused,
-    and a YaRN scaling stretches the context from its original length."""
+    """A Mixtral-style "llama" GGUF is sized as a mixture of experts, a Qwen2-MoE one with its
+    expert and shared-expert widths, and a YaRN scaling stretches the context from its original
+    length."""
     mixtral = _write_gguf(
         tmp_path / "mixtral.gguf",
         "llama",
@@ -172,10 +174,25 @@ def test_gguf_moe_and_rope_scaling(tmp_path):
     spec = load_model_shape(source({"source": f"file://{mixtral}"}))
     assert (spec.num_experts, spec.num_experts_per_tok, spec.vocab_size) == (8, 2, 64)
     assert spec.derived_max_model_len == 4 * 1024
-    qwen_moe = _write_gguf(tmp_path / "qwen2moe.gguf", "qwen2moe", tied=True, expert_count=4)
+    qwen_moe = _write_gguf(
+        tmp_path / "qwen2moe.gguf",
+        "qwen2moe",
+        tied=True,
+        expert_count=4,
+        expert_used_count=2,
+        expert_feed_forward_length=32,
+        expert_shared_feed_forward_length=96,
+        **TINY_SIZES,
+    )
+    qwen = load_model_shape(source({"source": f"file://{qwen_moe}"}))
+    assert (qwen.num_experts, qwen.moe_intermediate_size) == (4, 32)
+    assert qwen.shared_expert_intermediate_size == 96
+    # Sized, but the engine does not implement Qwen2-MoE: the planner refuses it by name.
+    assert "'qwen2_moe' is not implemented" in qwen.engine_support_error()
+    without_width = _write_gguf(tmp_path / "moe.gguf", "qwen2moe", tied=True, expert_count=4)
     with pytest.raises(PlanError) as caught:
-        load_model_shape(source({"source": f"file://{qwen_moe}"}))
-    assert caught.value.reason == "UnsupportedArchitecture"
+        load_model_shape(source({"source": f"file://{without_width}"}))
+    assert caught.value.reason == "InvalidModelConfig"
 
 
 def test_unreadable_gguf_is_unavailable(tmp_path):
