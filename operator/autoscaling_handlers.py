@@ -523,9 +523,6 @@ class AutoscalingLoop:
                 planned.message,
             )
             return None
-        if planned.not_rendered is not None:
-            logger.info("%s/%s: not autoscaled: %s", namespace, name, planned.not_rendered[1])
-            return None
         assert planned.plan is not None
         pods = await asyncio.to_thread(self._pods, namespace, name)
         now = time.time()

@@ -30,10 +30,10 @@ One reconcile:
    changed) and one per child created or updated; none when nothing changed.
 
 An invalid spec or a model that does not fit is reported in the conditions (and an Event) and
-creates nothing; so is a plan that needs more than one node per replica (pipeline parallel,
-``MULTI_NODE_NOT_RENDERED``: ``Sized`` true with its plan in ``status.plan``, ``Progressing``
-false and ``Degraded`` true with that reason) until multi-node replicas are rendered
-(LeaderWorkerSet, issue 19); the handler still succeeds, so there is no retry loop. API conflicts and
+creates nothing; the handler still succeeds, so there is no retry loop. A plan that needs more
+than one node per replica (pipeline parallel) is rendered as a LeaderWorkerSet
+(:mod:`kvpilot.operator.leaderworkerset`); on a cluster without the LeaderWorkerSet CRD it gets
+``Degraded`` with reason ``LeaderWorkerSetNotInstalled`` and no engine pods. API conflicts and
 outages are retried inside the reconcile, then handed to kopf as ``TemporaryError``.
 
 No handler needs a finalizer, and the operator sets none: an LLMDeployment deleted while the
@@ -89,7 +89,6 @@ API_VERSION = f"{GROUP}/{VERSION}"
 WORKLOAD_KINDS = ("Deployment", leaderworkerset.KIND)
 """Children whose status is the replicas' progress (``_rollout_progress`` reads either)."""
 KIND = "LLMDeployment"
-MULTI_NODE_NOT_RENDERED = "MultiNodeNotRendered"
 """Condition reason of a plan with pipeline parallel size > 1 (replicas spanning nodes), which
 the operator plans but does not render yet."""
 
@@ -145,24 +144,8 @@ class PlanOutcome:
 
     @property
     def ok(self) -> bool:
-        """Whether there is a plan (it may still not be renderable: :attr:`not_rendered`)."""
+        """Whether there is a plan."""
         return self.plan is not None
-
-    @property
-    def not_rendered(self) -> tuple[str, str] | None:
-        """(reason, message) when the plan exists but the operator cannot render it yet: a
-        replica spanning nodes (pipeline parallel size > 1); None otherwise."""
-        if self.plan is None or self.plan.pipeline_parallel_size == 1:
-            return None
-        plan = self.plan
-        return (
-            MULTI_NODE_NOT_RENDERED,
-            f"the plan needs {plan.pipeline_parallel_size} nodes of {plan.tensor_parallel_size} "
-            f"{plan.gpu_type} per replica (tensor parallel size {plan.tensor_parallel_size} x "
-            f"pipeline parallel size {plan.pipeline_parallel_size}); multi-node replicas "
-            "(LeaderWorkerSet) are not rendered yet, so no engine pods are created: choose a "
-            "GPU type with more memory or a quantized checkpoint to fit one node",
-        )
 
 
 # ---- pure decisions ---------------------------------------------------------------------------
@@ -397,8 +380,6 @@ def desired_status(
             "NotSized",
             "nothing is rolled out until the spec can be planned",
         )
-    elif planned.not_rendered is not None:
-        conds = put(conds, conditions.PROGRESSING, False, *planned.not_rendered)
     elif deployment is None or not finished:
         conds = put(
             conds, conditions.PROGRESSING, True, "RollingOut", f"{ready}/{desired} replicas ready"
@@ -430,8 +411,7 @@ def desired_status(
     failure = (
         (planned.reason or INVALID_SPEC, planned.message)
         if not planned.ok
-        else planned.not_rendered
-        or apply_failure
+        else apply_failure
         or observed_failure
         or _deployment_failure(deployment)
         or _deployment_failure(canary)
@@ -620,7 +600,7 @@ def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> 
     """
     meta = body["metadata"]
     applied = Applied()
-    if not planned.ok or planned.not_rendered is not None:
+    if not planned.ok:
         live = rt.client.get("apps/v1", "Deployment", meta["namespace"], meta["name"])
         if live is not None:
             applied.deployments[meta["name"]] = live

@@ -20,7 +20,8 @@ Each stage holds its layers (``ModelShape.pipeline_stage_layers``, vLLM's split)
 the embedding, the last the LM head; the plan's per-GPU bytes are the largest stage's and its KV
 capacity the smallest stage's (vLLM sizes every stage's cache to the same number of blocks). A
 user-set ``tensorParallelSize`` below ``gpu.per_node`` is never pipelined (the error stays the
-one-node error); a pipelined plan is not rendered yet (``handlers.MULTI_NODE_NOT_RENDERED``).
+one-node error); a pipelined plan is rendered as a LeaderWorkerSet (one node per stage,
+:mod:`kvpilot.operator.leaderworkerset`).
 
 Weights are sized from the checkpoint's quantization (``ModelShape.weight_bytes``: packed
 weights and scales for fp8/AWQ/GPTQ/compressed-tensors, the rest at ``dtype``), or with

@@ -8,7 +8,7 @@ import pathlib
 
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
 from kvpilot.engine.model_shape import ModelShape
-from kvpilot.operator import handlers
+from kvpilot.operator import handlers, manifests
 from kvpilot.operator.autoscaler import SHAPE_ANNOTATION
 from kvpilot.operator.handlers import (
     Event,
@@ -301,26 +301,33 @@ def test_a_kv_dtype_rollout_is_retired_when_no_longer_allowed():
     assert tuning_rollout(annotated, planned).phase == "Applied"
 
 
-def test_a_plan_beyond_one_node_is_reported_not_rendered():
-    """Llama-3.1-405B in bf16 on H100s plans TP 8 x PP 2; until multi-node replicas are
-    rendered (LeaderWorkerSet), no Deployment is made and the conditions say why."""
+def test_a_plan_beyond_one_node_is_a_leader_worker_set():
+    """Llama-3.1-405B in bf16 on H100s plans TP 8 x PP 2: one LeaderWorkerSet group of two
+    8-GPU pods per replica, its progress read like a Deployment's; without the LWS CRD the
+    conditions say so."""
     spec = {"model": {"source": "hf://meta-llama/Llama-3.1-405B"}, "gpu": {"type": "H100-80GB"}}
     planned = plan_user_spec(body(spec), load("Meta-Llama-3.1-405B"), "x")
     assert planned.ok
     assert (planned.plan.tensor_parallel_size, planned.plan.pipeline_parallel_size) == (8, 2)
-    reason, message = planned.not_rendered
-    assert reason == handlers.MULTI_NODE_NOT_RENDERED == "MultiNodeNotRendered"
-    assert message.startswith(
-        "the plan needs 2 nodes of 8 H100-80GB per replica (tensor parallel size 8 x pipeline "
-        "parallel size 2); multi-node replicas (LeaderWorkerSet) are not rendered yet"
-    )
-    status = desired_status(body(spec), planned, None, now=NOW)
+    children = manifests.children("llama", "ml", planned.spec, planned.plan)
+    assert [c["kind"] for c in children] == ["LeaderWorkerSet", "Service", "PodDisruptionBudget"]
+    lws = children[0]
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    leader = lws["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"][0]
+    assert leader["resources"]["limits"]["nvidia.com/gpu"] == "8"
+
+    missing = handlers.leader_worker_sets_missing(planned.plan)
+    status = desired_status(body(spec), planned, None, now=NOW, apply_failure=missing)
     assert states(status) == {
         "Sized": ("True", "Planned"),
-        "Progressing": ("False", "MultiNodeNotRendered"),
+        "Progressing": ("True", "RollingOut"),
         "Ready": ("False", "NoDeployment"),
-        "Degraded": ("True", "MultiNodeNotRendered"),
+        "Degraded": ("True", "LeaderWorkerSetNotInstalled"),
     }
+    degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+    assert degraded["message"].startswith(
+        "each replica needs 2 nodes (tensor parallel 8 x pipeline parallel 2)"
+    )
     assert status["plan"]["pipelineParallelSize"] == 2 and status["plan"]["gpusPerReplica"] == 16
     sized = next(c for c in status["conditions"] if c["type"] == "Sized")
     assert (
@@ -328,12 +335,17 @@ def test_a_plan_beyond_one_node_is_reported_not_rendered():
         in (sized["message"])
     )
 
-    class NoWrites:
-        """The API client of _apply_children: a read of the live Deployment, nothing else."""
-
-        def get(self, *args):
-            return None
-
-    runtime = type("Runtime", (), {"client": NoWrites()})()
-    applied = handlers._apply_children(runtime, body(spec), planned)
-    assert (applied.deployments, applied.events, applied.failure) == ({}, [], None)
+    # A live LeaderWorkerSet whose one group is ready: Ready like a Deployment's replicas.
+    live = {
+        **lws,
+        "metadata": {**lws["metadata"], "generation": 1},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": 1,
+            "readyReplicas": 1,
+            "updatedReplicas": 1,
+        },
+    }
+    status = desired_status(body(spec), planned, live, now=NOW)
+    assert states(status)["Ready"] == ("True", "ReplicasReady")
+    assert states(status)["Degraded"] == ("False", "AsExpected")

@@ -3,7 +3,6 @@ control plane with the LWS controller: tests/cluster/test_leaderworkerset.py).""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from kvpilot.operator.spec import parse_spec
 
 CONFIGS = Path(__file__).parent / "configs"
 SPEC = {
-    "model": {"source": "hf://meta-llama/Meta-Llama-3-70B-Instruct"},
+    "model": {"source": "hf://meta-llama/Llama-3.1-405B-Instruct"},
     "engine": {"maxModelLen": 8192},
     "gpu": {"type": "H100-80GB"},
     "replicas": 2,
@@ -26,14 +25,17 @@ SPEC = {
 
 
 def two_node_plan():
-    """The 70B model's H100 plan stretched to TP 8 x PP 2 (16 GPUs over two 8-GPU nodes): the
-    renderer reads only the plan's fields, so the numbers need not be the planner's."""
+    """Llama-3.1-405B in bf16 on H100-80GB: tensor parallel 8 x pipeline parallel 2, 16 GPUs
+    over two 8-GPU nodes (tests/operator/test_planner_moe_quantized.py has the arithmetic)."""
     spec = parse_spec(SPEC)
-    config = json.loads((CONFIGS / "Meta-Llama-3-70B.json").read_text())
+    config = json.loads((CONFIGS / "Meta-Llama-3.1-405B.json").read_text())
     plan = plan_for_spec(spec, ModelShape.from_hf_config(config))
-    return spec, dataclasses.replace(
-        plan, tensor_parallel_size=8, pipeline_parallel_size=2, gpus_per_replica=16
+    assert (plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.gpus_per_replica) == (
+        8,
+        2,
+        16,
     )
+    return spec, plan
 
 
 def flag(args: list[str], name: str) -> str:
@@ -99,7 +101,7 @@ def test_pod_templates_are_valid_kubernetes_pod_specs():
 
 
 def test_a_single_node_plan_is_not_a_leader_worker_set():
-    spec = parse_spec(SPEC)
+    spec = parse_spec({**SPEC, "model": {"source": "hf://meta-llama/Meta-Llama-3-70B-Instruct"}})
     config = json.loads((CONFIGS / "Meta-Llama-3-70B.json").read_text())
     plan = plan_for_spec(spec, ModelShape.from_hf_config(config))
     assert not leaderworkerset.is_multi_node(plan)

@@ -110,8 +110,11 @@ def used(calls: list[dict]) -> set[tuple[str, str, str]]:
 CHECKED_BY_ADMISSION = {("kvpilot.dev", "llmdeployments/finalizers", "update")}
 
 
-def scenario(kube: Cluster, namespace: str, config_source: str) -> None:
-    """Every code path that talks to the API server, in one namespace."""
+def scenario(
+    kube: Cluster, namespace: str, config_source: str, multi_node_source: str | None = None
+) -> None:
+    """Every code path that talks to the API server, in one namespace (``multi_node_source``:
+    also a model that needs a LeaderWorkerSet)."""
     gpu = {"model": {"source": config_source}, "gpu": {"type": "H100-80GB"}, "image": NO_ENGINE}
     token = base64.b64encode(b"hf_test").decode()
     kube.api().request(
@@ -141,8 +144,19 @@ def scenario(kube: Cluster, namespace: str, config_source: str) -> None:
         namespace, "scaled", {**gpu, "autoscaling": {"minReplicas": 2, "maxReplicas": 3}}
     )
 
+    if multi_node_source is not None:
+        kube.create_llmd(namespace, "big", {**gpu, "model": {"source": multi_node_source}})
+
     def cond(name: str, type_: str) -> dict:
         return condition(kube.llmd(namespace, name), type_)
+
+    if multi_node_source is not None:
+        wait_for(
+            lambda: kube.get(
+                f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{namespace}/leaderworkersets/big"
+            ),
+            "the multi-node replica's LeaderWorkerSet",
+        )
 
     wait_for(lambda: cond("plain", "Ready").get("status") == "True", "plain ready")
     wait_for(lambda: cond("hub", "Sized").get("reason") == "ConfigUnavailable", "hub reported")
@@ -199,7 +213,12 @@ def test_helm_install_rbac_is_exactly_what_the_operator_calls(fresh: Cluster, mo
     assert condition(crd, "Established")["status"] == "True"
     assert crd["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     namespace = fresh.create_namespace("apps")
-    scenario(fresh, namespace, model_config_source("Meta-Llama-3-8B"))
+    scenario(
+        fresh,
+        namespace,
+        model_config_source("Meta-Llama-3-8B"),
+        multi_node_source=model_config_source("Meta-Llama-3.1-405B"),
+    )
     calls = audit_calls(fresh, OPERATOR_USER)
     assert calls, "the audit log shows no call of the operator"
     refused = [c for c in calls if c["code"] == 403]
@@ -214,7 +233,7 @@ def test_helm_install_rbac_is_exactly_what_the_operator_calls(fresh: Cluster, mo
 
     # Issue 15, bug 14: the operator lists and watches only its own Deployments and pods (a
     # server-side label selector), and every watch has a server-side timeout.
-    for resource in ("deployments", "pods"):
+    for resource in ("deployments", "leaderworkersets", "pods"):
         watches = [c for c in calls if c["resource"] == resource and c["verb"] in ("list", "watch")]
         assert watches, resource
         for call in watches:

@@ -202,3 +202,54 @@ def test_without_chunked_prefill_the_engine_runs_the_rendered_flags(
     assert args[args.index("--max-num-batched-tokens") + 1] == "32768"
     assert "--no-enable-chunked-prefill" in args
     assert pod["status"]["containerStatuses"][0]["restartCount"] == 0
+
+
+def group_pods(kube: Cluster, namespace: str, name: str) -> dict[str, dict]:
+    """A LeaderWorkerSet's live pods (leaders and workers) by name."""
+    return {
+        p["metadata"]["name"]: p
+        for p in kube.items(
+            f"/api/v1/namespaces/{namespace}/pods",
+            labelSelector=f"leaderworkerset.sigs.k8s.io/name={name}",
+        )
+        if not p["metadata"].get("deletionTimestamp")
+    }
+
+
+def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set_group(
+    kube: Cluster, watched, model_config_source
+):
+    """Issue 19: Llama-3.1-405B in bf16 on H100s (TP 8 x PP 2) becomes a LeaderWorkerSet on the
+    real LWS controller (built from its Go module, webhooks included): the group's two 8-GPU
+    pods land on two H100 nodes, only the leader is selected by the Service (and the scraper),
+    the LLMDeployment is Ready from the LeaderWorkerSet's status, and deleting the worker
+    recreates the whole group. The pods run no engine (``NO_ENGINE``): the Ray group the real
+    image forms is tested in tests/engine/test_ray_node.py."""
+    spec = engineless(model_config_source("Meta-Llama-3.1-405B"), gpu="H100-80GB")
+    kube.create_llmd(watched, "big", spec)
+    obj = wait_for(lambda: ready(kube, watched, "big"), "the multi-node replica Ready")
+    assert obj["status"]["plan"]["pipelineParallelSize"] == 2
+    assert kube.get(f"/apis/apps/v1/namespaces/{watched}/deployments/big") is None
+    lws = kube.get(f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{watched}/leaderworkersets/big")
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2, dump(lws)
+
+    group = group_pods(kube, watched, "big")
+    assert sorted(group) == ["big-0", "big-0-1"], dump(group)
+    nodes = {p["spec"]["nodeName"] for p in group.values()}
+    assert len(nodes) == 2 and all(n.startswith("kwok-h100-") for n in nodes), dump(group)
+    worker = group["big-0-1"]["spec"]["containers"][0]
+    env = {e["name"]: e.get("value") for e in worker["env"]}
+    assert env["LWS_LEADER_ADDRESS"] == f"big-0.big.{watched}"  # the LWS pod webhook ran
+    assert worker["args"] == ["ray-node", "worker", "--address", "$(LWS_LEADER_ADDRESS)"]
+    assert [p["metadata"]["name"] for p in pods(kube, watched, "big")] == ["big-0"]
+
+    old_leader = group["big-0"]["metadata"]["uid"]
+    kube.kubectl("delete", "pod", "big-0-1", "-n", watched, "--wait=false")
+
+    def recreated() -> dict | None:
+        now = group_pods(kube, watched, "big")
+        fresh = len(now) == 2 and now.get("big-0", {}).get("metadata", {}).get("uid") != old_leader
+        return now if fresh else None
+
+    wait_for(recreated, "the group recreated with a new leader")
+    wait_for(lambda: ready(kube, watched, "big"), "Ready again")
