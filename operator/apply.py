@@ -43,6 +43,10 @@ PLURALS: dict[tuple[str, str], str] = {
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("kvpilot.dev/v1alpha1", "LLMDeployment"): "llmdeployments",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("v1", "Pod"): "pods",
 }
 _TRANSIENT_STATUSES = {409, 429, 500, 502, 503, 504}
 

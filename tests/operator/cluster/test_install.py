@@ -186,6 +186,15 @@ def scenario(kube: Cluster, namespace: str, config_source: str) -> None:
         ),
         "PDB repaired",
     )
+    # A scale-down (kubectl scale, as HPA would): the pods' deletion costs are written first.
+    kube.create_llmd(namespace, "down", {**gpu, "replicas": 2, "autoscaling": {"mode": "external"}})
+    deployment = f"/apis/apps/v1/namespaces/{namespace}/deployments/down"
+    wait_for(
+        lambda: (kube.get(deployment) or {}).get("status", {}).get("readyReplicas") == 2,
+        "two replicas",
+    )
+    kube.kubectl("scale", "llmd", "down", "-n", namespace, "--replicas=1")
+    wait_for(lambda: kube.get(deployment)["spec"]["replicas"] == 1, "scaled down to 1")
     kube.kubectl("delete", "llmd", "plain", "-n", namespace, "--wait=true", "--timeout=60s")
 
 
