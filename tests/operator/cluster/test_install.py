@@ -187,7 +187,11 @@ def scenario(kube: Cluster, namespace: str, config_source: str) -> None:
         "PDB repaired",
     )
     # A scale-down (kubectl scale, as HPA would): the pods' deletion costs are written first.
-    kube.create_llmd(namespace, "down", {**gpu, "replicas": 2, "autoscaling": {"mode": "external"}})
+    kube.create_llmd(
+        namespace,
+        "down",
+        {**gpu, "replicas": 2, "autoscaling": {"mode": "external", "maxReplicas": 2}},
+    )
     deployment = f"/apis/apps/v1/namespaces/{namespace}/deployments/down"
     wait_for(
         lambda: (kube.get(deployment) or {}).get("status", {}).get("readyReplicas") == 2,
