@@ -154,10 +154,11 @@ class Router:
             and model not in self.replicas.known_models()
             and not await self.hold_until_served(model)
         ):
-            if self.discovery is not None and model in self.discovery.models():
+            served = self.discovery.models() if self.discovery is not None else set()
+            if model in served:
                 self.metrics.errors.labels(model, "", "wake_timeout").inc()
                 return self._unavailable(model, f"no replica of `{model}` became ready in time")
-            kind = "unknown_model" if self.replicas.known_models() else "no_replica"
+            kind = "unknown_model" if self.replicas.known_models() | served else "no_replica"
             self.metrics.errors.labels(model, "", kind).inc()
             if kind == "no_replica":
                 return self._unavailable(model, "no replica has reported its models yet")
