@@ -31,6 +31,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "kvpilot.router.cli",
         "route OpenAI requests across engine replicas (prefix- and load-aware)",
     ),
+    "drain": (
+        "kvpilot.operator.drain",
+        "wait until an engine has no request in flight (the engine pod's preStop hook)",
+    ),
 }
 
 

@@ -44,6 +44,10 @@ PLURALS: dict[tuple[str, str], str] = {
     ("policy/v1", "PodDisruptionBudget"): "poddisruptionbudgets",
     ("kvpilot.dev/v1alpha1", "LLMDeployment"): "llmdeployments",
     ("leaderworkerset.x-k8s.io/v1", "LeaderWorkerSet"): "leaderworkersets",
+    ("v1", "ServiceAccount"): "serviceaccounts",
+    ("rbac.authorization.k8s.io/v1", "Role"): "roles",
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"): "rolebindings",
+    ("v1", "Pod"): "pods",
 }
 _TRANSIENT_STATUSES = {409, 429, 500, 502, 503, 504}
 

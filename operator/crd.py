@@ -440,6 +440,24 @@ MODEL_CACHE = obj(
     ),
 )
 
+ROUTER = obj(
+    "The kvpilot router in front of the engine pods (prefix- and load-aware routing, wake from "
+    "zero); status.endpoint points at it while it is enabled.",
+    {
+        "enabled": boolean(
+            "Deploy the router (absent = true, unless the operator runs with --no-router); "
+            "false: status.endpoint is the engine pods' own Service."
+        ),
+        "wakeTimeoutSeconds": integer(
+            "How long the router holds a request for this deployment at zero replicas while it "
+            "wakes, then answers 503 with Retry-After (absent = 300): at least the model's "
+            "start time.",
+            minimum=0,
+            maximum=3600,
+        ),
+    },
+)
+
 SPEC_SCHEMA = obj(
     'An absent optional field means "let the operator decide".',
     {
@@ -485,6 +503,7 @@ SPEC_SCHEMA = obj(
         "tolerations": array(free_object()),
         "affinity": free_object(),
         "modelCache": MODEL_CACHE,
+        "router": ROUTER,
         "adapters": array(
             obj(
                 properties={

@@ -57,7 +57,13 @@ import urllib3
 
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
 from kvpilot.engine.model_shape import ModelShape
-from kvpilot.operator import conditions, leaderworkerset, manifests
+from kvpilot.operator import (
+    conditions,
+    leaderworkerset,
+    manifests,
+    router_manifests,
+    scale_down,
+)
 from kvpilot.operator.apply import (
     ApplyResult,
     KubeApiError,
@@ -114,6 +120,8 @@ class HandlerConfig:
         model_config_ttl: seconds a model's config.json is reused before it is read again.
         watch_leader_worker_sets: watch LeaderWorkerSets (multi-node replicas) for changes;
             set when their CRD was installed at start (a watch on a missing kind fails).
+        router: deploy a router per LLMDeployment (``router_manifests.py``) unless its
+            ``spec.router.enabled`` is false; it runs in ``engine_image``.
     """
 
     engine_image: str
@@ -121,6 +129,7 @@ class HandlerConfig:
     retry_delay: float = 10.0
     model_config_ttl: float = 600.0
     watch_leader_worker_sets: bool = False
+    router: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,6 +329,7 @@ def desired_status(
     apply_failure: tuple[str, str] | None = None,
     canary: dict[str, Any] | None = None,
     observed_failure: tuple[str, str] | None = None,
+    router: bool = False,
 ) -> dict[str, Any]:
     """The status the LLMDeployment should have, from its planned and its live Deployment.
 
@@ -333,6 +343,7 @@ def desired_status(
             main Deployment's.
         observed_failure: (reason, message) from the pods and the model cache claim
             (:func:`kvpilot.operator.pods.claim_failure`, :func:`~kvpilot.operator.pods.pod_failure`).
+        router: whether the router fronts the engines (``status.endpoint`` is its Service).
 
     Returns:
         A ``status`` with every field the operator owns (the autoscaler's are left out).
@@ -360,7 +371,7 @@ def desired_status(
         "replicas": existing,
         "readyReplicas": ready,
         "selector": manifests.selector(name),
-        "endpoint": manifests.endpoint(name, namespace),
+        "endpoint": (router_manifests.endpoint if router else manifests.endpoint)(name, namespace),
     }
     if planned.spec is not None:
         status["model"] = _model_name(planned.spec)
@@ -607,14 +618,23 @@ def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> 
         return applied
     assert planned.spec is not None and planned.plan is not None
     rollout = tuning_rollout(body, planned)
-    for child in manifests.children(
+    objects = manifests.children(
         meta["name"], meta["namespace"], planned.spec, planned.plan, rollout
-    ):
+    )
+    if router_manifests.router_enabled(planned.spec, rt.config.router):
+        objects += router_manifests.children(
+            meta["name"], meta["namespace"], planned.spec, rt.config.engine_image
+        )
+    else:
+        _retire_router(rt, meta["namespace"], meta["name"])
+    for child in objects:
         where = f"{child['kind']} {child['metadata']['name']}"
         if child["kind"] == leaderworkerset.KIND and not leader_worker_sets_installed(rt.client):
             applied.failure = applied.failure or leader_worker_sets_missing(planned.plan)
             continue
         try:
+            if child["kind"] == "Deployment" and child["metadata"]["name"] == meta["name"]:
+                _before_scaling(rt, child)
             result = _apply_one(rt, _owned(child, body))
         except OwnershipConflict as exc:
             applied.failure = applied.failure or ("ChildConflict", str(exc))
@@ -639,6 +659,26 @@ def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> 
             if refused and applied.failure is None:
                 applied.failure = ("ModelCacheClaimUnchanged", refused)
     return applied
+
+
+def _before_scaling(rt: Runtime, desired: dict[str, Any]) -> None:
+    """Safe scale-down: before the engine Deployment's replicas go down, the pods' deletion
+    costs name the ones to remove (``scale_down.py``)."""
+    meta = desired["metadata"]
+    live = rt.client.get("apps/v1", "Deployment", meta["namespace"], meta["name"])
+    if scale_down.lowers_replicas(live, desired):
+        owner = desired["spec"]["selector"]["matchLabels"][manifests.LLMDEPLOYMENT_LABEL]
+        scale_down.mark_for_scale_down(rt.client, meta["namespace"], owner)
+
+
+def _retire_router(rt: Runtime, namespace: str, name: str) -> None:
+    """A router turned off keeps its objects (the operator deletes nothing; the garbage
+    collector does with the LLMDeployment) at 0 replicas."""
+    router = router_manifests.router_name(name)
+    live = rt.client.get("apps/v1", "Deployment", namespace, router)
+    if live is not None and (live.get("spec") or {}).get("replicas") != 0:
+        ref = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": live["metadata"]}
+        rt.client.patch(ref, {"spec": {"replicas": 0}})
 
 
 def _observe(
@@ -681,6 +721,8 @@ def _reconcile_once(rt: Runtime, body: dict[str, Any]) -> bool:
         apply_failure=applied.failure,
         canary=applied.deployments.get(manifests.canary_name(meta["name"])),
         observed_failure=_observe(rt, body, planned, applied) if planned.ok else None,
+        router=planned.spec is not None
+        and router_manifests.router_enabled(planned.spec, rt.config.router),
     )
     written = patch_status(rt.client, body, status)
     previous = (body.get("status") or {}).get("conditions") or []

@@ -109,6 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="read engine metrics from this Prometheus instead of scraping the pods",
     )
     parser.add_argument(
+        "--router",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="deploy the kvpilot router in front of each LLMDeployment (unless its "
+        "spec.router.enabled is false); --no-router: status.endpoint is the engines' Service",
+    )
+    parser.add_argument(
         "--engine-image",
         default=os.environ.get("KVPILOT_ENGINE_IMAGE"),
         help="engine image for LLMDeployments without spec.image "
@@ -166,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         resync_interval=args.resync_interval,
         retry_delay=args.retry_delay,
         watch_leader_worker_sets=handlers.leader_worker_sets_installed(KubeClient()),
+        router=args.router,
     )
     runtime = handlers.build_runtime(config, metrics)
     registry = kopf.OperatorRegistry()

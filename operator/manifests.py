@@ -63,6 +63,13 @@ PROGRESS_DEADLINE_SECONDS = STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD +
 # flags are not reserved: engine.extraArgs (which come last) may override them, e.g.
 # --max-lora-rank for adapters above the engine's default rank 16.
 MAX_RESIDENT_ADAPTERS = 8
+# A scale-down or rollout deletes an engine pod: its preStop hook (kvpilot drain) waits until its
+# requests are done, then SIGTERM; the grace period bounds both, so it must cover a long
+# generation (a few thousand tokens at tens of tokens per second).
+TERMINATION_GRACE_SECONDS = 300
+DRAIN_MARGIN_SECONDS = 10
+"""The drain gives up this long before the grace period ends: SIGTERM still comes early
+enough for the engine to close its connections itself."""
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -323,7 +330,7 @@ def pod_template(
     pod_spec: dict[str, Any] = {
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": 60,
+        "terminationGracePeriodSeconds": TERMINATION_GRACE_SECONDS,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS_USER,
@@ -383,13 +390,21 @@ def _affinity(spec: LLMDeploymentSpec) -> dict[str, Any] | None:
 
 def service(name: str, namespace: str) -> dict[str, Any]:
     """The ClusterIP Service in front of the engine pods, port ``HTTP_PORT``."""
+    return http_service(name, namespace, labels(name), selector_labels(name))
+
+
+def http_service(
+    name: str, namespace: str, object_labels: dict[str, str], selector: dict[str, str]
+) -> dict[str, Any]:
+    """A ClusterIP Service ``name`` of port ``HTTP_PORT`` to the ``selector``'s pods' port
+    named ``http`` (the engine's, the router's)."""
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels(name)},
+        "metadata": {"name": name, "namespace": namespace, "labels": object_labels},
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(name),
+            "selector": selector,
             "ports": [
                 {
                     "name": "http",
@@ -544,12 +559,22 @@ def _engine_container(
         "startupProbe": _probe(STARTUP_PERIOD_SECONDS, STARTUP_FAILURE_THRESHOLD),
         "readinessProbe": _probe(5, 3),
         "livenessProbe": _probe(15, 4),
+        "lifecycle": {"preStop": {"exec": {"command": drain_command()}}},
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
             "capabilities": {"drop": ["ALL"]},
         },
     }
+
+
+def drain_command() -> list[str]:
+    """The engine container's preStop hook: ``kvpilot drain`` (``operator/drain.py``) waits until
+    the engine has no request left, within the grace period."""
+    timeout = TERMINATION_GRACE_SECONDS - DRAIN_MARGIN_SECONDS
+    return [
+        "kvpilot", "drain", "--url", f"http://127.0.0.1:{HTTP_PORT}", "--timeout", str(timeout),
+    ]  # fmt: skip
 
 
 def _probe(period_seconds: int, failure_threshold: int) -> dict[str, Any]:
@@ -568,20 +593,17 @@ def _env(spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
         {"name": "HF_HOME", "value": f"{MODEL_CACHE_PATH}/huggingface"},
         {"name": "KVPILOT_CACHE_DIR", "value": f"{MODEL_CACHE_PATH}/kvpilot"},
     ]
-    if spec.model.hf_token_secret_name:
-        env.append(
-            {
-                "name": "HF_TOKEN",
-                "valueFrom": {
-                    "secretKeyRef": {
-                        "name": spec.model.hf_token_secret_name,
-                        "key": spec.model.hf_token_secret_key,
-                    }
-                },
-            }
-        )
+    env += hf_token_env(spec)
     user_names = {item["name"] for item in spec.env}
     return [item for item in env if item["name"] not in user_names] + list(spec.env)
+
+
+def hf_token_env(spec: LLMDeploymentSpec) -> list[dict[str, Any]]:
+    """``HF_TOKEN`` from the spec's token Secret (``spec.model.hfTokenSecretRef``), or nothing."""
+    if not spec.model.hf_token_secret_name:
+        return []
+    ref = {"name": spec.model.hf_token_secret_name, "key": spec.model.hf_token_secret_key}
+    return [{"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": ref}}]
 
 
 def _volumes(

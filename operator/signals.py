@@ -33,6 +33,7 @@ GENERATION_TOKENS = "vllm:generation_tokens_total"
 TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
 KV_CACHE_CAPACITY_TOKENS = "kvpilot:kv_cache_capacity_tokens"
 MAX_CONCURRENCY = "kvpilot:max_concurrency"
+PREFIX_CACHE_HITS = "vllm:prefix_cache_hits_total"
 
 TTFT_QUANTILES = (0.5, 0.9, 0.99)
 
@@ -60,6 +61,7 @@ class MetricSample:
             count)`` pairs sorted by bound, ``+inf`` last; empty when not exported.
         kv_cache_capacity_tokens: tokens the replica's KV cache holds, or None.
         max_concurrency: requests of ``max_model_len`` tokens that fit at once, or None.
+        prefix_cache_hits_total: prompt tokens found in the prefix cache since start (counter).
     """
 
     pod: str
@@ -74,6 +76,7 @@ class MetricSample:
     ttft_buckets: tuple[tuple[float, float], ...] = ()
     kv_cache_capacity_tokens: float | None = None
     max_concurrency: float | None = None
+    prefix_cache_hits_total: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -204,6 +207,7 @@ def parse_metrics(text: str, pod: str, timestamp: float) -> MetricSample:
         ttft_buckets=tuple(sorted(ttft.items())),
         kv_cache_capacity_tokens=sums.get(KV_CACHE_CAPACITY_TOKENS),
         max_concurrency=sums.get(MAX_CONCURRENCY),
+        prefix_cache_hits_total=sums.get(PREFIX_CACHE_HITS, 0.0),
     )
 
 

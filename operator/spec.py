@@ -202,6 +202,14 @@ class Adapter:
 
 
 @dataclass(frozen=True)
+class RouterSpec:
+    """``spec.router``: whether the operator deploys the router, and its wake timeout (s)."""
+
+    enabled: bool = True
+    wake_timeout_seconds: int = 300
+
+
+@dataclass(frozen=True)
 class LLMDeploymentSpec:
     """A parsed, validated ``LLMDeployment`` spec. ``gpu`` None means CPU mode."""
 
@@ -220,6 +228,7 @@ class LLMDeploymentSpec:
     affinity: dict[str, Any] | None = None
     model_cache: ModelCacheSpec | None = None
     adapters: tuple[Adapter, ...] = ()
+    router: RouterSpec = RouterSpec()
 
     @property
     def memory_limit_bytes(self) -> int | None:
@@ -287,6 +296,7 @@ def parse_spec(spec: dict[str, Any]) -> LLMDeploymentSpec:
         affinity=r.object("affinity"),
         model_cache=_model_cache(r.child("modelCache")),
         adapters=_adapters(r),
+        router=_router(r.child("router")),
     )
     if gpu is None and not parsed.memory_limit_bytes:
         raise SpecError(
@@ -488,6 +498,17 @@ def _model_cache(r: _Reader | None) -> ModelCacheSpec | None:
         size=size,
         storage_class_name=storage_class,
         access_mode=access_mode or DEFAULT_ACCESS_MODE,
+    )
+
+
+def _router(r: _Reader | None) -> RouterSpec:
+    if r is None:
+        return RouterSpec()
+    r.only()
+    enabled, timeout = r.bool("enabled"), r.int("wakeTimeoutSeconds")
+    return RouterSpec(
+        enabled=RouterSpec.enabled if enabled is None else enabled,
+        wake_timeout_seconds=RouterSpec.wake_timeout_seconds if timeout is None else timeout,
     )
 
 

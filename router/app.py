@@ -48,6 +48,8 @@ from kvpilot.router.scoring import Candidate, choose_replica
 logger = logging.getLogger("kvpilot.router")
 
 ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
+WAKE_POLL_S = 0.2
+"""How often a held request looks for a replica (and renews its wake request)."""
 
 
 class Router:
@@ -63,9 +65,12 @@ class Router:
 
     def __init__(self, config: RouterConfig, registry: CollectorRegistry) -> None:
         self.config = config
-        self.replicas = ReplicaSet(config.endpoints, config.down_s, config.api_key)
-        self.ring = HashRing([r.url for r in self.replicas.all()])
+        self.replicas = ReplicaSet(
+            config.endpoints, config.down_s, config.api_key, allow_empty=config.kubernetes
+        )
+        self.ring = HashRing(config.endpoints) if config.endpoints else None
         self.metrics = RouterMetrics(registry)
+        self.discovery = None  # a KubernetesDiscovery once started, with --kubernetes
         self.session: aiohttp.ClientSession | None = None
         self.tokenizer = None  # an AsyncTokenizer once started, with --tokenizer
 
@@ -76,9 +81,47 @@ class Router:
             from kvpilot.engine.model_loader import load_tokenizer
             from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 
-            tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer)
-            self.tokenizer = AsyncTokenizer(tokenizer)
+            try:
+                tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer)
+                self.tokenizer = AsyncTokenizer(tokenizer)
+            except (OSError, ValueError) as exc:
+                if not self.config.kubernetes:
+                    raise
+                # The operator names the model's tokenizer; one it cannot read (a config-only
+                # folder, a gated hub model without a token) must not keep the pods' router
+                # down: it routes by consistent hashing instead.
+                logger.warning(
+                    "tokenizer %s not loaded (%s): routing by consistent hashing",
+                    self.config.tokenizer,
+                    exc,
+                )
+        if self.config.kubernetes:
+            from kvpilot.router.kubernetes import KubernetesDiscovery
+
+            self.discovery = KubernetesDiscovery(
+                self.config.namespace, self.config.llmdeployments, self.set_replicas
+            )
         await self.refresh()
+
+    async def set_replicas(self, models_by_url: dict[str, set[str]]) -> None:
+        """Route to exactly these replicas from now on (discovery's callback), then poll them."""
+        self.replicas.replace(models_by_url)
+        self.ring = HashRing(list(models_by_url)) if models_by_url else None
+        logger.info("replicas: %s", sorted(models_by_url) or "none")
+        await self.refresh()
+
+    async def hold_until_served(self, model: str) -> bool:
+        """Wake the deployments serving ``model`` (``--kubernetes``) and wait until a replica
+        serves it, at most ``wake_timeout_s`` seconds; False when none came."""
+        if self.discovery is None or model not in self.discovery.models():
+            return False
+        deadline = time.monotonic() + self.config.wake_timeout_s
+        while model not in self.replicas.known_models():
+            if time.monotonic() >= deadline:
+                return False
+            await self.discovery.request_wake(model)
+            await asyncio.sleep(WAKE_POLL_S)
+        return True
 
     async def stop(self) -> None:
         """Close the client session and the tokenizer thread."""
@@ -106,8 +149,16 @@ class Router:
         body = _json_object(payload)
         model = body.get("model")
         model = model if isinstance(model, str) else None
-        if model is not None and model not in self.replicas.known_models():
-            kind = "unknown_model" if self.replicas.known_models() else "no_replica"
+        if (
+            model is not None
+            and model not in self.replicas.known_models()
+            and not await self.hold_until_served(model)
+        ):
+            served = self.discovery.models() if self.discovery is not None else set()
+            if model in served:
+                self.metrics.errors.labels(model, "", "wake_timeout").inc()
+                return self._unavailable(model, f"no replica of `{model}` became ready in time")
+            kind = "unknown_model" if self.replicas.known_models() | served else "no_replica"
             self.metrics.errors.labels(model, "", kind).inc()
             if kind == "no_replica":
                 return self._unavailable(model, "no replica has reported its models yet")
@@ -118,7 +169,7 @@ class Router:
         token_ids = None
         if self.tokenizer is not None and body:
             token_ids = await self.tokenizer.call(prompt_token_ids, path, body)
-        order = self.ring.order(prefix_key(body))
+        order = self.ring.order(prefix_key(body)) if self.ring is not None else []
         hashes: dict[tuple, list[bytes]] = {}  # (block size, root, adapter) -> the chain
 
         def chain(replica: Replica) -> list[bytes]:
@@ -274,11 +325,14 @@ def create_app(config: RouterConfig, registry: CollectorRegistry | None = None) 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await router.start()
-        refresher = asyncio.create_task(router.refresh_forever())
+        tasks = [asyncio.create_task(router.refresh_forever())]
+        if router.discovery is not None:
+            tasks.append(asyncio.create_task(router.discovery.run()))
         try:
             yield
         finally:
-            refresher.cancel()
+            for task in tasks:
+                task.cancel()
             await router.stop()
 
     app = FastAPI(title="kvpilot router", lifespan=lifespan)

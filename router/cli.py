@@ -1,5 +1,7 @@
 """``kvpilot router --endpoint URL ...``: the OpenAI-compatible router in front of engine
-replicas (local mode: the replicas are the URLs given).
+replicas (local mode: the replicas are the URLs given); ``kvpilot router --kubernetes
+--namespace NS [--llmdeployment NAME ...]``: the replicas are the Ready engine pods of those
+LLMDeployments, and a request for one at zero replicas wakes it (``router/kubernetes.py``).
 
 Imports nothing heavy at module level: ``kvpilot --help`` must not load torch. The defaults
 are ``RouterConfig``'s.
@@ -45,6 +47,12 @@ _TUNING = {
         "seconds between polls of the replicas' /metrics and /v1/models",
     ),
     "--connect-timeout": ("connect_timeout_s", float, "seconds to connect to a replica"),
+    "--wake-timeout": (
+        "wake_timeout_s",
+        float,
+        "with --kubernetes: seconds a request for a deployment at zero replicas is held while "
+        "it wakes, then a 503 with Retry-After",
+    ),
     "--api-key": (
         "api_key",
         str,
@@ -60,9 +68,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--endpoint",
         dest="endpoints",
         action="append",
-        required=True,
+        default=[],
         metavar="URL",
         help="an engine replica's base URL, e.g. http://127.0.0.1:8001 (repeat per replica)",
+    )
+    parser.add_argument(
+        "--kubernetes",
+        action="store_true",
+        help="discover the replicas from the Kubernetes API (in-cluster, else KUBECONFIG): "
+        "the Ready pods of LLMDeployments, instead of --endpoint",
+    )
+    parser.add_argument(
+        "--namespace",
+        default=os.environ.get("POD_NAMESPACE", "default"),
+        help="with --kubernetes: the LLMDeployments' namespace (default: $POD_NAMESPACE or "
+        "%(default)s)",
+    )
+    parser.add_argument(
+        "--llmdeployment",
+        dest="llmdeployments",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --kubernetes: an LLMDeployment to serve (repeat; default: every one in the "
+        "namespace)",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=8080, help="port to listen on")
@@ -80,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
     """Serve the router until interrupted.
 
     Raises:
-        SystemExit: invalid settings (no endpoint, one twice, ``--load-factor`` below 1).
+        SystemExit: invalid settings (no endpoint and no ``--kubernetes``, or both; one endpoint
+            twice; ``--load-factor`` below 1; no cluster configuration with ``--kubernetes``).
     """
     import uvicorn
 

@@ -110,20 +110,42 @@ class ReplicaSet:
         down_s: how long a replica that refused a connection is routed around.
         api_key: the key the router's own polls of ``/v1/models`` send (adapter names); without
             one, or when refused, the served model comes from ``/metrics`` only.
+        allow_empty: accept no URLs (discovered replicas: a deployment may be at zero).
 
     Raises:
-        ValueError: no URLs, or one given twice.
+        ValueError: no URLs (unless ``allow_empty``), or one given twice.
     """
 
-    def __init__(self, urls: list[str], down_s: float = 10.0, api_key: str | None = None) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        down_s: float = 10.0,
+        api_key: str | None = None,
+        *,
+        allow_empty: bool = False,
+    ) -> None:
         urls = [url.rstrip("/") for url in urls]
-        if not urls:
+        if not urls and not allow_empty:
             raise ValueError("the router needs at least one --endpoint")
         if len(set(urls)) != len(urls):
             raise ValueError(f"an --endpoint is given twice: {urls}")
         self.replicas = {url: Replica(url) for url in urls}
         self.down_s = down_s
         self.api_key = api_key
+
+    def replace(self, models_by_url: dict[str, set[str]]) -> None:
+        """Make the replicas exactly these URLs (discovery: pods became Ready or went).
+
+        A replica that stays keeps its state (in-flight count, prefix index, KV events); a new
+        one starts with the given model names, known before its first poll; one that goes is
+        forgotten, while requests already relayed to it keep their own reference and finish.
+        """
+        replicas = {}
+        for url, models in models_by_url.items():
+            url = url.rstrip("/")
+            replica = self.replicas.get(url) or Replica(url, models=set(models))
+            replicas[url] = replica
+        self.replicas = replicas
 
     def all(self) -> list[Replica]:
         """Every replica, up or down."""

@@ -9,7 +9,7 @@ import subprocess
 
 import yaml
 
-from kvpilot.operator import manifests
+from kvpilot.operator import manifests, router_manifests
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -33,12 +33,14 @@ def test_notes_steps_match_the_example_and_the_operator(helm: pathlib.Path) -> N
     (example_path,) = set(re.findall(r"kubectl apply -f (\S+)", notes))
     example = yaml.safe_load((REPO / example_path).read_text())
     name = example["metadata"]["name"]
-    # The Service the operator creates has the LLMDeployment's name and serves HTTP_PORT.
-    service = manifests.service(name, "default")
+    # The router's Service (status.endpoint; the engines' without the router) serves HTTP_PORT.
+    service = router_manifests.service(name, "default")
     port = service["spec"]["ports"][0]["port"]
     assert f"kubectl port-forward svc/{service['metadata']['name']} {port}:{port}" in notes
     assert f"http://127.0.0.1:{port}/v1/chat/completions" in notes
     assert f"kubectl scale llmd {name} --replicas=2" in notes
+    plain = manifests.service(name, "default")["metadata"]["name"]
+    assert f"port-forward svc/{plain} " in _notes(helm, "--set", "router.enabled=false")
 
 
 def test_notes_name_the_watched_namespaces(helm: pathlib.Path) -> None:

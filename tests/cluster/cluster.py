@@ -265,6 +265,11 @@ class Cluster:
         ``watch``: the namespaces it watches (default: ``namespace`` itself); ``values``: more
         chart values (merged over the defaults of this helper). Yields the release name; the
         release is uninstalled afterwards (unless ``uninstall`` is False).
+
+        The router is off here (``router.enabled: false``) unless ``values`` turn it on: a
+        router process per LLMDeployment would cost every test CPU it does not need; the
+        router's own tests (``tests/router/test_router_cluster.py``) and the RBAC test of
+        the default install run it.
         """
         release = release or f"kvp{next(_counter)}"
         merged: dict[str, Any] = {
@@ -273,6 +278,7 @@ class Cluster:
                 "watchNamespaces": list(watch if watch is not None else (namespace,)),
                 "extraArgs": ["--retry-delay=1", "--autoscale-interval=2"],
             },
+            "router": {"enabled": False},
         }
         _deep_update(merged, values or {})
         values_file = self.workdir / f"values-{release}.yaml"

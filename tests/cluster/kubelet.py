@@ -26,8 +26,15 @@ test machines); tests that rely on it say so. What it does, as a kubelet would:
   Liveness and startup probes are not run.
 - Restarts: a process that exits is restarted with the kubelet's doubling back-off (1 s,
   doubling, at most 30 s here), ``restartCount`` and ``lastState`` reported.
-- Deletion: a pod with a deletion timestamp gets SIGTERM, SIGKILL after its
-  ``terminationGracePeriodSeconds``, and is then removed (grace period 0), as the kubelet
+- Deletion: a pod with a deletion timestamp has each container stopped at once, in parallel,
+  as the kubelet does: the container's ``lifecycle.preStop`` hook first (``exec``: the command
+  run as a process of the container's image, environment and mounts, with the pod's loopback
+  address, ``127.0.0.1`` or ``localhost``, read as the pod's IP, since here a pod's network is
+  its IP; ``httpGet``: a GET to the pod's IP), then SIGTERM, then SIGKILL once the pod's
+  ``terminationGracePeriodSeconds`` (counted from the start of the hook) has passed, with at
+  least 2 s between SIGTERM and SIGKILL when the hook used the whole grace period (the kubelet's
+  minimum). A hook's output is appended to the container's log (a kubelet keeps it only in a
+  ``FailedPreStopHook`` Event). The pod is then removed (grace period 0), as the kubelet
   confirms a deletion.
 """
 
@@ -62,6 +69,8 @@ GPU_POD_KV_CACHE_MEMORY = "64MiB"
 SERVICE_ACCOUNT_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 TOKEN_SECONDS = 7 * 24 * 3600
 MAX_BACKOFF_SECONDS = 30.0
+MIN_KILL_GRACE_SECONDS = 2.0
+"""The kubelet's least time between SIGTERM and SIGKILL after a preStop hook overran."""
 POLL_SECONDS = 0.5
 PROBE_SECONDS = 1.0
 
@@ -77,6 +86,15 @@ def bind_to_pod_ip(values: list[str], pod_ip: str) -> list[str]:
     """``values`` with every "0.0.0.0" (all interfaces) replaced by the pod's own IP."""
     host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
     return [re.sub(r"(?<![\d.])0\.0\.0\.0(?![\d.])", host, value) for value in values]
+
+
+def loopback_to_pod_ip(values: list[str], pod_ip: str) -> list[str]:
+    """``values`` with the pod's own loopback address (``127.0.0.1``, ``localhost``) replaced
+    by its IP: an exec hook that calls its own container reaches it there."""
+    host = f"[{pod_ip}]" if ":" in pod_ip else pod_ip
+    return [
+        re.sub(r"(?<![\w.-])(127\.0\.0\.1|localhost)(?![\w.-])", host, value) for value in values
+    ]
 
 
 def map_paths(value: str, mounts: dict[str, pathlib.Path]) -> str:
@@ -492,16 +510,7 @@ class KubeletStandIn:
         if http is None:
             container.ready = True  # exec/tcp probes are not run: ready once started
             return
-        port = http.get("port")
-        if isinstance(port, str) and not port.isdigit():
-            port = next(
-                (
-                    p["containerPort"]
-                    for p in container.spec.get("ports") or []
-                    if p.get("name") == port
-                ),
-                None,
-            )
+        port = self._named_port(container, http.get("port"))
         host = f"[{run.ip}]" if ":" in run.ip else run.ip
         url = f"http://{host}:{port}{http.get('path', '/')}"
         try:
@@ -509,6 +518,20 @@ class KubeletStandIn:
                 container.ready = 200 <= answer.status < 400
         except (urllib.error.URLError, OSError, ValueError):
             container.ready = False
+
+    @staticmethod
+    def _named_port(container: ContainerRun, port: Any) -> Any:
+        """A probe's or hook's port: a number, or the name of one of the container's ports."""
+        if isinstance(port, str) and not port.isdigit():
+            return next(
+                (
+                    p["containerPort"]
+                    for p in container.spec.get("ports") or []
+                    if p.get("name") == port
+                ),
+                None,
+            )
+        return port
 
     # ---- status -----------------------------------------------------------------------------
 
@@ -576,10 +599,58 @@ class KubeletStandIn:
     def _terminate(self, run: PodRun, pod: dict[str, Any]) -> None:
         grace = pod["spec"].get("terminationGracePeriodSeconds", 30)
         grace = (pod["metadata"].get("deletionGracePeriodSeconds") or grace) if grace else 0
-        for container in run.containers:
-            if container.process is not None:
-                processes.stop(container.process, grace_seconds=float(grace))
+        deadline = time.monotonic() + float(grace)
+        stopping = [
+            threading.Thread(target=self._stop_container, args=(run, c, deadline), daemon=True)
+            for c in run.containers
+            if c.process is not None
+        ]
+        for thread in stopping:
+            thread.start()
+        for thread in stopping:
+            thread.join()
         self._remove(pod)
+
+    def _stop_container(self, run: PodRun, container: ContainerRun, deadline: float) -> None:
+        """preStop hook (bounded by ``deadline``), SIGTERM, SIGKILL at ``deadline``."""
+        assert container.process is not None
+        hook = (container.spec.get("lifecycle") or {}).get("preStop")
+        if hook is not None and deadline > time.monotonic():
+            try:
+                self._run_hook(run, container, hook, deadline)
+            except Exception as exc:  # noqa: BLE001 - a failed hook is reported, then SIGTERM
+                logger.info("preStop of %s/%s failed: %s", run.name, container.name, exc)
+        remaining = deadline - time.monotonic()
+        if hook is not None:
+            remaining = max(remaining, MIN_KILL_GRACE_SECONDS)
+        processes.stop(container.process, grace_seconds=max(0.0, remaining))
+
+    def _run_hook(
+        self, run: PodRun, container: ContainerRun, hook: dict[str, Any], deadline: float
+    ) -> None:
+        log = run.sandbox / "logs" / f"{container.name}.log"
+        if "exec" in hook:
+            image = container.spec.get("image", "")
+            command = images.container_argv({"image": image, "command": hook["exec"]["command"]})
+            if command is None:
+                return  # an image without a process: nothing to run the hook in
+            program, argv = command
+            mounts = run.mounts.get(container.name, {})
+            argv = [map_paths(a, mounts) for a in loopback_to_pod_ip(argv, run.ip)]
+            process = processes.spawn(program + argv, log, env=container.env, cwd=run.sandbox)
+            try:
+                process.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                processes.kill(process)
+            return
+        http = hook.get("httpGet")
+        if http is not None:
+            port = self._named_port(container, http.get("port"))
+            host = f"[{run.ip}]" if ":" in run.ip else run.ip
+            url = f"http://{host}:{port}{http.get('path', '/')}"
+            timeout = max(0.1, deadline - time.monotonic())
+            with urllib.request.urlopen(url, timeout=timeout) as answer:
+                answer.read()
 
     def _remove(self, pod: dict[str, Any]) -> None:
         meta = pod["metadata"]

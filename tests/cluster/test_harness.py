@@ -73,6 +73,13 @@ def test_all_interfaces_become_the_pods_ip():
     assert kubelet.bind_to_pod_ip(["0.0.0.0"], "::1") == ["[::1]"]
 
 
+def test_an_exec_hook_reaches_its_own_pod_at_the_pod_ip():
+    argv = ["--url", "http://127.0.0.1:8000", "localhost:9", "127.0.0.10", "my.localhost"]
+    assert kubelet.loopback_to_pod_ip(argv, "127.1.2.3") == [
+        "--url", "http://127.1.2.3:8000", "127.1.2.3:9", "127.0.0.10", "my.localhost",
+    ]  # fmt: skip
+
+
 def test_a_gpu_engine_runs_on_the_cpu():
     argv = [
         "serve", "--device", "cuda", "--dtype", "bfloat16", "--tensor-parallel-size", "4",

@@ -143,6 +143,8 @@ def test_status_of_a_fresh_object_without_deployment():
         "http://llama.ml.svc.cluster.local:8000/v1",
     )
     assert (status["replicas"], status["readyReplicas"], status["observedGeneration"]) == (0, 0, 1)
+    routed = desired_status(body(GPU), planned, None, now=NOW, router=True)
+    assert routed["endpoint"] == "http://llama-router.ml.svc.cluster.local:8000/v1"
 
 
 def test_status_follows_the_rollout_and_keeps_transition_times():

@@ -51,10 +51,22 @@ kopf runs standalone (no peering), so no kopfpeerings rules.
   resources: ["persistentvolumeclaims"]
   verbs: ["get", "create", "patch"]
 # The engine pods (by label): the autoscaler scrapes the ready ones' /metrics; unschedulable
-# or failing ones are reported in the LLMDeployment's conditions.
+# or failing ones are reported in the LLMDeployment's conditions. Before a scale-down their
+# controller.kubernetes.io/pod-deletion-cost annotations name the pods to remove (a patch).
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list", "watch"]
+  verbs: ["list", "watch", "patch"]
+{{- if .Values.router.enabled }}
+# The router of each LLMDeployment runs as a ServiceAccount of its own, bound to a Role of what
+# it calls (list/watch pods; list/watch/patch its LLMDeployment). RBAC lets the operator grant
+# only what it holds itself, which it does (the pods and llmdeployments rules above).
+- apiGroups: [""]
+  resources: ["serviceaccounts"]
+  verbs: ["get", "create", "patch"]
+- apiGroups: ["rbac.authorization.k8s.io"]
+  resources: ["roles", "rolebindings"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
 # Events for decisions and errors (the handlers' own, and kopf's warnings).
 - apiGroups: [""]
   resources: ["events"]
