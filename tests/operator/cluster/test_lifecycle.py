@@ -136,10 +136,12 @@ def test_invalid_or_unplannable_specs_get_conditions_without_retries(
     refused = kube.run("kubectl", "apply", "-f", "-", input=json.dumps(bad), check=False)
     assert refused.returncode != 0 and "spec.autoscaling.minReplicas" in refused.stderr
 
-    # What only the planner knows is a condition: a 70B model on one L4.
+    # What only the planner knows is a condition: a 70B model on one L4 (a tensor parallel
+    # size fixed below the GPUs per node is never pipelined).
     spec = {
         "model": {"source": model_config_source("Meta-Llama-3-70B")},
-        "gpu": {"type": "L4", "perNode": 1},
+        "gpu": {"type": "L4", "perNode": 2},
+        "tensorParallelSize": 1,
         "image": NO_ENGINE,
     }
     kube.create_llmd(watched, "huge", spec)
@@ -166,6 +168,25 @@ def test_invalid_or_unplannable_specs_get_conditions_without_retries(
     assert [(e["type"], e["reason"]) for e in kube.events(watched, "huge")] == [
         ("Warning", "ModelTooLarge")
     ]
+
+    # Left to the planner: 5 nodes of 2 L4s (TP 2 x PP 5), planned but not rendered yet.
+    kube.kubectl(
+        "patch", "llmd", "huge", "-n", watched, "--type=merge",
+        "-p", '{"spec": {"tensorParallelSize": null}}',
+    )  # fmt: skip
+
+    def multi_node() -> dict | None:
+        obj = kube.llmd(watched, "huge")
+        return obj if condition(obj, "Sized").get("observedGeneration") == 2 else None
+
+    obj = wait_for(multi_node, "the multi-node plan")
+    assert condition(obj, "Sized")["status"] == "True"
+    assert (condition(obj, "Degraded")["status"], condition(obj, "Degraded")["reason"]) == (
+        "True", "MultiNodeNotRendered",
+    )  # fmt: skip
+    plan = obj["status"]["plan"]
+    assert (plan["tensorParallelSize"], plan["pipelineParallelSize"]) == (2, 5)
+    assert all(kube.get(path) is None for path in child_paths(watched, "huge"))
 
     # Fixed: planned, deployed, recovered.
     kube.kubectl(
