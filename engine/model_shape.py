@@ -8,7 +8,12 @@ operator plans is the sizing the engine does. Pure Python: no torch, no transfor
 Sharding follows vLLM's Megatron-style tensor parallelism (Shoeybi et al., 2019, "Megatron-LM"):
 query heads, MLP intermediate channels and vocabulary rows are split across ranks; KV heads are
 split when there are at least as many as ranks and replicated (one per rank) otherwise; norms
-and the MoE router are replicated.
+and the MoE router are replicated; every expert's MLP channels are split (vLLM's default for
+MoE without expert parallelism; with it, whole experts per rank hold the same bytes). Pipeline
+stages take contiguous layers as vLLM's ``get_pp_indices`` does. Weight bytes follow the
+checkpoint's quantization (``kvpilot.engine.weight_quantization``); KV bytes the KV cache's
+dtype, and for DeepSeek's multi-head latent attention (DeepSeek-V2, arXiv:2405.04434) the
+compressed latent of ``kv_lora_rank + qk_rope_head_dim`` elements per token and layer.
 """
 
 from __future__ import annotations
@@ -87,7 +92,8 @@ MIXTRAL, QWEN_MOE, DEEPSEEK_MOE = "mixtral", "qwen_moe", "deepseek"
 
 
 class UnsupportedModelError(ValueError):
-    """The config describes a model this module cannot size (an unknown MoE layout)."""
+    """The config describes a model this module cannot size (an MoE layout without its expert
+    width)."""
 
 
 @dataclass(frozen=True)

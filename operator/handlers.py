@@ -627,6 +627,7 @@ def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> 
         )
     else:
         _retire_router(rt, meta["namespace"], meta["name"])
+    _retire_other_workload(rt, meta["namespace"], meta["name"], planned.plan)
     for child in objects:
         where = f"{child['kind']} {child['metadata']['name']}"
         if child["kind"] == leaderworkerset.KIND and not leader_worker_sets_installed(rt.client):
@@ -671,14 +672,28 @@ def _before_scaling(rt: Runtime, desired: dict[str, Any]) -> None:
         scale_down.mark_for_scale_down(rt.client, meta["namespace"], owner)
 
 
-def _retire_router(rt: Runtime, namespace: str, name: str) -> None:
-    """A router turned off keeps its objects (the operator deletes nothing; the garbage
-    collector does with the LLMDeployment) at 0 replicas."""
-    router = router_manifests.router_name(name)
-    live = rt.client.get("apps/v1", "Deployment", namespace, router)
+def _retire(rt: Runtime, api_version: str, kind: str, namespace: str, name: str) -> None:
+    """Scale the workload ``kind`` ``namespace/name`` to 0 replicas if it exists: one the
+    spec no longer renders keeps its object (the operator deletes nothing; the garbage
+    collector does with the LLMDeployment)."""
+    live = rt.client.get(api_version, kind, namespace, name)
     if live is not None and (live.get("spec") or {}).get("replicas") != 0:
-        ref = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": live["metadata"]}
+        ref = {"apiVersion": api_version, "kind": kind, "metadata": live["metadata"]}
         rt.client.patch(ref, {"spec": {"replicas": 0}})
+
+
+def _retire_router(rt: Runtime, namespace: str, name: str) -> None:
+    """A router turned off keeps its objects, at 0 replicas."""
+    _retire(rt, "apps/v1", "Deployment", namespace, router_manifests.router_name(name))
+
+
+def _retire_other_workload(rt: Runtime, namespace: str, name: str, plan: Plan) -> None:
+    """A plan that moved between one node and several keeps the workload of the other kind at
+    0 replicas (a Deployment, or a LeaderWorkerSet where their CRD is installed)."""
+    if leaderworkerset.is_multi_node(plan):
+        _retire(rt, "apps/v1", "Deployment", namespace, name)
+    elif rt.config.watch_leader_worker_sets:
+        _retire(rt, leaderworkerset.API_VERSION, leaderworkerset.KIND, namespace, name)
 
 
 def _observe(

@@ -190,6 +190,8 @@ def _print_table(model: str, plan) -> None:
     gib = 1024**3
     # Sizes are per GPU, or per replica in CPU mode (one process, no GPU).
     per = "per replica" if plan.gpu_type == CPU else "per GPU"
+    if plan.pipeline_parallel_size > 1:
+        per += " (largest stage)"
     table = Table(title=f"{model} on {plan.gpu_type}", show_header=False)
     table.add_column(style="bold")
     table.add_column(justify="right")

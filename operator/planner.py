@@ -119,9 +119,10 @@ class Plan:
             the checkpoint's quantized format where it has one.
         reserve_bytes_per_gpu: peak activations of one step plus runtime overhead.
         kv_cache_bytes_per_gpu: the KV cache (whole blocks), also ``--kv-cache-memory`` on CPU.
-        kv_bytes_per_token: KV of one token on one rank.
+        kv_bytes_per_token: KV of one token on one rank (of the stage with the most layers
+            when pipelined), in ``kv_cache_dtype``.
         kv_capacity_tokens: tokens the KV cache holds (per replica; every rank holds the same
-            tokens for its own heads).
+            tokens for its own heads and layers; the fewest of any stage when pipelined).
         max_concurrency: sequences of ``max_model_len`` tokens the cache holds at once.
         pipeline_parallel_size: pipeline stages (nodes) per replica; 1 within one node.
         kv_cache_dtype: ``--kv-cache-dtype`` (``auto`` = ``dtype``; ``fp8*`` = 1 byte).

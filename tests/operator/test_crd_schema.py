@@ -66,6 +66,7 @@ def test_the_api_server_accepts_the_crd(crd):
     }
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"]}
     assert columns["TP"] == ".status.plan.tensorParallelSize"
+    assert columns["PP"] == ".status.plan.pipelineParallelSize"
     assert columns["GPUs/Replica"] == ".status.plan.gpusPerReplica"
     assert columns["Ready"] == ".status.readyReplicas"
     assert columns["KV Usage"] == ".status.kvCacheUsage"
@@ -93,6 +94,10 @@ def test_base_is_valid_and_defaults_agree_with_spec_py(kube, crd, namespace):
     assert defaulted["gpu"]["resourceName"] == parsed.gpu.resource_name == "nvidia.com/gpu"
     assert defaulted["engine"]["dtype"] == parsed.engine.dtype == "auto"
     assert defaulted["autoscaling"]["mode"] == parsed.autoscaling.mode == "kvpilot"
+    assert defaulted["engine"]["kvCacheDtype"] == parsed.engine.kv_cache_dtype == "auto"
+    assert defaulted["autoscaling"]["allowKvCacheDtype"] is parsed.autoscaling.allow_kv_cache_dtype
+    assert parsed.autoscaling.allow_kv_cache_dtype is False
+    assert "quantization" not in defaulted["engine"] and parsed.engine.quantization is None
     with_secret = {**BASE["spec"], "model": {"hfTokenSecretRef": {"name": "hf"}}}
     defaulted = kube.stored(namespace, {**BASE, "spec": with_secret})["spec"]
     assert defaulted["model"]["hfTokenSecretRef"]["key"] == "token"
@@ -121,6 +126,9 @@ SCHEMA_CASES = [
     ("spec.tensorParallelSize", "2", "spec.tensorParallelSize"),
     ("spec.model.source", "s3://bucket/llama", "spec.model.source"),
     ("spec.engine.dtype", "int8", "spec.engine.dtype"),
+    ("spec.engine.kvCacheDtype", "int8", "spec.engine.kvCacheDtype"),
+    ("spec.engine.quantization", "bitsandbytes", "spec.engine.quantization"),
+    ("spec.autoscaling.allowKvCacheDtype", "yes", "spec.autoscaling.allowKvCacheDtype"),
     ("spec.engine.maxModelLength", 4096, "spec.engine.maxModelLength"),
     ("spec.autoscaling.maxReplicas", ..., "spec.autoscaling.maxReplicas"),
     ("spec.autoscaling.targetKVCacheUsage", 0, "spec.autoscaling.targetKVCacheUsage"),

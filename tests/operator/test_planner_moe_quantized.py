@@ -306,3 +306,36 @@ def test_a_user_set_tp_below_the_node_is_not_pipelined():
     assert caught.value.message.endswith("; no tensor parallel size up to 8 would fit either")
     at_eight = plan(shape("Meta-Llama-3.1-405B"), gpu=H100, tensor_parallel_size=8)
     assert (at_eight.tensor_parallel_size, at_eight.pipeline_parallel_size) == (8, 2)
+
+
+def run_plan_cli(*argv: str) -> int:
+    import argparse
+
+    from kvpilot.operator import plan_cli
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    return plan_cli.run(parser.parse_args(argv))
+
+
+def test_plan_cli_shows_active_parameters_kv_dtype_quantization_and_pp(capsys):
+    qwen = str(CONFIGS / "Qwen3-30B-A3B.json")
+    assert run_plan_cli(qwen, "--gpu", "L4", "--kv-cache-dtype", "fp8", "--json") == 0
+    status = json.loads(capsys.readouterr().out)
+    assert status == plan(shape("Qwen3-30B-A3B"), gpu=L4, kv_cache_dtype="fp8").to_status()
+    assert (status["kvCapacityTokens"], status["numActiveParameters"]) == (
+        20_585 * 16,
+        3_353_032_704,
+    )
+    assert run_plan_cli(qwen, "--gpu", "L4", "--kv-cache-dtype", "fp8") == 0
+    table = capsys.readouterr().out
+    for row in ("30.53 B", "3.35 B", "kvCacheDtype", "fp8", "pipelineParallelSize"):
+        assert row in table
+    awq = str(CONFIGS / "Meta-Llama-3-8B-Instruct-AWQ.json")
+    assert run_plan_cli(awq, "--gpu", "H100", "-q", "awq") == 0
+    assert "awq" in capsys.readouterr().out
+    assert run_plan_cli(str(CONFIGS / "Meta-Llama-3.1-405B.json"), "--gpu", "H100") == 0
+    table = capsys.readouterr().out
+    assert "weights per GPU (largest stage)" in table and "16" in table
+    assert run_plan_cli(awq, "--gpu", "H100", "--quantization", "gptq") == 1
+    assert "UnsupportedQuantization: quantization gptq:" in capsys.readouterr().err

@@ -136,10 +136,12 @@ def test_invalid_or_unplannable_specs_get_conditions_without_retries(
     refused = kube.run("kubectl", "apply", "-f", "-", input=json.dumps(bad), check=False)
     assert refused.returncode != 0 and "spec.autoscaling.minReplicas" in refused.stderr
 
-    # What only the planner knows is a condition: a 70B model on one L4.
+    # What only the planner knows is a condition: a 70B model on one L4 (a tensor parallel
+    # size fixed below the GPUs per node is never pipelined).
     spec = {
         "model": {"source": model_config_source("Meta-Llama-3-70B")},
-        "gpu": {"type": "L4", "perNode": 1},
+        "gpu": {"type": "L4", "perNode": 2},
+        "tensorParallelSize": 1,
         "image": NO_ENGINE,
     }
     kube.create_llmd(watched, "huge", spec)
@@ -167,6 +169,26 @@ def test_invalid_or_unplannable_specs_get_conditions_without_retries(
         ("Warning", "ModelTooLarge")
     ]
 
+    # Left to the planner: 5 nodes of 2 L4s (TP 2 x PP 5), a LeaderWorkerSet of 5-pod groups
+    # (this cluster has 2 L4 nodes: they stay Pending).
+    kube.kubectl(
+        "patch", "llmd", "huge", "-n", watched, "--type=merge",
+        "-p", '{"spec": {"tensorParallelSize": null}}',
+    )  # fmt: skip
+
+    def multi_node() -> dict | None:
+        obj = kube.llmd(watched, "huge")
+        return obj if condition(obj, "Sized").get("observedGeneration") == 2 else None
+
+    obj = wait_for(multi_node, "the multi-node plan")
+    assert condition(obj, "Sized")["status"] == "True"
+    plan = obj["status"]["plan"]
+    assert (plan["tensorParallelSize"], plan["pipelineParallelSize"]) == (2, 5)
+    lws_path = f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{watched}/leaderworkersets/huge"
+    lws = wait_for(lambda: kube.get(lws_path), "the LeaderWorkerSet")
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 5
+    assert kube.get(f"/apis/apps/v1/namespaces/{watched}/deployments/huge") is None
+
     # Fixed: planned, deployed, recovered.
     kube.kubectl(
         "patch", "llmd", "huge", "-n", watched, "--type=merge",
@@ -174,6 +196,8 @@ def test_invalid_or_unplannable_specs_get_conditions_without_retries(
     )  # fmt: skip
     obj = wait_for(lambda: settled(kube, watched, "huge"), "the fixed spec deployed")
     assert obj["status"]["plan"]["tensorParallelSize"] == 2  # 141 GB of bf16 weights
+    # The LeaderWorkerSet the plan no longer needs is kept at 0 groups (nothing is deleted).
+    assert kube.get(lws_path)["spec"]["replicas"] == 0
     assert {"Planned", "Recovered"} <= set(reasons(kube, watched, "huge"))
 
 
