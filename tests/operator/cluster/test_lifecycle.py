@@ -86,9 +86,10 @@ def test_apply_to_ready_rollout_scale_delete(kube: Cluster, watched, tiny_model_
     columns = kube.kubectl("get", "llmd", "tiny", "-n", watched).stdout
     header, row = columns.splitlines()
     assert header.split() == [
-        "NAME", "MODEL", "GPU", "TP", "GPUS/REPLICA", "REPLICAS", "READY", "KV", "USAGE", "AGE",
+        "NAME", "MODEL", "GPU", "TP", "PP", "GPUS/REPLICA", "REPLICAS", "READY", "KV", "USAGE",
+        "AGE",
     ]  # fmt: skip
-    assert row.split()[2:7] == ["cpu", "1", "0", "1", "1"], columns
+    assert row.split()[2:8] == ["cpu", "1", "1", "0", "1", "1"], columns
 
     # A spec change rolls the Deployment out for real: a new ReplicaSet, new pods.
     kube.kubectl(
