@@ -40,12 +40,14 @@ SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(
         "GraniteForCausalLM",
         "Phi3ForCausalLM",
         "GemmaForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
     }
 )
 # The same family by ``model_type``, for configs without ``architectures`` (those transformers
 # builds from GGUF metadata, as for the built-in default model).
 SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma"}
+    {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma", "mixtral", "qwen3_moe"}
 )
 # Model types whose config classes tie the LM head to the embeddings unless config.json says
 # otherwise (Gemma's configs leave it out); the others default to untied.
@@ -145,7 +147,9 @@ class ModelShape:
                 "its KV cache size is not modelled"
             )
         for key in _UNSUPPORTED_MOE_KEYS:
-            if text.get(key):
+            # Qwen3-MoE loads in the engine (engine/models/qwen3_moe.py); its sizes here are
+            # still those of a Mixtral-style MoE (the planner refuses MoE models).
+            if text.get(key) and model_type != "qwen3_moe":
                 raise UnsupportedModelError(
                     f"model_type {model_type!r} has a mixture-of-experts layout ({key}) other "
                     "than Mixtral's; only num_local_experts is supported"
@@ -173,7 +177,7 @@ class ModelShape:
                 f"num_key_value_heads {num_key_value_heads}"
             )
 
-        num_experts = int(text.get("num_local_experts") or 0)
+        num_experts = int(text.get("num_local_experts") or text.get("num_experts") or 0)
         attention_bias = bool(text.get("attention_bias", False))
         is_qwen2 = model_type == "qwen2"
         quantization = text.get("quantization_config") or config.get("quantization_config")
