@@ -134,7 +134,7 @@ class FusedMoE(CustomOp):
         self.num_experts = num_experts
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
-        self.expert_map: torch.Tensor | None = None
+        expert_map = None
         if state.enable_expert_parallel and self.tp_size > 1:
             per_rank = divide(num_experts, self.tp_size, "num_experts")
             first = self.tp_rank * per_rank
@@ -142,12 +142,12 @@ class FusedMoE(CustomOp):
             self.intermediate_per_rank = intermediate_size
             expert_map = torch.full((num_experts,), -1, dtype=torch.int32)
             expert_map[first : first + per_rank] = torch.arange(per_rank, dtype=torch.int32)
-            self.register_buffer("expert_map", expert_map, persistent=False)
         else:
             self.local_experts = list(range(num_experts))
             self.intermediate_per_rank = divide(
                 intermediate_size, self.tp_size, "moe intermediate_size"
             )
+        self.register_buffer("expert_map", expert_map, persistent=False)
         self._local_index = {e: i for i, e in enumerate(self.local_experts)}
         num_local, width = len(self.local_experts), self.intermediate_per_rank
         self.w13_weight = nn.Parameter(
