@@ -109,8 +109,8 @@ def fused_experts(
     return down.view(num_tokens, top_k, hidden_size).sum(dim=1)
 
 
-def _block(size: int) -> int:
-    return max(16, min(triton.next_power_of_2(size), _MAX_BLOCK_NK))
+def _block(size: int, largest: int = _MAX_BLOCK_NK) -> int:
+    return max(16, min(triton.next_power_of_2(size), largest))
 
 
 def _grouped_matmul(
@@ -127,7 +127,8 @@ def _grouped_matmul(
     for every pair ``p`` of a local expert; ``w`` is ``[experts, N, K]``."""
     num_local, n, k = w.shape
     num_pairs = out.shape[0]
-    block_n, block_k = _block(n), _block(k)
+    # float32 tiles take twice the registers: a shorter K step keeps them from spilling.
+    block_n, block_k = _block(n), _block(k, 32 if w.dtype == torch.float32 else _MAX_BLOCK_NK)
     check_dot_dims(fn, {"BLOCK_M": BLOCK_M, "BLOCK_N": block_n, "BLOCK_K": block_k})
     num_n = triton.cdiv(n, block_n)
     grid = (triton.cdiv(num_pairs, BLOCK_M) * num_n, num_local)

@@ -10,6 +10,7 @@ from kvpilot.kernels import activation
 from kvpilot.kernels.fused_moe import fused_experts
 from kvpilot.kernels.moe_reference import fused_experts as reference_fused_experts
 from kvpilot.kernels.moe_segments import expert_segments
+from tests.kernels.compile_check import assert_compiled_cleanly, compiled_launches
 
 pytestmark = pytest.mark.kernel
 
@@ -101,3 +102,13 @@ def test_moe_block_triton_path_matches_torch_path() -> None:
     hidden = torch.randn(11, 64, generator=g)
     with torch.no_grad():
         torch.testing.assert_close(blocks[1](hidden), blocks[0](hidden), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("capability", [90, 80])
+def test_launches_compile_for_gpus(capability: int) -> None:
+    """The interpreter never compiles: this catches tl.dot shapes, shared memory overruns and
+    register spills of the real launch configurations, without a GPU."""
+    results = compiled_launches("moe_gpu_compile.py", capability)
+    # Five cases, two grouped matmuls each (gate/up, then down).
+    assert len(results) == 10 and {r["kernel"] for r in results} == {"_fused_moe_kernel"}
+    assert_compiled_cleanly(results, capability)
