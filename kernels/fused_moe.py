@@ -30,6 +30,7 @@ from kvpilot.kernels._utils import (
     check_tensor,
     interpreting,
 )
+from kvpilot.kernels.gathered_dot import gathered_dot
 from kvpilot.kernels.moe_segments import ExpertSegments, expert_segments
 
 BLOCK_M = 16
@@ -168,24 +169,10 @@ def _fused_moe_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_base = w_ptr + expert.to(tl.int64) * stride_we
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a_tile = tl.load(
-            a_ptr + rows[:, None] * stride_am + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        w_tile = tl.load(
-            w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]
-        if FP32_DOT:
-            acc += tl.dot(a_tile.to(tl.float32), w_tile.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(a_tile, w_tile)
+    acc = gathered_dot(
+        a_ptr, rows, mask_m, stride_am, w_base, stride_wn, offs_n, mask_n, K,
+        BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT,
+    )  # fmt: skip
     if MUL_ROUTED_WEIGHT:
         routed = tl.load(weights_ptr + pairs, mask=mask_m, other=0.0)
         acc = acc * routed[:, None]
