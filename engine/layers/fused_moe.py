@@ -7,9 +7,9 @@ says so), and the token's output is the routing-weighted sum of those experts' S
 All experts' weights are stacked (vLLM's ``FusedMoE``): ``w13_weight`` ``[experts, 2 *
 intermediate, hidden]`` (each expert's gate rows, then its up rows) and ``w2_weight``
 ``[experts, hidden, intermediate]``. The (token, expert) pairs are sorted by expert
-(:mod:`kvpilot.kernels.moe_segments`) and each expert that has pairs multiplies them in one
-matmul: in PyTorch on the CPU, in the Triton grouped-matmul kernel
-(:mod:`kvpilot.kernels.fused_moe`) on the GPU.
+(:mod:`kvpilot.kernels.moe_segments`) and each expert's run is multiplied by that expert's
+weights in one grouped matmul: ``torch.nn.functional.grouped_mm`` on the CPU, the Triton
+kernel (:mod:`kvpilot.kernels.fused_moe`) on the GPU.
 
 Tensor parallelism, as vLLM does it: by default every rank holds a slice of every expert's
 intermediate dimension (Megatron-LM's column/row split inside each expert: ``w13`` rows, ``w2``
@@ -235,26 +235,25 @@ class FusedMoE(CustomOp):
     def forward_native(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
     ) -> torch.Tensor:
-        """This rank's partial sum, one matmul pair per local expert that has tokens.
-
-        Experts are visited in ascending order and each adds its rows into a zeroed output
-        (``index_add_``), as transformers' eager ``MixtralExperts`` does, so a single rank's
-        sums round alike.
+        """This rank's partial sum: the pairs sorted by expert, then one grouped matmul
+        (``torch.nn.functional.grouped_mm``, each expert's run by its own weights) for gate/up
+        and one for down; each pair's row, scaled by its routing weight, is added into its
+        token's row (``index_add_``, in ascending expert order per token, as transformers'
+        eager ``MixtralExperts`` adds them). Reads the number of local pairs on the host.
         """
         top_k = topk_ids.shape[1]
         out = torch.zeros_like(hidden)
         segments = expert_segments(topk_ids, len(self.local_experts), self.expert_map)
-        flat_weights = topk_weights.flatten()
-        starts = segments.expert_start.tolist()
-        for local, count in enumerate(segments.expert_num_pairs.tolist()):
-            if count == 0:
-                continue
-            pairs = segments.pair_indices[starts[local] : starts[local] + count].long()
-            tokens = pairs // top_k
-            gate_up = F.linear(hidden[tokens], self.w13_weight[local])
-            down = F.linear(self.act_fn(gate_up), self.w2_weight[local])
-            out.index_add_(0, tokens, (down * flat_weights[pairs, None]).to(out.dtype))
-        return out
+        offsets = torch.cumsum(segments.expert_num_pairs, 0, dtype=torch.int32)
+        num_pairs = int(offsets[-1])
+        if num_pairs == 0:
+            return out
+        pairs = segments.pair_indices[:num_pairs].long()
+        tokens = pairs // top_k
+        gate_up = F.grouped_mm(hidden[tokens], self.w13_weight.transpose(1, 2), offs=offsets)
+        down = F.grouped_mm(self.act_fn(gate_up), self.w2_weight.transpose(1, 2), offs=offsets)
+        scaled = down * topk_weights.flatten()[pairs, None]
+        return out.index_add_(0, tokens, scaled.to(out.dtype))
 
     def forward_triton(
         self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
