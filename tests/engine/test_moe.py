@@ -200,3 +200,15 @@ def test_expert_parallel_reaches_the_workers(tiny_model_dir):
     with pytest.raises(EngineDeadError, match=message):
         make_llm(model_dir, 2, 16, enable_expert_parallel=True)
     assert tp_workers() == []
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_bfloat16_model_tracks_float32(tiny_model_dir, model):
+    architecture, overrides = MODELS[model]
+    folder = tiny_model_dir(architecture, **overrides)
+    fp32 = load_model(folder, torch.float32, "cpu")
+    bf16 = load_model(folder, torch.bfloat16, "cpu")
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    ref = PagedBatch(fp32).forward(fp32, [("a", PROMPT_A)])
+    got = PagedBatch(bf16).forward(bf16, [("a", PROMPT_A)])
+    torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)
