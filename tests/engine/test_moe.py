@@ -212,3 +212,22 @@ def test_bfloat16_model_tracks_float32(tiny_model_dir, model):
     ref = PagedBatch(fp32).forward(fp32, [("a", PROMPT_A)])
     got = PagedBatch(bf16).forward(bf16, [("a", PROMPT_A)])
     torch.testing.assert_close(got, ref, atol=0.05, rtol=0.05)
+
+
+def test_sparse_layers_are_transformers_choice():
+    """``decoder_sparse_step`` 2 and ``mlp_only_layers`` [3] of 6 layers: the MoE layers are
+    the ones transformers builds as such."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from kvpilot.engine.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=64, num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=128,
+    )  # fmt: skip
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(config)
+        ours = [Qwen3MoeForCausalLM.mlp(config, i, "torch") for i in range(6)]
+    expected = [isinstance(layer.mlp, Qwen3MoeSparseMoeBlock) for layer in hf.model.layers]
+    assert [isinstance(mlp, SparseMoeBlock) for mlp in ours] == expected
+    assert expected == [False, True, False, False, False, True]
