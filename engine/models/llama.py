@@ -13,7 +13,8 @@ to rounding and greedy decoding picks the same tokens.
 Variants differ only in what subclasses override: :meth:`LlamaForCausalLM.attention_options`
 (biases, q/k norm, sliding window, attention scale: per layer) and
 :meth:`LlamaForCausalLM.model_options` (embedding, residual and logits scales, the norm: per
-model); the MLP's gated activation follows the config's ``hidden_act``.
+model; the MLP of each layer, a mixture of experts for Mixtral and Qwen3-MoE); the MLP's gated
+activation follows the config's ``hidden_act``.
 """
 
 from __future__ import annotations
