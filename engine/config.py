@@ -119,6 +119,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     attention_backend: str | None = None
     served_model_name: str | None = None
     generation_config: str = "auto"
@@ -160,6 +161,8 @@ class EngineArgs:
         positive_int("tensor_parallel_size", optional=False)
         positive_int("max_loras", optional=False)
         positive_int("max_lora_rank", optional=False)
+        if not isinstance(self.enable_expert_parallel, bool):
+            bad("enable_expert_parallel", "must be a boolean")
         if not isinstance(self.enable_lora, bool):
             bad("enable_lora", "must be a boolean")
         if self.lora_modules is not None:
@@ -284,6 +287,13 @@ class EngineArgs:
             type=int,
             default=1,
             help="number of devices to shard the model over",
+        )
+        group.add_argument(
+            "--enable-expert-parallel",
+            action="store_true",
+            default=False,
+            help="mixture-of-experts models: place whole experts on the tensor-parallel ranks "
+            "instead of a slice of every expert on each",
         )
         group.add_argument(
             "--attention-backend",

@@ -119,6 +119,7 @@ class LLMEngine:
                     seed=args.seed,
                     eos_token_ids=self.eos_token_ids,
                     tensor_parallel_size=args.tensor_parallel_size,
+                    enable_expert_parallel=args.enable_expert_parallel,
                     max_model_len=self.scheduler_config.max_model_len,
                     model_config=self.model_config,
                     model_shape=self.model_shape,

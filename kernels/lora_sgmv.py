@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from kvpilot.kernels._utils import check_dot_dims, interpreting
+from kvpilot.kernels.gathered_dot import gathered_dot
 from kvpilot.kernels.lora_segments import LoRASegments
 
 BLOCK_M = 16
@@ -84,24 +85,10 @@ def sgmv_tile(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     w_base = w_ptr + slot.to(tl.int64) * stride_ws
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x_tile = tl.load(
-            x_ptr + tokens[:, None] * stride_xt + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        w_tile = tl.load(
-            w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]
-        if FP32_DOT:
-            acc += tl.dot(x_tile.to(tl.float32), w_tile.to(tl.float32), input_precision="ieee")
-        else:
-            acc += tl.dot(x_tile.to(w_tile.dtype), w_tile)
+    acc = gathered_dot(
+        x_ptr, tokens, mask_m, stride_xt, w_base, stride_wn, offs_n, mask_n, K,
+        BLOCK_M, BLOCK_N, BLOCK_K, FP32_DOT,
+    )  # fmt: skip
     out_ptrs = out_ptr + tokens[:, None] * stride_ot + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if ADD_TO_OUT:

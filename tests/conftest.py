@@ -43,6 +43,8 @@ TINY_ARCHITECTURES = {
     "granite": "GraniteConfig",
     "phi3": "Phi3Config",
     "gemma": "GemmaConfig",
+    "mixtral": "MixtralConfig",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
 
 # SmolLM2's tokenizer: 49152 tokens, <|im_start|> = 1, <|im_end|> = 2 (its EOS).
@@ -78,7 +80,7 @@ def tiny_model_dir(
     """Factory: ``tiny_model_dir("qwen3", seed=0, **config_overrides) -> folder``.
 
     ``architecture`` is a key of ``TINY_ARCHITECTURES`` (``llama``, ``mistral``, ``qwen2``,
-    ``qwen3``, ``granite``, ``phi3``, ``gemma``); overrides go to the transformers config (e.g.
+    ``qwen3``, ``granite``, ``phi3``, ``gemma``, ``mixtral``, ``qwen3_moe``); overrides go to the transformers config (e.g.
     ``tie_word_embeddings=False``, ``rope_scaling={...}``, ``num_hidden_layers=3``). Weights are
     float32, initialised by transformers from ``seed``.
     """

@@ -24,11 +24,15 @@ class TensorParallelState:
         rank: 0 ... ``world_size - 1``.
         world_size: number of ranks the model is sharded over (``tensor_parallel_size``).
         backend: ``"gloo"`` (CPU) or ``"nccl"`` (CUDA); ``None`` for a group of one.
+        enable_expert_parallel: mixture-of-experts layers place whole experts on ranks
+            instead of a slice of every expert (vLLM's ``--enable-expert-parallel``; the
+            expert-parallel group is the tensor-parallel group).
     """
 
     rank: int = 0
     world_size: int = 1
     backend: str | None = None
+    enable_expert_parallel: bool = False
 
 
 _STATE = TensorParallelState()
@@ -40,6 +44,7 @@ def init_distributed_environment(
     init_method: str,
     device: torch.device,
     timeout_s: float = 600.0,
+    enable_expert_parallel: bool = False,
 ) -> TensorParallelState:
     """Join the tensor-parallel group (``torch.distributed.init_process_group``).
 
@@ -71,7 +76,9 @@ def init_distributed_environment(
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
-    _STATE = TensorParallelState(rank, world_size, backend if world_size > 1 else None)
+    _STATE = TensorParallelState(
+        rank, world_size, backend if world_size > 1 else None, enable_expert_parallel
+    )
     return _STATE
 
 

@@ -36,6 +36,8 @@ class WorkerConfig:
         seed: the sampler seed for requests without their own.
         eos_token_ids: token ids that end generation (masked before ``min_tokens``).
         tensor_parallel_size: ranks the model is sharded over.
+        enable_expert_parallel: MoE layers place whole experts on ranks rather than a slice
+            of every expert on each.
         distributed_timeout_s: seconds a collective waits for the other ranks before failing.
         num_threads: torch CPU threads of each rank; None keeps torch's default.
         max_model_len: the longest sequence served, tokens (LongRoPE models pick their rotary
@@ -53,6 +55,7 @@ class WorkerConfig:
     seed: int
     eos_token_ids: frozenset[int]
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False
     distributed_timeout_s: float = 600.0
     num_threads: int | None = None
     max_model_len: int | None = None
@@ -96,6 +99,7 @@ class Worker:
                 distributed_init_method,
                 self.device,
                 config.distributed_timeout_s,
+                config.enable_expert_parallel,
             )
         self.model = load_model(
             config.model_dir,

@@ -17,6 +17,8 @@ MODEL_REGISTRY: dict[str, str] = {
     "GraniteForCausalLM": "kvpilot.engine.models.granite:GraniteForCausalLM",
     "Phi3ForCausalLM": "kvpilot.engine.models.phi3:Phi3ForCausalLM",
     "GemmaForCausalLM": "kvpilot.engine.models.gemma:GemmaForCausalLM",
+    "MixtralForCausalLM": "kvpilot.engine.models.mixtral:MixtralForCausalLM",
+    "Qwen3MoeForCausalLM": "kvpilot.engine.models.qwen3_moe:Qwen3MoeForCausalLM",
 }
 
 

@@ -13,12 +13,13 @@ to rounding and greedy decoding picks the same tokens.
 Variants differ only in what subclasses override: :meth:`LlamaForCausalLM.attention_options`
 (biases, q/k norm, sliding window, attention scale: per layer) and
 :meth:`LlamaForCausalLM.model_options` (embedding, residual and logits scales, the norm: per
-model); the MLP's gated activation follows the config's ``hidden_act``.
+model; the MLP of each layer, a mixture of experts for Mixtral and Qwen3-MoE); the MLP's gated
+activation follows the config's ``hidden_act``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
@@ -72,12 +73,15 @@ class ModelOptions:
             residual stream (Granite).
         logits_scaling: the logits are divided by it, in the model dtype (Granite).
         norm: the RMSNorm class of every norm (Gemma's ``1 + weight`` one).
+        mlp: builds layer ``layer_idx``'s MLP, ``mlp(config, layer_idx, kernel_backend)``
+            (a mixture of experts for Mixtral and Qwen3-MoE); None for :class:`LlamaMLP`.
     """
 
     embedding_multiplier: float = 1.0
     residual_multiplier: float = 1.0
     logits_scaling: float = 1.0
     norm: type[RMSNorm] = RMSNorm
+    mlp: Callable[[PretrainedConfig, int, str], nn.Module] | None = None
 
 
 def config_sliding_window(config: PretrainedConfig, layer_idx: int) -> int | None:
@@ -202,7 +206,8 @@ class LlamaDecoderLayer(nn.Module):
         backend: the attention backend shared by all layers.
         rotary_emb: the rotary embedding shared by all layers; its ``kernel_backend`` is this
             layer's norms' and activation's too.
-        model_options: the norm class and the residual multiplier.
+        model_options: the norm class, the residual multiplier and the MLP builder.
+        layer_idx: this layer's index (the MLP may differ per layer).
     """
 
     def __init__(
@@ -212,11 +217,15 @@ class LlamaDecoderLayer(nn.Module):
         backend: AttentionBackend,
         rotary_emb: RotaryEmbedding,
         model_options: ModelOptions,
+        layer_idx: int = 0,
     ) -> None:
         super().__init__()
         kernel_backend = rotary_emb.kernel_backend
         self.self_attn = LlamaAttention(config, options, backend, rotary_emb)
-        self.mlp = LlamaMLP(config, kernel_backend)
+        if model_options.mlp is None:
+            self.mlp = LlamaMLP(config, kernel_backend)
+        else:
+            self.mlp = model_options.mlp(config, layer_idx, kernel_backend)
         norm = model_options.norm
         self.input_layernorm = norm(config.hidden_size, config.rms_norm_eps, kernel_backend)
         self.post_attention_layernorm = norm(
@@ -288,8 +297,8 @@ class LlamaModel(nn.Module):
             config, head_dim_of(config), kernel_backend, max_model_len
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_options, backend, self.rotary_emb, model_options)
-            for layer_options in options
+            LlamaDecoderLayer(config, layer_options, backend, self.rotary_emb, model_options, i)
+            for i, layer_options in enumerate(options)
         )
         self.norm = model_options.norm(config.hidden_size, config.rms_norm_eps, kernel_backend)
 

@@ -4,7 +4,7 @@ Every forward goes through the paged KV cache with random, non-contiguous block 
 of several sequences in one batch, batched decode, chunked prefill mixed with decode. Logits
 must match transformers' to float32 rounding, and greedy decoding must pick the same tokens as
 transformers' ``generate`` (on the real default model, and through the whole engine on tiny
-Granite, Phi-3 and Gemma models).
+Granite, Phi-3, Gemma, Mixtral and Qwen3-MoE models).
 """
 
 from __future__ import annotations
@@ -143,6 +143,14 @@ PHI3_LONGROPE = {
     },
 }
 
+MIXTRAL = {"num_local_experts": 4, "num_experts_per_tok": 2}
+QWEN3_MOE = {
+    "num_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": False,
+}
+
 CASES = {
     "llama": ("llama", {}),
     "llama-untied-bias": (
@@ -205,6 +213,11 @@ CASES = {
     "gemma": ("gemma", {}),
     # Gemma-7B's shape: more query features (heads x head_dim) than hidden_size.
     "gemma-wide-heads": ("gemma", {"head_dim": 32, "num_key_value_heads": 4}),
+    # Mixture of experts: 4 experts, top 2 (tests/engine/test_moe.py has the rest).
+    "mixtral": ("mixtral", MIXTRAL),
+    # A dense layer after a sparse one, top-k weights renormalised.
+    "qwen3-moe": ("qwen3_moe", {**QWEN3_MOE, "mlp_only_layers": [1], "norm_topk_prob": True}),
+    "qwen3-moe-unnormalised": ("qwen3_moe", QWEN3_MOE),
 }
 
 
@@ -247,7 +260,15 @@ def test_prefill_decode_and_chunked_prefill_match_transformers(tiny_model_dir, c
 
 
 @pytest.mark.parametrize(
-    "case", ["granite-untied-bias", "phi3-sliding-window", "phi3-longrope", "gemma-wide-heads"]
+    "case",
+    [
+        "granite-untied-bias",
+        "phi3-sliding-window",
+        "phi3-longrope",
+        "gemma-wide-heads",
+        "mixtral",
+        "qwen3-moe",
+    ],
 )
 def test_greedy_generation_matches_transformers_generate(tiny_model_dir, case):
     """The whole engine (scheduler, paged cache, sampler) on the families beyond Llama/Qwen."""

@@ -42,8 +42,9 @@ def model_shape(model_dir: pathlib.Path) -> ModelShape:
     return ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
 
 
-def make_llm(model_dir: pathlib.Path, tp: int, num_blocks: int) -> LLM:
-    """An engine over ``tp`` ranks with exactly ``num_blocks`` KV blocks on each rank."""
+def make_llm(model_dir: pathlib.Path, tp: int, num_blocks: int, **engine_args) -> LLM:
+    """An engine over ``tp`` ranks with exactly ``num_blocks`` KV blocks on each rank; other
+    ``EngineArgs`` from ``engine_args``."""
     bytes_per_token = model_shape(model_dir).kv_bytes_per_token(4, tp)
     return LLM(
         str(model_dir),
@@ -53,6 +54,7 @@ def make_llm(model_dir: pathlib.Path, tp: int, num_blocks: int) -> LLM:
         block_size=BLOCK_SIZE,
         kv_cache_memory=num_blocks * BLOCK_SIZE * bytes_per_token,
         enable_prefix_caching=False,
+        **engine_args,
     )
 
 

@@ -3,12 +3,6 @@ and the slot segmentation they share."""
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
-
 import pytest
 import torch
 
@@ -16,12 +10,11 @@ from kvpilot.kernels import lora_reference
 from kvpilot.kernels.lora_expand import lora_expand
 from kvpilot.kernels.lora_segments import lora_segments
 from kvpilot.kernels.lora_shrink import lora_shrink
+from tests.kernels.compile_check import assert_compiled_cleanly, compiled_launches
 
 pytestmark = pytest.mark.kernel
 
 NUM_SLOTS = 3
-# Largest shared memory one block may use (bytes): H100 (sm_90), A100 (sm_80).
-SHARED_LIMITS = {90: 232448, 80: 166912}
 
 
 def _case(num_tokens: int, in_features: int, rank: int, out_features: int, dtype, seed: int = 0):
@@ -179,16 +172,7 @@ def test_model_with_kernels_matches_torch_path(tiny_llama_dir, tmp_path) -> None
 def test_launches_compile_for_gpus(capability: int) -> None:
     """The interpreter never compiles: this catches tl.dot shapes, shared memory overruns and
     register spills of the real launch configurations, without a GPU."""
-    script = pathlib.Path(__file__).with_name("lora_gpu_compile.py")
-    done = subprocess.run(
-        [sys.executable, str(script), str(capability)],
-        env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True,
-        timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    results = [json.loads(line) for line in done.stdout.splitlines()]
+    results = compiled_launches("lora_gpu_compile.py", capability)
     assert {r["kernel"] for r in results} == {"_lora_shrink_kernel", "_lora_expand_kernel"}
     assert len(results) == 8
-    assert [r for r in results if not r["ok"]] == []
-    assert [r for r in results if r["shared_bytes"] > SHARED_LIMITS[capability]] == []
-    assert [r for r in results if r["spill_bytes"] or r["registers"] <= 0] == []
+    assert_compiled_cleanly(results, capability)

@@ -299,16 +299,10 @@ def test_derived_max_model_len_follows_rope_scaling(rope, derived):
     assert ModelShape.from_hf_config(config).derived_max_model_len == derived
 
 
-# Registered by the engine side of issue 20 (engine/models/mixtral.py, qwen3_moe.py), built in
-# parallel with this planner; until both are merged the registry may lack exactly these.
-_MOE_ARCHITECTURES_IN_FLIGHT = {"MixtralForCausalLM", "Qwen3MoeForCausalLM"}
-
-
 def test_supported_architectures_are_the_engines():
     from kvpilot.engine.models import MODEL_REGISTRY
 
-    assert set(MODEL_REGISTRY) <= SUPPORTED_ARCHITECTURES
-    assert SUPPORTED_ARCHITECTURES - set(MODEL_REGISTRY) <= _MOE_ARCHITECTURES_IN_FLIGHT
+    assert set(MODEL_REGISTRY) == SUPPORTED_ARCHITECTURES
 
 
 def test_engine_support():
