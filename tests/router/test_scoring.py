@@ -7,7 +7,7 @@ import pytest
 
 from kvpilot.router.consistent_hash import HashRing
 from kvpilot.router.prefix_index import EventIndex, PrefixIndex
-from kvpilot.router.scoring import Candidate, choose_replica, load_bound
+from kvpilot.router.scoring import Candidate, Weights, choose_replica, load_bound
 
 
 def test_load_bound_is_the_rounded_up_factor_of_the_mean_with_the_new_request() -> None:
@@ -32,7 +32,10 @@ def test_a_full_match_keeps_its_replica_up_to_the_bound_and_never_beyond() -> No
     # 3 in flight on a, 0 on b: bound = ceil(1.25 * 4 / 2) = 3, so a is full.
     over = choose_replica([Candidate("a", 3, 100), Candidate("b", 0, 0)], prompt_tokens=100)
     assert (over.replica, over.reason, over.bound) == ("b", "load", 3)
-    assert "a in_flight=3 matched=100 ring=0 over bound" in over.explanation
+    assert (
+        "a in_flight=3 running=0 waiting=0 kv=0.00 matched=100 ring=0 over bound"
+        in over.explanation
+    )
     # 2 on a, 0 on b: bound 2 -> a at 1.0 - 2/2 = 0 would tie b's 0; it is full anyway.
     assert choose_replica([Candidate("a", 2, 100), Candidate("b", 0, 0)], 100).replica == "b"
     # 2 on a, 1 on b: bound ceil(1.25 * 4 / 2) = 3: a scores 1 - 2/3 > b's -1/3.
@@ -61,7 +64,7 @@ def test_ties_go_to_fewer_in_flight_then_the_ring_then_the_name() -> None:
     assert choose_replica(tied, 50).replica == "b"
     # Equal scores with zero load weight: fewer in flight first.
     busy = [Candidate("a", 1, 0, ring_rank=0), Candidate("b", 0, 0, ring_rank=1)]
-    assert choose_replica(busy, 50, load_weight=0).replica == "b"
+    assert choose_replica(busy, 50, weights=Weights(load=0)).replica == "b"
     same = [Candidate("b", 0, 0), Candidate("a", 0, 0)]
     assert choose_replica(same, 50).replica == "a"
 
