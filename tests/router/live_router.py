@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator, Sequence
 
 import uvicorn
 
@@ -41,3 +43,16 @@ class RouterThread:
 
     def metric(self, name: str, **labels: str) -> float:
         return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+@contextlib.contextmanager
+def live_replicas(*flag_sets: Sequence[str]) -> Iterator[list[LiveServer]]:
+    """One ``kvpilot serve`` per flag set, started together, ready, stopped on exit."""
+    servers = [LiveServer(*flags) for flags in flag_sets]
+    try:
+        for server in servers:
+            server.wait_ready()
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()

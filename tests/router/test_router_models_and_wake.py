@@ -25,7 +25,7 @@ from kvpilot.router.config import RouterConfig
 from kvpilot.router.replicas import Replica
 from kvpilot.router.scoring import Candidate, choose_replica
 from kvpilot.router.wake import LocalWakeStandIn
-from tests.router.live_router import RouterThread
+from tests.router.live_router import RouterThread, live_replicas
 from tests.server.conftest import API_KEY, LiveServer
 
 GREEDY = {"temperature": 0, "max_tokens": 6}
@@ -52,17 +52,9 @@ def adapter_dir(tiny_model_dir, tmp_path_factory) -> pathlib.Path:
 def replicas(tiny_model_dir, adapter_dir):
     model = str(tiny_model_dir("llama"))
     lora = ("--enable-lora", "--lora-modules", f"sql={adapter_dir}")
-    servers = [
-        LiveServer(model, "--served-model-name", "tiny", *FLAGS, *lora),
-        LiveServer(model, "--served-model-name", "tiny", *FLAGS),
-    ]
-    try:
-        for server in servers:
-            server.wait_ready()
+    tiny = (model, "--served-model-name", "tiny", *FLAGS)
+    with live_replicas((*tiny, *lora), tiny) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.fixture(scope="module")

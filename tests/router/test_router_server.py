@@ -19,7 +19,7 @@ from kvpilot.engine.kv_cache_manager import extend_block_hashes
 from kvpilot.engine.model_loader import load_tokenizer
 from kvpilot.engine.tokenization import encode_text
 from kvpilot.router.config import RouterConfig
-from tests.router.live_router import RouterThread
+from tests.router.live_router import RouterThread, live_replicas
 from tests.server.conftest import API_KEY, LiveServer, free_port
 
 MODEL = "tiny"
@@ -29,15 +29,10 @@ LONG_PREFIX = "Once upon a time, in a cluster far away, a router kept every pref
 
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir):
-    flags = ("--served-model-name", MODEL, "--max-model-len", "512", "--max-num-seqs", "4")
-    servers = [LiveServer(str(tiny_model_dir("llama")), *flags) for _ in range(2)]
-    try:
-        for server in servers:
-            server.wait_ready()
+    flags = (str(tiny_model_dir("llama")), "--served-model-name", MODEL)
+    flags += ("--max-model-len", "512", "--max-num-seqs", "4")
+    with live_replicas(flags, flags) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -145,3 +145,29 @@ def test_the_event_index_holds_a_sent_chain_for_two_polls() -> None:
     assert index.match([b"1", b"2"]) == 2  # a poll may come before the engine stores them
     index.apply(answer(0))
     assert index.match([b"1", b"2"]) == 0  # never stored (evicted, or failed): forgotten
+
+
+def test_the_engines_own_load_counts_toward_the_bound_and_the_score() -> None:
+    # a holds the whole prompt but its engine runs 3 requests (other clients'): load 3, b's 0,
+    # bound ceil(1.25 * 4 / 2) = 3: a is full although this router sent it nothing.
+    hot = Candidate("a", 0, 100, num_requests_running=3)
+    decision = choose_replica([hot, Candidate("b", 0, 0)], 100)
+    assert (decision.replica, decision.reason, decision.bound) == ("b", "load", 3)
+    # The router's own count wins when the engine's is older than its sends.
+    assert Candidate("a", 4, num_requests_running=1).load == 4
+    # Equal load and match: waiting requests and a full KV cache push a replica down.
+    waiting = Candidate("a", 1, 50, num_requests_waiting=1)  # load max(1, 1) = 1
+    kv_full = Candidate("b", 1, 50, ring_rank=1, kv_cache_usage_perc=1.0)
+    calm = Candidate("c", 1, 50, ring_rank=2)
+    decision = choose_replica([waiting, kv_full, calm], 100, load_factor=2)
+    assert decision.replica == "c"
+    terms = {t.candidate.name: t for t in decision.terms}
+    assert terms["a"].waiting == pytest.approx(1 / decision.bound)
+    assert terms["b"].kv == pytest.approx(0.25) and terms["c"].kv == 0
+    assert terms["c"].score == pytest.approx(0.5 - 1 / decision.bound)
+
+
+def test_weights_must_not_be_negative() -> None:
+    assert Weights().kv == 0.25
+    with pytest.raises(ValueError, match="the waiting weight must be >= 0"):
+        Weights(waiting=-1)
