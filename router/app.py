@@ -116,6 +116,7 @@ class Router:
         self._next_round_robin = 0
         self._held: dict[str, int] = {}  # model -> requests held for it
         self._poll_soon = asyncio.Event()
+        self._published: set[str] = set()  # replicas with a replica_up series
 
     async def start(self) -> None:
         """Open the client session, load the tokenizer, poll the replicas once."""
@@ -136,8 +137,12 @@ class Router:
             self.tokenizer.shutdown()
 
     async def refresh(self) -> None:
-        """Poll every replica once and publish which are up."""
+        """Poll every replica once and publish which are up (replicas that left the set lose
+        their ``replica_up`` series)."""
         await self.replicas.refresh(self.session)
+        for url in self._published - self.replicas.replicas.keys():
+            self.metrics.replica_up.remove(url)
+        self._published = set(self.replicas.replicas)
         for replica in self.replicas.all():
             self.metrics.replica_up.labels(replica.url).set(int(replica.is_up()))
 

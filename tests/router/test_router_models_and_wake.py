@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import pathlib
+import socket
 
 import httpx
 import openai
@@ -245,5 +246,34 @@ def test_a_model_that_does_not_wake_in_time_is_a_503_with_retry_after(replicas) 
         unknown = httpx.post(url, json={**body, "model": "other"}, headers=HEADERS, timeout=30)
         assert unknown.status_code == 404  # not the hook's: no hold
         assert hook.requested == ["asleep"]
+    finally:
+        router.stop()
+
+
+def test_a_client_that_leaves_while_held_is_let_go(replicas) -> None:
+    config = RouterConfig(endpoints=[replicas[1].url], wake_timeout_s=300, api_key=API_KEY)
+    router = RouterThread(config, wake=LocalWakeStandIn(["asleep"]))
+    try:
+
+        def held() -> float:
+            return router.metric("kvpilot:router_held_requests", model="asleep")
+
+        body = b'{"model": "asleep", "prompt": "Hi"}'
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        head += f"Content-Length: {len(body)}\r\n\r\n"
+        port = int(router.url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=60) as client:
+            client.sendall(head.encode() + body)
+            replicas[1].wait_for(lambda: held() == 1)
+        # The client closed its connection: the router stops holding it.
+        replicas[1].wait_for(lambda: held() == 0)
+        replicas[1].wait_for(
+            lambda: (
+                router.metric(
+                    "kvpilot:router_requests_total", model="asleep", replica="", status="499"
+                )
+                == 1
+            )
+        )
     finally:
         router.stop()
