@@ -239,7 +239,8 @@ class Router:
             if decision is None:
                 self.metrics.errors.labels(label, "", "no_replica").inc()
                 return self._unavailable(label, "no replica could be reached")
-            logger.debug("route %s model=%s: %s", path, model, decision.explanation)
+            if logger.isEnabledFor(logging.DEBUG):  # the explanation is built only if logged
+                logger.debug("route %s model=%s: %s", path, model, decision.explanation)
             replica = self.replicas.replicas[decision.replica]
             if not tried:
                 self.metrics.added_latency.observe(time.perf_counter() - arrival)
