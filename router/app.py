@@ -387,8 +387,9 @@ class Router:
         )
 
     async def _request_wake(self, model: str) -> None:
+        """Call the wake hook (bounded by ``wake_timeout_s``); count and log its failures."""
         try:
-            await self.wake.request_wake(model)
+            await asyncio.wait_for(self.wake.request_wake(model), self.config.wake_timeout_s)
         except Exception as exc:  # any hook failure: hold on; another router may wake it
             logger.warning("the wake hook failed for %s: %r", model, exc)
             self.metrics.wake_requests.labels(model, "error").inc()

@@ -229,7 +229,11 @@ def test_a_model_at_zero_is_woken_and_its_requests_held_until_ready(
 
 
 def test_a_model_that_does_not_wake_in_time_is_a_503_with_retry_after(replicas) -> None:
-    hook = LocalWakeStandIn(["asleep"])  # records the wake, starts nothing
+    def on_wake(model: str) -> None:  # records the wake, starts nothing; "broken" fails
+        if model == "broken":
+            raise RuntimeError("the API server refused the patch")
+
+    hook = LocalWakeStandIn(["asleep", "broken"], on_wake)
     config = RouterConfig(endpoints=[replicas[1].url], wake_timeout_s=0.5, api_key=API_KEY)
     router = RouterThread(config, wake=hook)
     try:
@@ -246,6 +250,11 @@ def test_a_model_that_does_not_wake_in_time_is_a_503_with_retry_after(replicas) 
         unknown = httpx.post(url, json={**body, "model": "other"}, headers=HEADERS, timeout=30)
         assert unknown.status_code == 404  # not the hook's: no hold
         assert hook.requested == ["asleep"]
+        # A failing hook is counted, and the request is held to the timeout all the same.
+        broken = httpx.post(url, json={**body, "model": "broken"}, headers=HEADERS, timeout=30)
+        assert broken.status_code == 503 and hook.requested == ["asleep", "broken"]
+        outcome = {"model": "broken", "outcome": "error"}
+        assert router.metric("kvpilot:router_wake_requests_total", **outcome) == 1
     finally:
         router.stop()
 
