@@ -8,7 +8,9 @@ policy with ``--tokenizer`` (every prompt tokenized and hashed, as in production
 1. Added latency: ``--requests`` requests at ``--rate`` per second (fixed gaps, open loop),
    first straight to a backend, then through the router; reported: latency p50/p99 of each and
    their difference (the added latency), and the router's own
-   ``kvpilot:router_added_latency_seconds`` (arrival to forwarding) p50/p99 from its buckets.
+   ``kvpilot:router_added_latency_seconds`` (arrival to forwarding) p50/p99 from its buckets,
+   and the router process's CPU time per request (user + system, from ``/proc``: what a
+   loaded machine does not distort).
 2. Highest sustained rate: ``--step-seconds`` at each rate of ``--rates`` (open loop) through
    the router; a rate is sustained when at least 95% of the offered requests completed within
    the step and their p99 latency stayed under ``--max-p99-ms``.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import shlex
 import sys
 import time
@@ -103,6 +106,13 @@ def histogram_quantile(buckets: list[tuple[float, float]], q: float) -> float:
     return lower_bound
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far (Linux ``/proc/PID/stat``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def percentiles_ms(latencies: list[float]) -> tuple[float, float]:
     values = np.array(latencies or [0.0]) * 1000
     return float(np.percentile(values, 50)), float(np.percentile(values, 99))
@@ -146,9 +156,11 @@ def main() -> int:
         direct, direct_failed = asyncio.run(
             open_loop(backends[0].url, body, args.rate, args.requests, desc="direct")
         )
+        cpu_before = cpu_seconds(router.process.pid)
         routed, routed_failed = asyncio.run(
             open_loop(router.url, body, args.rate, args.requests, desc="router")
         )
+        cpu_per_request_ms = 1000 * (cpu_seconds(router.process.pid) - cpu_before) / args.requests
         after = aiohttp_get_text(f"{router.url}/metrics")
         d50, d99 = percentiles_ms(direct)
         r50, r99 = percentiles_ms(routed)
@@ -166,6 +178,7 @@ def main() -> int:
             f"| router's own histogram (arrival to forwarding; bucket-interpolated) "
             f"| {own[0]:.2f} | {own[1]:.2f} | |"
         )
+        print(f"\nrouter CPU per request: {cpu_per_request_ms:.2f} ms (user + system)")
         print(f"\nsustained rate, {args.step_seconds:g} s per step:")
         print("| offered (requests/s) | completed in the step | p50 (ms) | p99 (ms) | sustained |")
         print("| --- | --- | --- | --- | --- |")
