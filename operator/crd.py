@@ -452,7 +452,7 @@ ROUTER = obj(
             "How long the router holds a request for this deployment at zero replicas while it "
             "wakes, then answers 503 with Retry-After (absent = 300): at least the model's "
             "start time.",
-            minimum=0,
+            minimum=1,
             maximum=3600,
         ),
     },

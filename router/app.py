@@ -1,28 +1,37 @@
 """The router's HTTP front: OpenAI's routes, each request routed to one replica and relayed.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions``: the body's ``model`` selects the
-replicas that serve it (an unknown one is a 404 in OpenAI's error body, as the engine's); the
-prompt is tokenized and hashed (``prompt_hashes``), each replica scored (``scoring``), and the
-request relayed (``proxy``). When the connection fails before the first byte the request goes to
-the next best replica (each replica tried once); after a byte it never does. Every answer of a
-replica, 4xx and 5xx included, comes back as the replica wrote it. A body the router cannot read
-(not JSON, no ``model``) is still forwarded, to the least loaded replica, so that the engine
-answers it with its own 400.
+replicas that serve it (served model names and LoRA adapter names, as each replica lists them in
+``/v1/models``). A model no replica serves is held while the wake hook (``wake.py``) wakes it, or
+a 404 in OpenAI's error body when the hook cannot. The prompt is tokenized on the tokenizer's
+thread and hashed (``prompt_hashes``), unless it is longer than the replicas' context allows
+(``tokenization.max_prompt_chars`` of their ``max_model_len``: the engine will refuse it; the
+router refuses nothing and pays nothing for it, and routes it by consistent hashing); each
+replica is scored (``scoring``) and the request relayed (``proxy``). When the connection fails
+before the first byte the request goes to the next best replica (each replica tried once); after
+a byte it never does. Every answer of a replica, 4xx and 5xx included, comes back as the replica
+wrote it. A body the router cannot read (not JSON, no ``model``) is still forwarded, to the
+least loaded replica, so that the engine answers it with its own 400.
 
-``GET /v1/models``: the union of the replicas' lists, asked with the client's own credentials
-(a replica's refusal, e.g. a 401, comes back unchanged when none accepts). ``GET /health``: 200
-while some replica is up and has reported its models. ``GET /metrics``: the router's metrics.
+``POST /debug/route``: the same body as a completions or chat request (chat when it has
+``messages``); answers the decision the router would take now, with every replica's score terms,
+and forwards nothing. ``GET /v1/models``: the union of the replicas' lists, asked with the
+client's own credentials (a replica's refusal, e.g. a 401, comes back unchanged when none
+accepts). ``GET /health``: 200 while some replica is up and has reported its models. ``GET
+/metrics``: the router's metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -32,24 +41,54 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from kvpilot.engine.server.errors import error_response
+from kvpilot.engine.tokenization import max_prompt_chars
 from kvpilot.router import proxy
 from kvpilot.router.config import RouterConfig
-from kvpilot.router.consistent_hash import HashRing
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.prompt_hashes import (
+    CHAT_PATH,
     model_root_hash,
     prefix_key,
     prompt_block_hashes,
+    prompt_chars,
     prompt_token_ids,
 )
 from kvpilot.router.replicas import Replica, ReplicaSet
-from kvpilot.router.scoring import Candidate, choose_replica
+from kvpilot.router.scoring import Candidate, Decision, choose_replica
+from kvpilot.router.wake import NoWake, WakeHook
 
 logger = logging.getLogger("kvpilot.router")
 
-ROUTED_PATHS = ("/v1/completions", "/v1/chat/completions")
-WAKE_POLL_S = 0.2
-"""How often a held request looks for a replica (and renews its wake request)."""
+ROUTED_PATHS = ("/v1/completions", CHAT_PATH)
+FALLBACK_MAX_MODEL_LEN = 32768
+"""The context (tokens) that bounds what the router tokenizes while no replica serving the
+model has reported its ``max_model_len`` (e.g. its ``/v1/models`` refused the router's key)."""
+WAKE_RETRY_AFTER_S = 10
+"""``Retry-After`` (seconds) of the 503 for a request held past ``--wake-timeout``."""
+
+
+@dataclass
+class Plan:
+    """What the router knows of one request before choosing a replica.
+
+    Attributes:
+        path: the routed path.
+        body: the body as a JSON object (``{}`` when it is none).
+        model: the body's ``model`` when it is a string.
+        token_ids: the prompt's token ids, or None (see ``untokenized``).
+        untokenized: why there are no token ids: ``no tokenizer``, ``policy``, ``too long``,
+            ``not a prompt``; None when there are.
+        key: the consistent-hash key (``prompt_hashes.prefix_key``).
+        chains: the prompt's block hashes by (block size, root hash, adapter), as computed.
+    """
+
+    path: str
+    body: dict[str, Any]
+    model: str | None
+    token_ids: list[int] | None
+    untokenized: str | None
+    key: bytes
+    chains: dict[tuple, list[bytes]] | None = None
 
 
 class Router:
@@ -58,26 +97,32 @@ class Router:
     Args:
         config: the settings.
         registry: where the router's metrics live.
+        wake: what wakes a model no ready replica serves (``wake.py``); default ``NoWake``.
 
     Raises:
-        ValueError: no endpoint, one given twice, or ``load_factor`` < 1.
+        ValueError: a replica URL given twice.
     """
 
-    def __init__(self, config: RouterConfig, registry: CollectorRegistry) -> None:
+    def __init__(
+        self, config: RouterConfig, registry: CollectorRegistry, wake: WakeHook | None = None
+    ) -> None:
         self.config = config
-        self.replicas = ReplicaSet(
-            config.endpoints, config.down_s, config.api_key, allow_empty=config.kubernetes
-        )
-        self.ring = HashRing(config.endpoints) if config.endpoints else None
+        self.replicas = ReplicaSet(config.endpoints, config.down_s, config.api_key)
         self.metrics = RouterMetrics(registry)
+        self.wake: WakeHook = NoWake() if wake is None else wake
         self.discovery = None  # a KubernetesDiscovery once started, with --kubernetes
         self.session: aiohttp.ClientSession | None = None
         self.tokenizer = None  # an AsyncTokenizer once started, with --tokenizer
+        self._max_chars: dict[int, int] = {}  # max_model_len -> tokenization.max_prompt_chars
+        self._next_round_robin = 0
+        self._held: dict[str, int] = {}  # model -> requests held for it
+        self._poll_soon = asyncio.Event()
+        self._published: set[str] = set()  # replicas with a replica_up series
 
     async def start(self) -> None:
         """Open the client session, load the tokenizer, poll the replicas once."""
         self.session = proxy.make_session(self.config.connect_timeout_s)
-        if self.config.tokenizer is not None:
+        if self.config.tokenizer is not None and self.config.routing_policy == "kvpilot":
             from kvpilot.engine.model_loader import load_tokenizer
             from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 
@@ -101,27 +146,15 @@ class Router:
             self.discovery = KubernetesDiscovery(
                 self.config.namespace, self.config.llmdeployments, self.set_replicas
             )
+            if isinstance(self.wake, NoWake):
+                self.wake = self.discovery  # it wakes LLMDeployments at zero replicas
         await self.refresh()
 
     async def set_replicas(self, models_by_url: dict[str, set[str]]) -> None:
         """Route to exactly these replicas from now on (discovery's callback), then poll them."""
         self.replicas.replace(models_by_url)
-        self.ring = HashRing(list(models_by_url)) if models_by_url else None
         logger.info("replicas: %s", sorted(models_by_url) or "none")
         await self.refresh()
-
-    async def hold_until_served(self, model: str) -> bool:
-        """Wake the deployments serving ``model`` (``--kubernetes``) and wait until a replica
-        serves it, at most ``wake_timeout_s`` seconds; False when none came."""
-        if self.discovery is None or model not in self.discovery.models():
-            return False
-        deadline = time.monotonic() + self.config.wake_timeout_s
-        while model not in self.replicas.known_models():
-            if time.monotonic() >= deadline:
-                return False
-            await self.discovery.request_wake(model)
-            await asyncio.sleep(WAKE_POLL_S)
-        return True
 
     async def stop(self) -> None:
         """Close the client session and the tokenizer thread."""
@@ -131,16 +164,83 @@ class Router:
             self.tokenizer.shutdown()
 
     async def refresh(self) -> None:
-        """Poll every replica once and publish which are up."""
+        """Poll every replica once and publish which are up (replicas that left the set lose
+        their ``replica_up`` series)."""
         await self.replicas.refresh(self.session)
+        for url in self._published - self.replicas.replicas.keys():
+            self.metrics.replica_up.remove(url)
+        self._published = set(self.replicas.replicas)
         for replica in self.replicas.all():
             self.metrics.replica_up.labels(replica.url).set(int(replica.is_up()))
 
     async def refresh_forever(self) -> None:
-        """``refresh`` every ``refresh_s`` seconds (until cancelled)."""
+        """``refresh`` every ``refresh_s`` seconds, every ``wake_poll_s`` while requests are
+        held (until cancelled)."""
         while True:
-            await asyncio.sleep(self.config.refresh_s)
-            await self.refresh()
+            interval = self.config.wake_poll_s if self._held else self.config.refresh_s
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._poll_soon.wait(), interval)
+            self._poll_soon.clear()
+            try:
+                await self.refresh()
+            except Exception:  # a failed poll must not end polling for good
+                logger.exception("polling the replicas failed")
+
+    async def plan(self, path: str, body: dict[str, Any]) -> Plan:
+        """Read the model and the prompt's token ids (on the tokenizer's thread, and only when
+        the prompt can fit the replicas' context: ``tokenization.max_prompt_chars``)."""
+        model = body.get("model")
+        model = model if isinstance(model, str) else None
+        plan = Plan(path, body, model, None, None, prefix_key(body), {})
+        if self.config.routing_policy != "kvpilot":
+            plan.untokenized = "policy"
+        elif self.tokenizer is None:
+            plan.untokenized = "no tokenizer"
+        elif not body:
+            plan.untokenized = "not a prompt"
+        else:
+            max_chars = await self._max_prompt_chars(model)
+            if prompt_chars(path, body) > max_chars:
+                plan.untokenized = "too long"
+            else:
+                plan.token_ids = await self.tokenizer.call(prompt_token_ids, path, body, max_chars)
+                plan.untokenized = None if plan.token_ids is not None else "not a prompt"
+        return plan
+
+    def decide(self, plan: Plan, tried: set[str], advance: bool = True) -> Decision | None:
+        """The replica for ``plan`` among those that serve its model, are up and were not
+        tried (``scoring.choose_replica``; the next in turn for ``round-robin``); None when
+        there is none. ``advance``: move the round-robin turn on."""
+        replicas = [r for r in self.replicas.serving(plan.model) if r.url not in tried]
+        if not replicas:
+            return None
+        order = self.replicas.ring.order(plan.key)
+        candidates = [
+            Candidate(
+                r.url,
+                r.in_flight,
+                r.match(self._chain(plan, r)) * r.block_size,
+                order.index(r.url),
+                r.num_requests_running,
+                r.num_requests_waiting,
+                r.kv_cache_usage_perc,
+            )
+            for r in replicas
+        ]
+        decision = choose_replica(
+            candidates,
+            None if plan.token_ids is None else len(plan.token_ids),
+            self.config.load_factor,
+            self.config.weights,
+        )
+        if self.config.routing_policy == "round-robin":
+            turn = self._next_round_robin % len(candidates)
+            self._next_round_robin += int(advance)
+            pick = candidates[turn]
+            decision = dataclasses.replace(
+                decision, replica=pick.name, reason="round_robin", matched_tokens=0
+            )
+        return decision
 
     async def route(self, raw: Request, path: str) -> Response:
         """Answer one ``POST`` of a routed path (see the module docstring)."""
@@ -149,75 +249,32 @@ class Router:
         body = _json_object(payload)
         model = body.get("model")
         model = model if isinstance(model, str) else None
-        if (
-            model is not None
-            and model not in self.replicas.known_models()
-            and not await self.hold_until_served(model)
-        ):
-            served = self.discovery.models() if self.discovery is not None else set()
-            if model in served:
-                self.metrics.errors.labels(model, "", "wake_timeout").inc()
-                return self._unavailable(model, f"no replica of `{model}` became ready in time")
-            kind = "unknown_model" if self.replicas.known_models() | served else "no_replica"
-            self.metrics.errors.labels(model, "", kind).inc()
-            if kind == "no_replica":
-                return self._unavailable(model, "no replica has reported its models yet")
-            self.metrics.requests.labels(model, "", "404").inc()
-            return error_response(
-                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model"
-            )
-        token_ids = None
-        if self.tokenizer is not None and body:
-            token_ids = await self.tokenizer.call(prompt_token_ids, path, body)
-        order = self.ring.order(prefix_key(body)) if self.ring is not None else []
-        hashes: dict[tuple, list[bytes]] = {}  # (block size, root, adapter) -> the chain
-
-        def chain(replica: Replica) -> list[bytes]:
-            if token_ids is None:
-                return []
-            # The engine's root where it publishes it (then its real hashes match), else the
-            # router's own. An adapter's digest is the engine's secret: its chains are keyed on
-            # its name, which matches the router's own sends only, never another model's.
-            root = replica.root_hash or model_root_hash(model or "")
-            lora = (model, None) if replica.root_hash and model in replica.adapters else None
-            key = (replica.block_size, root, lora)
-            if key not in hashes:
-                hashes[key] = prompt_block_hashes(
-                    token_ids, replica.block_size, root, body.get("cache_salt"), lora
-                )
-            return hashes[key]
-
-        tried: set[str] = set()
         label = model or ""
+        if model is not None and not self.replicas.ready(model):
+            if self.wake.can_wake(model):
+                held_since = time.perf_counter()
+                refusal = await self._hold(raw, model)
+                if refusal is not None:
+                    return refusal
+                arrival += time.perf_counter() - held_since
+            elif model not in self.replicas.known_models():
+                return self._no_such_model(model)
+        plan = await self.plan(path, body)
+        tried: set[str] = set()
         while True:
-            replicas = [r for r in self.replicas.serving(model) if r.url not in tried]
-            if not replicas:
+            decision = self.decide(plan, tried)
+            if decision is None:
                 self.metrics.errors.labels(label, "", "no_replica").inc()
                 return self._unavailable(label, "no replica could be reached")
-            candidates = [
-                Candidate(
-                    r.url,
-                    r.in_flight,
-                    r.match(chain(r)) * r.block_size,
-                    order.index(r.url),
-                )
-                for r in replicas
-            ]
-            decision = choose_replica(
-                candidates,
-                None if token_ids is None else len(token_ids),
-                self.config.load_factor,
-                self.config.prefix_weight,
-                self.config.load_weight,
-            )
-            logger.debug("route %s model=%s: %s", path, model, decision.explanation)
+            if logger.isEnabledFor(logging.DEBUG):  # the explanation is built only if logged
+                logger.debug("route %s model=%s: %s", path, model, decision.explanation)
             replica = self.replicas.replicas[decision.replica]
             if not tried:
                 self.metrics.added_latency.observe(time.perf_counter() - arrival)
-            self._count_decision(replica, decision.reason, token_ids, decision.matched_tokens)
+            self._count_decision(replica, decision.reason, plan.token_ids, decision.matched_tokens)
             replica.in_flight += 1
             self.metrics.in_flight.labels(replica.url).inc()
-            replica.record_sent(chain(replica))
+            replica.record_sent(self._chain(plan, replica))
             try:
                 upstream = await self._open_or_disconnect(raw, replica, path, payload)
             except proxy.UpstreamUnreachable as exc:
@@ -234,6 +291,33 @@ class Router:
                 return Response(status_code=499)
             on_done = functools.partial(self._finish, replica, label, upstream.status)
             return proxy.UpstreamResponse(upstream, on_done)
+
+    async def debug_route(self, raw: Request) -> Response:
+        """``POST /debug/route``: the decision for a request body, forwarding nothing."""
+        body = _json_object(await raw.body())
+        path = CHAT_PATH if "messages" in body else ROUTED_PATHS[0]
+        plan = await self.plan(path, body)
+        model = plan.model
+        decision = self.decide(plan, set(), advance=False)
+        if model is not None and not self.replicas.ready(model) and self.wake.can_wake(model):
+            outcome = "hold"
+        elif model is not None and model not in self.replicas.known_models():
+            outcome = "unknown_model"
+        else:
+            outcome = "forward" if decision is not None else "no_replica"
+        return JSONResponse(
+            {
+                "path": path,
+                "model": model,
+                "policy": self.config.routing_policy,
+                "outcome": outcome,
+                "prompt_tokens": None if plan.token_ids is None else len(plan.token_ids),
+                "untokenized": plan.untokenized,
+                "load_factor": self.config.load_factor,
+                "weights": dataclasses.asdict(self.config.weights),
+                "decision": None if decision is None else _decision_json(decision),
+            }
+        )
 
     async def models(self, raw: Request) -> Response:
         """``GET /v1/models``: the union of the replicas' lists."""
@@ -259,6 +343,97 @@ class Router:
             for entry in listing.get("data", []):
                 seen.setdefault(entry.get("id"), entry)
         return JSONResponse({"object": "list", "data": list(seen.values())})
+
+    def _chain(self, plan: Plan, replica: Replica) -> list[bytes]:
+        """The prompt's block hashes as ``replica`` would compute them ([] untokenized)."""
+        if plan.token_ids is None:
+            return []
+        # The engine's root where it publishes it (then its real hashes match), else the
+        # router's own. An adapter's digest is the engine's secret: its chains are keyed on
+        # its name, which matches the router's own sends only, never another model's.
+        model = plan.model
+        root = replica.root_hash or model_root_hash(model or "")
+        lora = (model, None) if replica.root_hash and model in replica.adapters else None
+        key = (replica.block_size, root, lora)
+        if key not in plan.chains:
+            plan.chains[key] = prompt_block_hashes(
+                plan.token_ids, replica.block_size, root, plan.body.get("cache_salt"), lora
+            )
+        return plan.chains[key]
+
+    async def _max_prompt_chars(self, model: str | None) -> int:
+        """``tokenization.max_prompt_chars`` of the shortest context among the replicas
+        serving ``model`` (computed once per context length, on the tokenizer's thread)."""
+        max_model_len = self.replicas.max_model_len(model) or FALLBACK_MAX_MODEL_LEN
+        if max_model_len not in self._max_chars:
+            self._max_chars[max_model_len] = await self.tokenizer.call(
+                max_prompt_chars, max_model_len
+            )
+        return self._max_chars[max_model_len]
+
+    async def _hold(self, raw: Request, model: str) -> Response | None:
+        """Hold a request for ``model`` until a replica serving it is ready (None: forward
+        it now), asking the wake hook first when no other request for it is held; past
+        ``wake_timeout_s`` a 503 with ``Retry-After``; a client that leaves meanwhile, 499."""
+        first = not self._held.get(model)
+        self._held[model] = self._held.get(model, 0) + 1
+        self.metrics.held.labels(model).inc()
+        self._poll_soon.set()
+        watcher = asyncio.ensure_future(proxy.wait_for_disconnect(raw.receive))
+        deadline = time.monotonic() + self.config.wake_timeout_s
+        left = False
+        try:
+            if first:
+                await self._request_wake(model)
+            while not self.replicas.ready(model):
+                remaining = deadline - time.monotonic()
+                left = watcher.done()
+                if remaining <= 0 or left:
+                    break
+                changed = asyncio.ensure_future(self.replicas.wait_changed(remaining))
+                await asyncio.wait({watcher, changed}, return_when=asyncio.FIRST_COMPLETED)
+                changed.cancel()
+            else:
+                return None
+        finally:
+            watcher.cancel()
+            self._held[model] -= 1
+            if not self._held[model]:
+                del self._held[model]
+            self.metrics.held.labels(model).dec()
+        if left:
+            self.metrics.requests.labels(model, "", "499").inc()
+            return Response(status_code=499)
+        self.metrics.errors.labels(model, "", "wake_timeout").inc()
+        self.metrics.requests.labels(model, "", "503").inc()
+        return error_response(
+            HTTPStatus.SERVICE_UNAVAILABLE,
+            f"The model `{model}` has no ready replica: it was asked to wake and none became "
+            f"ready within {self.config.wake_timeout_s:g} s; retry later",
+            headers={"Retry-After": str(WAKE_RETRY_AFTER_S)},
+        )
+
+    async def _request_wake(self, model: str) -> None:
+        """Call the wake hook (bounded by ``wake_timeout_s``); count and log its failures."""
+        try:
+            await asyncio.wait_for(self.wake.request_wake(model), self.config.wake_timeout_s)
+        except Exception as exc:  # any hook failure: hold on; another router may wake it
+            logger.warning("the wake hook failed for %s: %r", model, exc)
+            self.metrics.wake_requests.labels(model, "error").inc()
+            self.metrics.errors.labels(model, "", "wake").inc()
+        else:
+            self.metrics.wake_requests.labels(model, "ok").inc()
+
+    def _no_such_model(self, model: str) -> Response:
+        """404 for a model no replica lists (503 while none has reported its models)."""
+        if not self.replicas.known_models():
+            self.metrics.errors.labels(model, "", "no_replica").inc()
+            return self._unavailable(model, "no replica has reported its models yet")
+        self.metrics.errors.labels(model, "", "unknown_model").inc()
+        self.metrics.requests.labels(model, "", "404").inc()
+        return error_response(
+            HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model"
+        )
 
     async def _open_or_disconnect(
         self, raw: Request, replica: Replica, path: str, payload: bytes
@@ -313,14 +488,42 @@ def _json_object(payload: bytes) -> dict[str, Any]:
     return body if isinstance(body, dict) else {}
 
 
-def create_app(config: RouterConfig, registry: CollectorRegistry | None = None) -> FastAPI:
+def _decision_json(decision: Decision) -> dict[str, Any]:
+    """A decision as ``/debug/route`` answers it."""
+    return {
+        "replica": decision.replica,
+        "reason": decision.reason,
+        "matched_tokens": decision.matched_tokens,
+        "bound": decision.bound,
+        "explanation": decision.explanation,
+        "candidates": [
+            {
+                **dataclasses.asdict(t.candidate),
+                "load": t.candidate.load,
+                "allowed": t.allowed,
+                "terms": {"prefix": t.prefix, "load": t.load, "waiting": t.waiting, "kv": t.kv},
+                "score": t.score,
+            }
+            for t in decision.terms
+        ],
+    }
+
+
+def create_app(
+    config: RouterConfig, registry: CollectorRegistry | None = None, wake: WakeHook | None = None
+) -> FastAPI:
     """The router's FastAPI app; its lifespan starts and stops the ``Router``.
+
+    Args:
+        config: the settings.
+        registry: where its metrics live (a new one by default).
+        wake: the wake hook (``wake.py``; default ``NoWake``).
 
     Raises:
         ValueError: from ``Router``.
     """
     registry = registry if registry is not None else CollectorRegistry()
-    router = Router(config, registry)
+    router = Router(config, registry, wake)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -347,6 +550,10 @@ def create_app(config: RouterConfig, registry: CollectorRegistry | None = None) 
     for path in ROUTED_PATHS:
         app.add_api_route(path, routed(path), methods=["POST"])
 
+    @app.post("/debug/route")
+    async def debug_route(raw: Request) -> Response:
+        return await router.debug_route(raw)
+
     @app.get("/v1/models")
     async def models(raw: Request) -> Response:
         return await router.models(raw)
@@ -354,7 +561,8 @@ def create_app(config: RouterConfig, registry: CollectorRegistry | None = None) 
     @app.get("/health")
     async def health() -> Response:
         replicas = {r.url: r.is_up() for r in router.replicas.all()}
-        ready = any(replicas.values()) and bool(router.replicas.known_models())
+        # With a wake hook the router serves even at zero replicas: it holds requests.
+        ready = bool(router.replicas.ready(None)) or not isinstance(router.wake, NoWake)
         return JSONResponse({"replicas": replicas}, status_code=200 if ready else 503)
 
     @app.get("/metrics")

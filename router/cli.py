@@ -28,6 +28,13 @@ _TUNING = {
         "built-in model) for prefix-aware routing; without it, consistent hashing on the "
         "prompt's first characters",
     ),
+    "--routing-policy": (
+        "routing_policy",
+        str,
+        "kvpilot (prefix affinity and load), consistent-hash (KubeAI's: consistent hashing with "
+        "bounded loads on the prompt's first characters) or round-robin; the last two for "
+        "comparison",
+    ),
     "--load-factor": (
         "load_factor",
         float,
@@ -36,6 +43,12 @@ _TUNING = {
     ),
     "--prefix-weight": ("prefix_weight", float, "score per fraction of the prompt cached"),
     "--load-weight": ("load_weight", float, "score taken off per fraction of the bound used"),
+    "--waiting-weight": (
+        "waiting_weight",
+        float,
+        "score taken off per fraction of the bound in the engine's waiting queue",
+    ),
+    "--kv-weight": ("kv_weight", float, "score taken off per unit of the engine's KV usage"),
     "--down-seconds": (
         "down_s",
         float,
@@ -44,15 +57,20 @@ _TUNING = {
     "--refresh-interval": (
         "refresh_s",
         float,
-        "seconds between polls of the replicas' /metrics and /v1/models",
+        "seconds between polls of the replicas' /metrics, /v1/models and /kv_events",
     ),
-    "--connect-timeout": ("connect_timeout_s", float, "seconds to connect to a replica"),
     "--wake-timeout": (
         "wake_timeout_s",
         float,
-        "with --kubernetes: seconds a request for a deployment at zero replicas is held while "
-        "it wakes, then a 503 with Retry-After",
+        "seconds a request for a model with no ready replica is held while it wakes, before "
+        "a 503 with Retry-After",
     ),
+    "--wake-poll-interval": (
+        "wake_poll_s",
+        float,
+        "seconds between polls of the replicas while requests are held",
+    ),
+    "--connect-timeout": ("connect_timeout_s", float, "seconds to connect to a replica"),
     "--api-key": (
         "api_key",
         str,
@@ -112,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
         SystemExit: invalid settings (no endpoint and no ``--kubernetes``, or both; one endpoint
             twice; ``--load-factor`` below 1; no cluster configuration with ``--kubernetes``).
     """
+    if not args.endpoints and not args.kubernetes:
+        raise SystemExit("kvpilot router: give --endpoint URL (once per replica) or --kubernetes")
     import uvicorn
 
     from kvpilot.router.app import create_app

@@ -153,6 +153,11 @@ class KubernetesDiscovery:
         with self._lock:
             return {m for llmd in self.llmds.values() for m in served_models(llmd)}
 
+    def can_wake(self, model: str) -> bool:
+        """Whether a watched LLMDeployment serves ``model`` (the router then holds a request
+        for it while no replica is ready, instead of answering 404)."""
+        return model in self.models()
+
     async def request_wake(self, model: str) -> None:
         """Record a wake request on every watched LLMDeployment serving ``model`` at 0 replicas
         (the wake hook; see the module docstring). A refused write is logged, not raised: the

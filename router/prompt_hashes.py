@@ -64,9 +64,38 @@ def prompt_block_hashes(
     )
 
 
-def prompt_token_ids(tokenizer: Any, path: str, body: Mapping[str, Any]) -> list[int] | None:
+def prompt_chars(path: str, body: Mapping[str, Any]) -> int:
+    """A lower bound on the characters the engine will tokenize for a request body, in time
+    linear in the number of messages (never in their length): the completions prompt's (its
+    first, for a batch), or the sum of the chat messages' text contents. A token-id prompt
+    counts its ids. 0 when there is no prompt the router can read."""
+    if path == CHAT_PATH:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            return 0
+        return sum(_content_chars(m.get("content")) for m in messages if isinstance(m, Mapping))
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, str | list) else 0
+
+
+def _content_chars(content: Any) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        texts = (p.get("text") for p in content if isinstance(p, Mapping))
+        return sum(len(t) for t in texts if isinstance(t, str))
+    return 0
+
+
+def prompt_token_ids(
+    tokenizer: Any, path: str, body: Mapping[str, Any], max_chars: int | None = None
+) -> list[int] | None:
     """The prompt token ids the engine's server computes for a request body, or None when the
-    body has no prompt the router can tokenize (the engine answers those with a 400 itself).
+    body has no prompt the router can tokenize (the engine answers those with a 400 itself) or
+    one longer than ``max_chars`` (``tokenization.max_prompt_chars`` of the replicas' context:
+    the engine refuses it; the router does not pay for tokenizing it).
 
     A completions request's first prompt only (a batch goes to one replica). Chat requests are
     rendered with the tokenizer's chat template, or the request's ``chat_template``; a server
@@ -84,12 +113,13 @@ def prompt_token_ids(tokenizer: Any, path: str, body: Mapping[str, Any]) -> list
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
                 chat_template_kwargs=body.get("chat_template_kwargs"),
+                max_chars=max_chars,
             )
         prompt = body["prompt"]
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return encode_text(tokenizer, prompt, "prompt")
+            return encode_text(tokenizer, prompt, "prompt", max_chars=max_chars)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return list(prompt)
     except Exception as exc:  # noqa: BLE001 - any bad input: no affinity, the engine answers it
@@ -99,8 +129,26 @@ def prompt_token_ids(tokenizer: Any, path: str, body: Mapping[str, Any]) -> list
 
 def prefix_key(body: Mapping[str, Any]) -> bytes:
     """The consistent-hash key of a request: its model, salt and the first
-    ``PREFIX_KEY_CHARS`` characters of its prompt or messages (as JSON)."""
+    ``PREFIX_KEY_CHARS`` characters of its prompt, or of its messages' roles and text
+    (bounded work, however long the prompt)."""
     prompt = body.get("messages", body.get("prompt", ""))
-    text = prompt if isinstance(prompt, str) else json.dumps(prompt, sort_keys=True, default=str)
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], Mapping):
+        parts = []
+        for message in prompt:
+            if sum(map(len, parts)) >= PREFIX_KEY_CHARS or not isinstance(message, Mapping):
+                break
+            content = message.get("content")
+            if isinstance(content, list):
+                content = "".join(
+                    p["text"][:PREFIX_KEY_CHARS]
+                    for p in content[:8]
+                    if isinstance(p, Mapping) and isinstance(p.get("text"), str)
+                )
+            parts.append(f"{message.get('role')}:{str(content)[:PREFIX_KEY_CHARS]}\n")
+        text = "".join(parts)
+    elif isinstance(prompt, list):
+        text = json.dumps(prompt[:PREFIX_KEY_CHARS], default=str)
+    else:
+        text = str(prompt)[:PREFIX_KEY_CHARS]
     head = f"{body.get('model')}\0{body.get('cache_salt')}\0{text[:PREFIX_KEY_CHARS]}"
     return head.encode("utf-8", "surrogatepass")

@@ -1,11 +1,16 @@
-"""The engine replicas behind the router (local mode: a fixed list of URLs) and what it knows of
-each: the models it serves, its block size and KV capacity, its in-flight requests, whether it
-is up, and what its prefix cache holds.
+"""The engine replicas behind the router and what it knows of each: the models it serves, its
+context length, block size and KV capacity, its engine's own load, its in-flight requests,
+whether it is up, and what its prefix cache holds.
 
-Every poll (``refresh``, every ``--refresh-interval`` seconds) reads ``/metrics``, ``/v1/models``
-and ``/kv_events?since=N``: a replica that publishes its KV events gets an ``EventIndex`` (its
-engine's real cached hashes and root hash); one that does not (a 404) keeps the router's guess,
-its ``PrefixIndex``. A replica that refuses connections is marked down for ``down_s`` seconds
+The set of replicas is a list of URLs: fixed in local mode (``--endpoint``), replaced by
+discovery (``ReplicaSet.set_urls``: e.g. the Ready pods of an ``LLMDeployment``). A replica
+that leaves the set gets no new request; those already sent to it finish on it.
+
+Every poll (``refresh``, every ``--refresh-interval`` seconds) reads ``/metrics`` (block size,
+KV capacity, ``vllm:num_requests_running``/``waiting``, ``vllm:kv_cache_usage_perc``),
+``/v1/models`` (served names, adapters, ``max_model_len``) and ``/kv_events?since=N``: a replica
+that publishes its KV events gets an ``EventIndex`` (its engine's real cached hashes and root
+hash); one that does not (a 404) keeps the router's guess, its ``PrefixIndex``. A replica that refuses connections is marked down for ``down_s`` seconds
 and routed around; a poll that reaches it again brings it back, and its events are read again
 from the start (a restarted engine begins a new log).
 """
@@ -13,6 +18,7 @@ from the start (a restarted engine begins a new log).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -20,12 +26,20 @@ from dataclasses import dataclass, field
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvpilot.router.consistent_hash import HashRing
 from kvpilot.router.prefix_index import EventIndex, PrefixIndex
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16
 """The engine's default ``--block-size``, until a replica's ``vllm:cache_config_info`` says."""
+
+ENGINE_LOAD_GAUGES = {
+    "vllm:num_requests_running": "num_requests_running",
+    "vllm:num_requests_waiting": "num_requests_waiting",
+    "vllm:kv_cache_usage_perc": "kv_cache_usage_perc",
+}
+"""The engine's gauges the score reads (summed over its served models) -> ``Replica`` field."""
 
 
 @dataclass
@@ -41,6 +55,10 @@ class Replica:
         adapters: the served names that are LoRA adapters (a ``parent`` in ``/v1/models``).
         index: the block hashes the router has sent there (its guess).
         events: the engine's cached hashes from its KV events; None until it publishes them.
+        max_model_len: its context (tokens) from ``/v1/models``; None until polled.
+        num_requests_running, num_requests_waiting, kv_cache_usage_perc: its engine's gauges
+            at the last poll (``ENGINE_LOAD_GAUGES``).
+        polled: a poll has read its models at least once.
     """
 
     url: str
@@ -51,6 +69,15 @@ class Replica:
     index: PrefixIndex = field(default_factory=PrefixIndex)
     adapters: set[str] = field(default_factory=set)
     events: EventIndex | None = None
+    max_model_len: int | None = None
+    num_requests_running: float = 0.0
+    num_requests_waiting: float = 0.0
+    kv_cache_usage_perc: float = 0.0
+    polled: bool = False
+
+    def is_ready(self, model: str | None = None) -> bool:
+        """Up, polled, and serving ``model`` (any model for None)."""
+        return self.is_up() and self.polled and (model is None or model in self.models)
 
     @property
     def root_hash(self) -> bytes | None:
@@ -88,17 +115,22 @@ class Replica:
         self.down_until = time.monotonic() + down_s
 
     def apply_metrics(self, text: str) -> set[str]:
-        """Read the block size and KV capacity from its ``/metrics`` text; return the served
-        model names found in its labels."""
+        """Read the block size, KV capacity and engine load from its ``/metrics`` text; return
+        the served model names found in its labels."""
         models = set()
+        load = dict.fromkeys(ENGINE_LOAD_GAUGES.values(), 0.0)
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
+                if sample.name in ENGINE_LOAD_GAUGES:
+                    load[ENGINE_LOAD_GAUGES[sample.name]] += sample.value
                 if "model_name" in sample.labels:
                     models.add(sample.labels["model_name"])
                 if sample.name == "vllm:cache_config_info" and "block_size" in sample.labels:
                     self.block_size = int(sample.labels["block_size"])
                 if sample.name == "kvpilot:kv_cache_capacity_tokens" and sample.value > 0:
                     self.index.resize(max(1, int(sample.value) // self.block_size))
+        for name, value in load.items():
+            setattr(self, name, value)
         return models
 
 
@@ -106,46 +138,55 @@ class ReplicaSet:
     """The replicas, in the order given.
 
     Args:
-        urls: base addresses (at least one).
+        urls: base addresses (none is allowed: discovery adds them with ``set_urls``).
         down_s: how long a replica that refused a connection is routed around.
         api_key: the key the router's own polls of ``/v1/models`` send (adapter names); without
             one, or when refused, the served model comes from ``/metrics`` only.
-        allow_empty: accept no URLs (discovered replicas: a deployment may be at zero).
+
+    Attributes:
+        replicas: ``{url: Replica}``, in the order given.
+        ring: the consistent-hash ring over the URLs (None while there are none).
 
     Raises:
-        ValueError: no URLs (unless ``allow_empty``), or one given twice.
+        ValueError: a URL given twice.
     """
 
     def __init__(
-        self,
-        urls: list[str],
-        down_s: float = 10.0,
-        api_key: str | None = None,
-        *,
-        allow_empty: bool = False,
+        self, urls: list[str] | None = None, down_s: float = 10.0, api_key: str | None = None
     ) -> None:
-        urls = [url.rstrip("/") for url in urls]
-        if not urls and not allow_empty:
-            raise ValueError("the router needs at least one --endpoint")
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"an --endpoint is given twice: {urls}")
-        self.replicas = {url: Replica(url) for url in urls}
+        self.replicas: dict[str, Replica] = {}
+        self.ring: HashRing | None = None
         self.down_s = down_s
         self.api_key = api_key
+        self._changed = asyncio.Event()
+        self.set_urls(urls or [])
+
+    def set_urls(self, urls: list[str]) -> None:
+        """Make the set exactly ``urls`` (discovery calls this with the Ready replicas).
+
+        Replicas that stay keep what the router knows of them; new ones are polled at the next
+        refresh (``refresh`` at once to route to them sooner); removed ones get no new request,
+        and the requests already relayed from them finish. Call from the router's event loop.
+
+        Raises:
+            ValueError: a URL given twice.
+        """
+        urls = [url.rstrip("/") for url in urls]
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"a replica URL is given twice: {urls}")
+        self.replicas = {url: self.replicas.get(url) or Replica(url) for url in urls}
+        self.ring = HashRing(urls) if urls else None
+        self._notify()
 
     def replace(self, models_by_url: dict[str, set[str]]) -> None:
-        """Make the replicas exactly these URLs (discovery: pods became Ready or went).
-
-        A replica that stays keeps its state (in-flight count, prefix index, KV events); a new
-        one starts with the given model names, known before its first poll; one that goes is
-        forgotten, while requests already relayed to it keep their own reference and finish.
-        """
-        replicas = {}
-        for url, models in models_by_url.items():
-            url = url.rstrip("/")
-            replica = self.replicas.get(url) or Replica(url, models=set(models))
-            replicas[url] = replica
-        self.replicas = replicas
+        """:meth:`set_urls` for discovered replicas whose model names are known before their
+        first poll (Kubernetes discovery reads them from the LLMDeployment); a replica that
+        stays keeps what its polls found."""
+        new = {url.rstrip("/"): models for url, models in models_by_url.items()}
+        fresh = new.keys() - self.replicas.keys()
+        self.set_urls(list(new))
+        for url in fresh:
+            self.replicas[url].models = set(new[url])
 
     def all(self) -> list[Replica]:
         """Every replica, up or down."""
@@ -163,10 +204,30 @@ class ReplicaSet:
         up = [r for r in serving if r.is_up()]
         return up or serving
 
+    def ready(self, model: str | None) -> list[Replica]:
+        """The replicas up, polled and serving ``model`` (see ``Replica.is_ready``)."""
+        return [r for r in self.replicas.values() if r.is_ready(model)]
+
+    def max_model_len(self, model: str | None) -> int | None:
+        """The shortest context among the replicas serving ``model`` (a prompt longer than it
+        is refused by one of them at least); None while none has said."""
+        lengths = [r.max_model_len for r in self.serving(model) if r.max_model_len]
+        return min(lengths) if lengths else None
+
+    async def wait_changed(self, timeout_s: float) -> None:
+        """Return after the next ``set_urls`` or ``refresh``, or after ``timeout_s``."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._changed.wait(), timeout_s)
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
     async def refresh(self, session: aiohttp.ClientSession) -> None:
         """Poll every replica's ``/metrics``, ``/v1/models`` and ``/kv_events`` once,
         concurrently."""
         await asyncio.gather(*(self._poll(session, r) for r in self.replicas.values()))
+        self._notify()
 
     async def _poll(self, session: aiohttp.ClientSession, replica: Replica) -> None:
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -182,6 +243,8 @@ class ReplicaSet:
                     data = [m for m in body.get("data", []) if "id" in m]
                     models |= {m["id"] for m in data}
                     adapters = {m["id"] for m in data if m.get("parent")}
+                    lengths = [m["max_model_len"] for m in data if m.get("max_model_len")]
+                    replica.max_model_len = min(lengths) if lengths else None
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
             if isinstance(exc, aiohttp.ClientConnectionError | TimeoutError):
                 replica.mark_down(self.down_s)
@@ -193,6 +256,7 @@ class ReplicaSet:
         replica.down_until = 0.0
         replica.models = models
         replica.adapters = adapters
+        replica.polled = True
         await self._poll_kv_events(session, replica, headers)
 
     async def _poll_kv_events(

@@ -15,7 +15,12 @@ from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.model_loader import load_tokenizer
 from kvpilot.engine.request import Request
-from kvpilot.router.prompt_hashes import prefix_key, prompt_block_hashes, prompt_token_ids
+from kvpilot.router.prompt_hashes import (
+    prefix_key,
+    prompt_block_hashes,
+    prompt_chars,
+    prompt_token_ids,
+)
 
 BS = 16
 PROMPT = "The router must hash prompts exactly as the engine does. " * 12
@@ -116,6 +121,23 @@ def test_bodies_without_a_usable_prompt_give_no_tokens(tokenizer) -> None:
     assert prefix_key({"model": "m", "prompt": "x" * 1000}) == prefix_key(
         {"model": "m", "prompt": "x" * 300}
     )
+
+
+def test_a_prompt_past_max_chars_is_measured_not_tokenized(tokenizer) -> None:
+    chat = [{"role": "system", "content": "s" * 300}, {"role": "user", "content": [
+        {"type": "text", "text": "ab"}, {"type": "image_url"}]}]  # fmt: skip
+    assert prompt_chars("/v1/chat/completions", {"messages": chat}) == 302
+    assert prompt_chars("/v1/completions", {"prompt": ["abc", "de"]}) == 3
+    assert prompt_chars("/v1/completions", {"prompt": [1, 2, 3, 4]}) == 4
+    assert prompt_chars("/v1/completions", {"prompt": None}) == 0
+    body = {"prompt": "word " * 100}
+    assert prompt_token_ids(tokenizer, "/v1/completions", body, max_chars=499) is None
+    assert prompt_token_ids(tokenizer, "/v1/completions", body, max_chars=500)
+    assert prompt_token_ids(tokenizer, "/v1/chat/completions", {"messages": chat}, 200) is None
+    # The hash key of a long conversation reads its first characters only.
+    longer = [*chat, {"role": "user", "content": "z" * 10**6}]
+    assert prefix_key({"messages": chat}) == prefix_key({"messages": longer})
+    assert prefix_key({"messages": chat}) != prefix_key({"messages": chat[1:]})
 
 
 async def test_the_built_in_model_name_names_its_tokenizer(default_model_dir):

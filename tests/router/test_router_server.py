@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
-import uvicorn
 
 from kvpilot.engine.kv_cache_manager import extend_block_hashes
 from kvpilot.engine.model_loader import load_tokenizer
 from kvpilot.engine.tokenization import encode_text
-from kvpilot.router.app import create_app
 from kvpilot.router.config import RouterConfig
+from tests.router.live_router import RouterThread, live_replicas
 from tests.server.conftest import API_KEY, LiveServer, free_port
 
 MODEL = "tiny"
@@ -29,45 +27,12 @@ GREEDY = {"temperature": 0, "max_tokens": 12}
 LONG_PREFIX = "Once upon a time, in a cluster far away, a router kept every prefix warm. " * 8
 
 
-class RouterThread:
-    """``create_app(config)`` served by uvicorn on a thread; ``url`` is its base address."""
-
-    def __init__(self, config: RouterConfig) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = int(self.url.rsplit(":", 1)[1])
-        self.app = create_app(config)
-        self.server = uvicorn.Server(
-            uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning")
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("the router did not start")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-
-    metrics = LiveServer.metrics  # reads ``self.url``'s /metrics
-
-    def metric(self, name: str, **labels: str) -> float:
-        return self.metrics().get((name, tuple(sorted(labels.items()))), 0.0)
-
-
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir):
-    flags = ("--served-model-name", MODEL, "--max-model-len", "512", "--max-num-seqs", "4")
-    servers = [LiveServer(str(tiny_model_dir("llama")), *flags) for _ in range(2)]
-    try:
-        for server in servers:
-            server.wait_ready()
+    flags = (str(tiny_model_dir("llama")), "--served-model-name", MODEL)
+    flags += ("--max-model-len", "512", "--max-num-seqs", "4")
+    with live_replicas(flags, flags) as servers:
         yield servers
-    finally:
-        for server in servers:
-            server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -247,7 +212,7 @@ def test_the_index_of_a_replica_is_its_engines_kv_events(replicas, tiny_model_di
     )
     fresh = RouterThread(config)
     try:
-        state = fresh.app.state.router
+        state = fresh.state
         client = openai.OpenAI(base_url=f"{fresh.url}/v1", api_key=API_KEY, max_retries=0)
         prompt = "A story of KV events, told to the router block by block. " * 10
         before = {s.url: prompt_tokens(s) for s in replicas}

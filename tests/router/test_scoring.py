@@ -7,7 +7,7 @@ import pytest
 
 from kvpilot.router.consistent_hash import HashRing
 from kvpilot.router.prefix_index import EventIndex, PrefixIndex
-from kvpilot.router.scoring import Candidate, choose_replica, load_bound
+from kvpilot.router.scoring import Candidate, Weights, choose_replica, load_bound
 
 
 def test_load_bound_is_the_rounded_up_factor_of_the_mean_with_the_new_request() -> None:
@@ -32,7 +32,10 @@ def test_a_full_match_keeps_its_replica_up_to_the_bound_and_never_beyond() -> No
     # 3 in flight on a, 0 on b: bound = ceil(1.25 * 4 / 2) = 3, so a is full.
     over = choose_replica([Candidate("a", 3, 100), Candidate("b", 0, 0)], prompt_tokens=100)
     assert (over.replica, over.reason, over.bound) == ("b", "load", 3)
-    assert "a in_flight=3 matched=100 ring=0 over bound" in over.explanation
+    assert (
+        "a in_flight=3 running=0 waiting=0 kv=0.00 matched=100 ring=0 over bound"
+        in over.explanation
+    )
     # 2 on a, 0 on b: bound 2 -> a at 1.0 - 2/2 = 0 would tie b's 0; it is full anyway.
     assert choose_replica([Candidate("a", 2, 100), Candidate("b", 0, 0)], 100).replica == "b"
     # 2 on a, 1 on b: bound ceil(1.25 * 4 / 2) = 3: a scores 1 - 2/3 > b's -1/3.
@@ -61,7 +64,7 @@ def test_ties_go_to_fewer_in_flight_then_the_ring_then_the_name() -> None:
     assert choose_replica(tied, 50).replica == "b"
     # Equal scores with zero load weight: fewer in flight first.
     busy = [Candidate("a", 1, 0, ring_rank=0), Candidate("b", 0, 0, ring_rank=1)]
-    assert choose_replica(busy, 50, load_weight=0).replica == "b"
+    assert choose_replica(busy, 50, weights=Weights(load=0)).replica == "b"
     same = [Candidate("b", 0, 0), Candidate("a", 0, 0)]
     assert choose_replica(same, 50).replica == "a"
 
@@ -142,3 +145,29 @@ def test_the_event_index_holds_a_sent_chain_for_two_polls() -> None:
     assert index.match([b"1", b"2"]) == 2  # a poll may come before the engine stores them
     index.apply(answer(0))
     assert index.match([b"1", b"2"]) == 0  # never stored (evicted, or failed): forgotten
+
+
+def test_the_engines_own_load_counts_toward_the_bound_and_the_score() -> None:
+    # a holds the whole prompt but its engine runs 3 requests (other clients'): load 3, b's 0,
+    # bound ceil(1.25 * 4 / 2) = 3: a is full although this router sent it nothing.
+    hot = Candidate("a", 0, 100, num_requests_running=3)
+    decision = choose_replica([hot, Candidate("b", 0, 0)], 100)
+    assert (decision.replica, decision.reason, decision.bound) == ("b", "load", 3)
+    # The router's own count wins when the engine's is older than its sends.
+    assert Candidate("a", 4, num_requests_running=1).load == 4
+    # Equal load and match: waiting requests and a full KV cache push a replica down.
+    waiting = Candidate("a", 1, 50, num_requests_waiting=1)  # load max(1, 1) = 1
+    kv_full = Candidate("b", 1, 50, ring_rank=1, kv_cache_usage_perc=1.0)
+    calm = Candidate("c", 1, 50, ring_rank=2)
+    decision = choose_replica([waiting, kv_full, calm], 100, load_factor=2)
+    assert decision.replica == "c"
+    terms = {t.candidate.name: t for t in decision.terms}
+    assert terms["a"].waiting == pytest.approx(1 / decision.bound)
+    assert terms["b"].kv == pytest.approx(0.25) and terms["c"].kv == 0
+    assert terms["c"].score == pytest.approx(0.5 - 1 / decision.bound)
+
+
+def test_weights_must_not_be_negative() -> None:
+    assert Weights().kv == 0.25
+    with pytest.raises(ValueError, match="the waiting weight must be >= 0"):
+        Weights(waiting=-1)
