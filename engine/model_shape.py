@@ -16,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvpilot.engine.layers.quantization import QUANTIZATION_METHODS
+
 # Bytes per element of each dtype name vLLM accepts for ``--dtype``. "auto" is its size on a GPU,
 # where it is never float32 (``ModelShape.resolve_dtype`` gives the concrete dtype per device).
 DTYPE_BYTES: dict[str, int] = {
@@ -218,8 +220,8 @@ class ModelShape:
     @property
     def is_supported_by_engine(self) -> bool:
         """Whether the kvpilot engine implements this model (``SUPPORTED_ARCHITECTURES``, dense,
-        unquantized)."""
-        if self.is_moe or self.quantization_method is not None:
+        unquantized or quantized in a format of ``QUANTIZATION_METHODS``)."""
+        if self.is_moe or self.quantization_method not in (None, *QUANTIZATION_METHODS):
             return False
         if self.architectures:
             # The engine builds the first listed architecture, as transformers does.
