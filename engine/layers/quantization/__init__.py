@@ -78,7 +78,7 @@ def get_quantization_config(
             )
         method, hf_quant_config = (
             "fp8",
-            {"quant_method": "fp8-online", "activation_scheme": "dynamic"},
+            {"quant_method": "fp8", "is_checkpoint_fp8_serialized": False},
         )
     if method is None:
         return None
