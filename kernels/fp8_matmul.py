@@ -6,8 +6,10 @@ Each program computes a ``[BLOCK_M, BLOCK_N]`` output tile; along ``K`` each ``B
 lies inside one activation group and one weight scale block, so its partial product is scaled
 by the two scales of that slice before it is accumulated (the scheme of DeepSeek-V3's
 fine-grained quantization, Liu et al. 2024, section 3.3, and of vLLM's
-``w8a8_block_fp8_matmul``). On a GPU fp8 tiles multiply natively (Hopper and Ada tensor cores);
-the interpreter casts them to float32 first, which is exact for e4m3 values.
+``w8a8_block_fp8_matmul``). fp8 tiles multiply natively on the fp8 tensor cores; Triton
+compiles e4m3 only for compute capability 8.9 and up (Ada, Hopper), so older GPUs take the
+PyTorch path (``fp8_utils.apply_fp8``). The interpreter casts the tiles to float32 first, which
+is exact for e4m3 values.
 """
 
 from __future__ import annotations
@@ -76,10 +78,10 @@ def _fp8_scaled_mm_kernel(
         )
         if UPCAST:
             part = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        elif x.dtype == w.dtype:
-            part = tl.dot(x, tl.trans(w))
-        else:
+        elif x.dtype != w.dtype:
             part = tl.dot(x, tl.trans(w.to(x.dtype)))
+        else:
+            part = tl.dot(x, tl.trans(w))
         x_scale = tl.load(
             x_scale_ptr + offs_m * num_act_groups + k0 // act_group, mask=mask_m, other=0.0
         )

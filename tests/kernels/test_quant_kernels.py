@@ -3,6 +3,12 @@ references, on small shapes with ragged edges (M, N not multiples of the tile)."
 
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -110,3 +116,21 @@ def test_fp8_scaled_mm_refuses_straddling_groups() -> None:
     weight, w_scales = _fp8_weight(32, 64, (1, 64), g)
     with pytest.raises(ValueError, match="activation group 16 is not a multiple of 32"):
         fp8_scaled_mm(x_q, x_scales, weight, w_scales, (1, 64), torch.float32)
+
+
+@pytest.mark.parametrize("capability,num_launches", [(90, 6), (80, 3)])
+def test_launches_compile_for_nvidia_gpus(capability: int, num_launches: int) -> None:
+    """Every launch the wrappers make at Llama-3-8B's shapes compiles for sm_90 (and the int4
+    ones for sm_80), within the device's shared memory and without register spills."""
+    script = pathlib.Path(__file__).with_name("quant_gpu_compile.py")
+    done = subprocess.run(
+        [sys.executable, str(script), str(capability)],
+        env={**os.environ, "TRITON_INTERPRET": "0"}, capture_output=True, text=True,
+        timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = [json.loads(line) for line in done.stdout.splitlines()]
+    assert len(results) == num_launches
+    assert [r for r in results if not r["ok"]] == []
+    assert [r for r in results if r["shared_bytes"] > 166912] == []
+    assert [r for r in results if r["spill_bytes"] or r["registers"] <= 0] == []

@@ -110,7 +110,8 @@ def quantize_input(layer: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, tor
 
 def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """``x W^T + b`` for a layer in the common fp8 layout: the Triton scaled-matmul kernel on
-    CUDA, dequantize then matmul on the CPU (the same quantized operands either way).
+    GPUs with fp8 tensor cores (compute capability 8.9+), dequantize then matmul elsewhere (the
+    same quantized operands either way).
 
     Args:
         layer: see the module docstring.
@@ -122,7 +123,7 @@ def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
     """
     flat = x.reshape(-1, x.shape[-1])
     x_q, x_scales = quantize_input(layer, flat)
-    if x.is_cuda:
+    if x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9):
         from kvpilot.kernels.fp8_matmul import fp8_scaled_mm
     else:
         from kvpilot.kernels.quant_reference import fp8_scaled_mm
