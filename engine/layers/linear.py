@@ -39,6 +39,7 @@ from kvpilot.engine.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from kvpilot.engine.layers.cpu_gemm import linear, prepack
+from kvpilot.engine.layers.quantization.base_config import LinearMethodBase
 from kvpilot.engine.layers.weight_loading import (
     CheckpointTensor,
     copy_weight,
@@ -76,7 +77,7 @@ def _elements(features: int, div: int, what: str, strict: bool) -> int:
     return math.ceil(features / div)
 
 
-class UnquantizedLinearMethod:
+class UnquantizedLinearMethod(LinearMethodBase):
     """The dense weight: ``weight`` ``[out_features, in_features]`` in the compute dtype."""
 
     def create_weights(
@@ -236,12 +237,24 @@ class Linear(nn.Module):
         """Copy this rank's piece of one checkpoint tensor (or one stacked shard of it).
 
         A per-projection scalar (``per_shard``: an fp8 per-tensor scale) goes to its
-        projection's slot.
+        projection's slot. A tensor every stacked projection stores alike (``same_in_shards``:
+        GPTQ's act-order ``g_idx``, the same for projections of the same input) is loaded
+        once and the others checked against it.
 
         Raises:
-            ValueError: the tensor's shape does not match its place.
+            ValueError: the tensor's shape does not match its place, or stacked projections
+                disagree on a tensor they must share.
         """
         with torch.no_grad():
+            if getattr(param, "same_in_shards", False) and shard_id is not None:
+                target, expected_shape, dim, start = self.placement(param, shard_id)
+                piece = torch.empty_like(target)
+                load_shard(piece, loaded, expected_shape, dim, start)
+                if getattr(param, "loaded_once", False) and not torch.equal(piece, target):
+                    raise ValueError(f"(shard {shard_id!r}) differs from the other projections'")
+                target.copy_(piece)
+                param.loaded_once = True
+                return
             if getattr(param, "per_shard", False):
                 value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
                 if value.numel() != 1:

@@ -201,10 +201,13 @@ def gptq_checkpoint(
     return out, dense
 
 
-def fp8_checkpoint(base: pathlib.Path, out: pathlib.Path, block: list[int] | None):
+def fp8_checkpoint(
+    base: pathlib.Path, out: pathlib.Path, block: list[int] | None, input_scale: float | None = None
+):
     """``base`` in vLLM's ``fp8`` format: per-tensor ``weight_scale`` (``block`` None) or
     DeepSeek-V3's block-wise ``weight_scale_inv`` for ``weight_block_size`` ``block``, dynamic
-    activations. Returns ``(folder, dense weights)``."""
+    activations, or static ones with ``input_scale`` on every layer (per-tensor only).
+    Returns ``(folder, dense weights)``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     tensors = {k: v for k, v in model.state_dict().items() if "_proj." not in k}
     tensors.pop("lm_head.weight", None)
@@ -216,6 +219,8 @@ def fp8_checkpoint(base: pathlib.Path, out: pathlib.Path, block: list[int] | Non
             q = (w / scale).to(FP8)
             dense[name] = q.float() * scale
             tensors[f"{name}.weight_scale"] = scale.reshape(())
+            if input_scale is not None:
+                tensors[f"{name}.input_scale"] = torch.tensor(input_scale)
         else:
             bn, bk = block
             blocks = w.unflatten(1, (-1, bk)).unflatten(0, (-1, bn))  # [Nb, bn, Kb, bk]
@@ -225,7 +230,8 @@ def fp8_checkpoint(base: pathlib.Path, out: pathlib.Path, block: list[int] | Non
             dense[name] = q.float() * expanded
             tensors[f"{name}.weight_scale_inv"] = scale
         tensors[f"{name}.weight"] = q
-    quant = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    scheme = "dynamic" if input_scale is None else "static"
+    quant = {"quant_method": "fp8", "activation_scheme": scheme}
     if block is not None:
         quant["weight_block_size"] = block
     _save(base, out, tensors, quant)

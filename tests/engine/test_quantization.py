@@ -152,7 +152,13 @@ def test_int4_checkpoints_match_the_dequantized_model(base_dir, tmp_path, maker)
     else:
         folder, dense = gptq_checkpoint(base_dir, tmp_path / "q", desc_act=maker.endswith("act"))
     save_dense(base_dir, tmp_path / "dense", dense)
-    got = _paged_logits(_ours(folder))
+    ours = _ours(folder)
+    # The linear layers hold 4 bits a weight (and a scale and zero per 128): about 1/8 of fp32.
+    linear_bytes = sum(
+        p.nbytes for n, p in ours.named_parameters() if "_proj" in n and "bias" not in n
+    )
+    assert linear_bytes < 0.15 * 4 * sum(w.numel() for w in dense.values())
+    got = _paged_logits(ours)
     hf_dense = _hf(tmp_path / "dense")
     assert _max_relative_error(got, _hf_paged_logits(hf_dense)) < FLOAT32_RTOL
     if maker == "awq":
@@ -180,6 +186,16 @@ def test_fp8_checkpoints_match_the_dequantized_model(base_dir, tmp_path, block):
         assert _max_relative_error(_paged_logits(ours), _hf_paged_logits(hf_ct)) < FLOAT32_RTOL
         expected = [hf_generate(hf_ct, p, NEW_TOKENS) for p in (PROMPT_A, PROMPT_B)]
         assert _engine_greedy(folder) == expected
+
+
+def test_fp8_static_activation_scales(base_dir, tmp_path):
+    # One static scale for every layer's input, large enough for this model's activations.
+    folder, dense = fp8_checkpoint(base_dir, tmp_path / "q", None, input_scale=0.05)
+    save_dense(base_dir, tmp_path / "dense", dense)
+    ours = _ours(folder)
+    assert float(ours.model.layers[0].self_attn.qkv_proj.input_scale) == pytest.approx(0.05)
+    error = _max_relative_error(_paged_logits(ours), _hf_paged_logits(_hf(tmp_path / "dense")))
+    assert 0 < error < FP8_ACTIVATION_RTOL
 
 
 def test_fp8_quantizes_an_unquantized_checkpoint_while_loading(base_dir):
@@ -243,6 +259,13 @@ def test_unsupported_formats_are_refused_by_name(base_dir, tmp_path):
             torch.float32,
             torch.device("cpu"),
         )
+
+
+def test_lora_on_quantized_layers_is_refused(base_dir, tmp_path):
+    args, fmt = CT_SCHEMES["w4a16-group-128-symmetric"]
+    folder, _ = compressed_tensors_checkpoint(base_dir, tmp_path / "ct", args, fmt)
+    with pytest.raises(ValueError, match="LoRA on quantized layers"):
+        LLM(str(folder), dtype="float32", max_model_len=64, enable_lora=True)
 
 
 def test_the_engine_accepts_the_formats_it_loads():

@@ -25,7 +25,7 @@ from kvpilot.engine.layers.quantization.base_config import (
 from kvpilot.engine.layers.quantization.int4_utils import (
     AWQ_PACK_ORDER,
     PACK_FACTOR,
-    apply_int4,
+    Int4LinearMethod,
     set_int4_layout,
     unpack_int4,
 )
@@ -84,7 +84,7 @@ class AWQConfig(QuantizationConfig):
         return AWQLinearMethod(self)
 
 
-class AWQLinearMethod(LinearMethodBase):
+class AWQLinearMethod(Int4LinearMethod):
     """Creates, converts and applies one layer's AWQ weights (see the module docstring)."""
 
     def __init__(self, config: AWQConfig) -> None:
@@ -128,8 +128,3 @@ class AWQLinearMethod(LinearMethodBase):
         set_int4_layout(
             layer, values, scales, zeros, self.config.group_size, None, layer.scales.dtype
         )
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return apply_int4(layer, x, bias)

@@ -39,6 +39,8 @@ def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
             the input, the group size for group scales; default 1).
         per_shard: one scalar per stacked projection (per-tensor fp8 scales), shape
             ``[num_shards]``.
+        same_in_shards: every stacked projection stores the same tensor (act-order
+            ``g_idx``): loaded once, checked against the others.
     """
     for key, value in attrs.items():
         setattr(param, key, value)

@@ -38,13 +38,13 @@ from kvpilot.engine.layers.quantization.base_config import (
 )
 from kvpilot.engine.layers.quantization.fp8_utils import (
     ActivationScheme,
-    apply_fp8,
+    Fp8LinearMethodBase,
     per_row_scales,
     set_fp8_layout,
 )
 from kvpilot.engine.layers.quantization.int4_utils import (
     PACK_FACTOR,
-    apply_int4,
+    Int4LinearMethod,
     set_int4_layout,
     unpack_int4,
 )
@@ -213,7 +213,7 @@ class CompressedTensorsConfig(QuantizationConfig):
         return CompressedTensorsWNA16(scheme)
 
 
-class CompressedTensorsW8A8Fp8(LinearMethodBase):
+class CompressedTensorsW8A8Fp8(Fp8LinearMethodBase):
     """FP8 weights with per-tensor, per-channel or block scales (see the module docstring)."""
 
     def __init__(self, scheme: Fp8Scheme) -> None:
@@ -271,13 +271,8 @@ class CompressedTensorsW8A8Fp8(LinearMethodBase):
         input_scale = layer.input_scale.data.max() if static else None
         set_fp8_layout(layer, weight, scales, block, scheme.activations, input_scale)
 
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return apply_fp8(layer, x, bias)
 
-
-class CompressedTensorsWNA16(LinearMethodBase):
+class CompressedTensorsWNA16(Int4LinearMethod):
     """int4 weight-only ``pack-quantized`` weights (see the module docstring)."""
 
     def __init__(self, scheme: WNA16Scheme) -> None:
@@ -330,7 +325,9 @@ class CompressedTensorsWNA16(LinearMethodBase):
                 (rows // PACK_FACTOR, num_groups), torch.int32, output_dim=0, output_div=8, **dims
             )
         if act_order:
-            layer.weight_g_idx = new_parameter((cols,), torch.int32, input_dim=0)
+            layer.weight_g_idx = new_parameter(
+                (cols,), torch.int32, input_dim=0, same_in_shards=True
+            )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         values = unpack_int4(layer.weight_packed.data, 1)
@@ -350,8 +347,3 @@ class CompressedTensorsWNA16(LinearMethodBase):
         ):
             layer._parameters.pop(name, None)
         set_int4_layout(layer, values, scales, zeros, group, g_idx, dtype)
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return apply_int4(layer, x, bias)

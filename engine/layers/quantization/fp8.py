@@ -30,7 +30,7 @@ from kvpilot.engine.layers.quantization.base_config import (
 )
 from kvpilot.engine.layers.quantization.fp8_utils import (
     ActivationScheme,
-    apply_fp8,
+    Fp8LinearMethodBase,
     per_row_scales,
     quantize_weight_per_tensor,
     set_fp8_layout,
@@ -103,7 +103,7 @@ class Fp8Config(QuantizationConfig):
         return Fp8LinearMethod(self)
 
 
-class Fp8LinearMethod(LinearMethodBase):
+class Fp8LinearMethod(Fp8LinearMethodBase):
     """Creates, converts and applies one layer's ``fp8`` weights (see the module docstring)."""
 
     def __init__(self, config: Fp8Config) -> None:
@@ -179,8 +179,3 @@ class Fp8LinearMethod(LinearMethodBase):
                 # vLLM's rule: the stacked projections share the largest input scale.
                 layer.input_scale.data.max() if static else None,
             )
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return apply_fp8(layer, x, bias)

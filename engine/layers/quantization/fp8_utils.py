@@ -17,7 +17,7 @@ import enum
 import torch
 from torch import nn
 
-from kvpilot.engine.layers.quantization.base_config import replace_parameter
+from kvpilot.engine.layers.quantization.base_config import LinearMethodBase, replace_parameter
 from kvpilot.kernels.quant_reference import FP8_DTYPE, FP8_MAX, quantize_fp8_dynamic
 
 
@@ -133,3 +133,14 @@ def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Fp8LinearMethodBase(LinearMethodBase):
+    """A linear method whose weights end in the common fp8 layout (vLLM ``fp8``,
+    compressed-tensors FP8)."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """See :func:`apply_fp8`."""
+        return apply_fp8(layer, x, bias)

@@ -29,7 +29,7 @@ from kvpilot.engine.layers.quantization.base_config import (
 )
 from kvpilot.engine.layers.quantization.int4_utils import (
     PACK_FACTOR,
-    apply_int4,
+    Int4LinearMethod,
     set_int4_layout,
     unpack_int4,
 )
@@ -96,7 +96,7 @@ class GPTQConfig(QuantizationConfig):
         return GPTQLinearMethod(self)
 
 
-class GPTQLinearMethod(LinearMethodBase):
+class GPTQLinearMethod(Int4LinearMethod):
     """Creates, converts and applies one layer's GPTQ weights (see the module docstring)."""
 
     def __init__(self, config: GPTQConfig) -> None:
@@ -128,7 +128,7 @@ class GPTQLinearMethod(LinearMethodBase):
         layer.qweight = new_parameter(
             (cols // PACK_FACTOR, rows), torch.int32, input_dim=0, input_div=8, output_dim=1
         )
-        layer.g_idx = new_parameter((cols,), torch.int32, input_dim=0)
+        layer.g_idx = new_parameter((cols,), torch.int32, input_dim=0, same_in_shards=True)
         if group == -1 or (self.config.desc_act and row_split):
             # One group per channel, or act-order groups scattered over the whole input:
             # every rank keeps all groups.
@@ -151,8 +151,3 @@ class GPTQLinearMethod(LinearMethodBase):
         group = self.config.group_size if self.config.group_size != -1 else values.shape[1]
         scales = layer.scales.data.t()
         set_int4_layout(layer, values, scales, zeros.t(), group, g_idx, layer.scales.dtype)
-
-    def apply(
-        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        return apply_int4(layer, x, bias)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvpilot.engine.layers.quantization.base_config import replace_parameter
+from kvpilot.engine.layers.quantization.base_config import LinearMethodBase, replace_parameter
 
 PACK_FACTOR = 8  # int4 values per int32 word
 # AWQ's GEMM packing: the value in bits [4i, 4i + 4) of a word is column ``8 * word + ORDER[i]``.
@@ -109,3 +109,15 @@ def apply_int4(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> 
     if bias is not None:
         out = out + bias
     return out.view(*x.shape[:-1], out.shape[-1])
+
+
+class Int4LinearMethod(LinearMethodBase):
+    """A linear method whose weights end in the common int4 layout (AWQ, GPTQ,
+    compressed-tensors W4A16): they differ in ``create_weights`` and
+    ``process_weights_after_loading`` only."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """See :func:`apply_int4`."""
+        return apply_int4(layer, x, bias)
