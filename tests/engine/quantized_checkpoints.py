@@ -138,7 +138,7 @@ def awq_checkpoint(base: pathlib.Path, out: pathlib.Path, group: int = 128):
     from awq.modules.linear.gemm import WQLinear_GEMM
 
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    tensors = {k: v for k, v in model.state_dict().items() if "_proj." not in k}
+    tensors = {k: v for k, v in model.state_dict().items() if not k.endswith("_proj.weight")}
     tensors.pop("lm_head.weight", None)
     dense = {}
     for name, linear in _linears(model).items():
@@ -172,7 +172,7 @@ def gptq_checkpoint(
     one order per input: q/k/v share theirs, as gate/up do (the same activations give GPTQ the
     same Hessian). Returns ``(folder, dense weights)``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    tensors = {k: v for k, v in model.state_dict().items() if "_proj." not in k}
+    tensors = {k: v for k, v in model.state_dict().items() if not k.endswith("_proj.weight")}
     tensors.pop("lm_head.weight", None)
     dense = {}
     generator = torch.Generator().manual_seed(0)
@@ -209,7 +209,7 @@ def fp8_checkpoint(
     activations, or static ones with ``input_scale`` on every layer (per-tensor only).
     Returns ``(folder, dense weights)``."""
     model = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    tensors = {k: v for k, v in model.state_dict().items() if "_proj." not in k}
+    tensors = {k: v for k, v in model.state_dict().items() if not k.endswith("_proj.weight")}
     tensors.pop("lm_head.weight", None)
     dense = {}
     for name, linear in _linears(model).items():

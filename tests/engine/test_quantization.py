@@ -13,6 +13,7 @@ engine quantizes (as vLLM does) and the dequantized model does not.
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 
@@ -21,6 +22,7 @@ import torch
 import transformers
 
 from kvpilot.engine import LLM
+from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.layers.quantization import get_quantization_config
 from kvpilot.engine.model_loader import load_model
 from kvpilot.engine.model_shape import ModelShape
@@ -145,8 +147,11 @@ def test_compressed_tensors_greedy_tokens_match_transformers(base_dir, tmp_path)
     assert _engine_greedy(folder) == expected
 
 
-@pytest.mark.parametrize("maker", ["awq", "gptq", "gptq-desc-act"])
-def test_int4_checkpoints_match_the_dequantized_model(base_dir, tmp_path, maker):
+@pytest.mark.parametrize("maker", ["awq", "gptq-qwen2", "gptq-desc-act"])
+def test_int4_checkpoints_match_the_dequantized_model(base_dir, tiny_model_dir, tmp_path, maker):
+    if maker.endswith("qwen2"):
+        # Qwen2's q/k/v biases stay float beside the packed weights.
+        base_dir = tiny_model_dir("qwen2", **QUANT_MODEL)
     if maker == "awq":
         folder, dense = awq_checkpoint(base_dir, tmp_path / "q")
     else:
@@ -266,6 +271,14 @@ def test_lora_on_quantized_layers_is_refused(base_dir, tmp_path):
     folder, _ = compressed_tensors_checkpoint(base_dir, tmp_path / "ct", args, fmt)
     with pytest.raises(ValueError, match="LoRA on quantized layers"):
         LLM(str(folder), dtype="float32", max_model_len=64, enable_lora=True)
+
+
+def test_the_quantization_flag():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["--quantization", "compressed-tensors"]))
+    assert args.quantization == "compressed-tensors"
+    with pytest.raises(ValueError, match="quantization must be one of fp8, compressed-tensors"):
+        EngineArgs(quantization="bitsandbytes")
 
 
 def test_the_engine_accepts_the_formats_it_loads():
