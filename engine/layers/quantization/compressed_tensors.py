@@ -229,7 +229,6 @@ class CompressedTensorsW8A8Fp8(Fp8LinearMethodBase):
         params_dtype: torch.dtype,
     ) -> None:
         rows, cols = sum(output_partition_sizes), input_size_per_partition
-        layer.output_partition_sizes_ = list(output_partition_sizes)
         layer.weight = new_parameter((rows, cols), FP8_DTYPE, output_dim=0, input_dim=1)
         scheme = self.scheme
         if scheme.strategy == "tensor":
@@ -263,7 +262,7 @@ class CompressedTensorsW8A8Fp8(Fp8LinearMethodBase):
         scheme = self.scheme
         weight = layer.weight.data
         if scheme.strategy == "tensor":
-            scales = per_row_scales(layer.weight_scale.data, layer.output_partition_sizes_)
+            scales = per_row_scales(layer.weight_scale.data, layer.output_partition_sizes())
         else:
             scales = layer.weight_scale.data
         block = scheme.block or (1, weight.shape[1])

@@ -119,7 +119,6 @@ class Fp8LinearMethod(Fp8LinearMethodBase):
         params_dtype: torch.dtype,
     ) -> None:
         rows = sum(output_partition_sizes)
-        layer.output_partition_sizes_ = list(output_partition_sizes)
         if not self.config.is_checkpoint_fp8_serialized:
             layer.weight = new_parameter(
                 (rows, input_size_per_partition), params_dtype, output_dim=0, input_dim=1
@@ -168,7 +167,7 @@ class Fp8LinearMethod(Fp8LinearMethodBase):
                 layer, layer.weight.data, layer.weight_scale_inv.data, block, ActivationScheme.GROUP
             )
         else:
-            scales = per_row_scales(layer.weight_scale.data, layer.output_partition_sizes_)
+            scales = per_row_scales(layer.weight_scale.data, layer.output_partition_sizes())
             static = self.config.activation_scheme == "static"
             set_fp8_layout(
                 layer,
