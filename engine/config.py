@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvpilot.engine.layers.quantization import QUANTIZATION_METHODS
 from kvpilot.engine.lora.request import parse_lora_modules
 from kvpilot.engine.spec_decode.config import SpeculativeConfig
 
@@ -128,6 +129,7 @@ class EngineArgs:
     max_lora_rank: int = 16
     lora_modules: list[str] | None = None
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -153,6 +155,8 @@ class EngineArgs:
             bad("dtype", f"must be one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:
             bad("device", f"must be one of {', '.join(DEVICES)}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            bad("quantization", f"must be one of {', '.join(QUANTIZATION_METHODS)} (or unset)")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             bad("seed", "must be an integer")
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "kv_cache_memory"):
@@ -225,6 +229,15 @@ class EngineArgs:
         )
         group.add_argument(
             "--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu"
+        )
+        group.add_argument(
+            "--quantization",
+            "-q",
+            default=None,
+            choices=QUANTIZATION_METHODS,
+            help="weight quantization method (default: the checkpoint's quantization_config); "
+            "must match the checkpoint's, except fp8, which also quantizes an unquantized "
+            "checkpoint while loading",
         )
         group.add_argument(
             "--seed",

@@ -123,6 +123,7 @@ class LLMEngine:
                     max_model_len=self.scheduler_config.max_model_len,
                     model_config=self.model_config,
                     model_shape=self.model_shape,
+                    quantization=args.quantization,
                 )
             )
             progress.update()

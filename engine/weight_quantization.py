@@ -29,7 +29,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = ("fp8", "compressed-tensors", "awq", "gptq")
+from kvpilot.engine.layers.quantization import QUANTIZATION_METHODS
+
+SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = QUANTIZATION_METHODS
+"""The engine's own list (``engine/layers/quantization``): sizing covers exactly what loads."""
 """``quant_method`` values the kvpilot engine loads (vLLM's names; also ``--quantization``)."""
 
 _SCALE_BYTES_FP32 = 4

@@ -45,6 +45,7 @@ class WorkerConfig:
         model_config: the folder's transformers config as the engine read it (None: each rank
             reads ``config.json`` itself).
         model_shape: its shape, for the tensor-parallel checks (None: read from the folder).
+        quantization: ``--quantization`` (None: the checkpoint's own ``quantization_config``).
     """
 
     model_dir: pathlib.Path
@@ -61,6 +62,7 @@ class WorkerConfig:
     max_model_len: int | None = None
     model_config: Any = None
     model_shape: Any = None
+    quantization: str | None = None
 
     def device_of_rank(self, rank: int) -> torch.device:
         """The device rank ``rank`` computes on: ``cuda:rank`` on GPUs, else the CPU."""
@@ -108,6 +110,7 @@ class Worker:
             attention_backend=config.attention_backend,
             max_model_len=config.max_model_len,
             config=config.model_config,
+            quantization=config.quantization,
         )
         self._weight_bytes = sum(p.nbytes for p in self.model.parameters())
         prepack_linear_weights(self.model)

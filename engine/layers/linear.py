@@ -14,11 +14,20 @@ product and an all-reduce sums them. A column-parallel layer followed by a row-p
 (q/k/v -> attention -> o, gate/up -> SiLU -> down) needs one all-reduce per pair. With one rank
 every layer is an ordinary matmul over the whole weight
 (:func:`kvpilot.engine.layers.cpu_gemm.linear`).
+
+A layer's weight is held and multiplied by its quantization method (vLLM's
+``LinearMethodBase``, :mod:`kvpilot.engine.layers.quantization`): the unquantized one is a
+dense ``[out, in]`` matrix; a quantized format registers its own parameters (packed int4
+words, fp8 values, scales), each marked with the dimensions of its output and input features
+and how many features one element covers (``output_div``, ``input_div``), which is all the
+loaders need to cut a rank's piece of a packed tensor.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -30,6 +39,7 @@ from kvpilot.engine.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from kvpilot.engine.layers.cpu_gemm import linear, prepack
+from kvpilot.engine.layers.quantization.base_config import LinearMethodBase
 from kvpilot.engine.layers.weight_loading import (
     CheckpointTensor,
     copy_weight,
@@ -37,6 +47,9 @@ from kvpilot.engine.layers.weight_loading import (
     narrow,
     shape_of,
 )
+
+if TYPE_CHECKING:
+    from kvpilot.engine.layers.quantization import QuantizationConfig
 
 __all__ = [
     "ColumnParallelLinear",
@@ -54,6 +67,45 @@ __all__ = [
 Placement = tuple[torch.Tensor, tuple[int, ...], int, int]
 
 
+def _elements(features: int, div: int, what: str, strict: bool) -> int:
+    """Elements covering ``features`` features at ``div`` features per element."""
+    if strict and features % div:
+        raise ValueError(
+            f"{what} {features} is not a multiple of {div} (the quantization format's packing, "
+            "group or block size)"
+        )
+    return math.ceil(features / div)
+
+
+class UnquantizedLinearMethod(LinearMethodBase):
+    """The dense weight: ``weight`` ``[out_features, in_features]`` in the compute dtype."""
+
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+    ) -> None:
+        """Register ``layer.weight`` (this rank's rows or columns)."""
+        layer.weight = nn.Parameter(
+            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+            requires_grad=False,
+        )
+        layer.weight.output_dim, layer.weight.input_dim = 0, 1
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Nothing to convert."""
+
+    def apply(
+        self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``x W^T + b`` (see :func:`~kvpilot.engine.layers.cpu_gemm.linear`)."""
+        return linear(x, layer.weight, bias)
+
+
 class Linear(nn.Module):
     """``y = x W^T + b`` with uninitialised parameters (they are always loaded).
 
@@ -65,6 +117,12 @@ class Linear(nn.Module):
         bias: whether a bias vector is present.
         input_size_per_partition, output_size_per_partition: this rank's parameter sizes
             (default: the whole layer).
+        quant_config: the checkpoint's quantization format, or None (dense weights).
+        prefix: the layer's module name (``model.layers.0.self_attn.qkv_proj``): the format
+            looks it up in its list of unquantized layers.
+
+    Raises:
+        ValueError: sizes the quantization format cannot hold (named in the message).
     """
 
     def __init__(
@@ -75,6 +133,8 @@ class Linear(nn.Module):
         *,
         input_size_per_partition: int | None = None,
         output_size_per_partition: int | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         self.input_size = input_size
@@ -83,43 +143,130 @@ class Linear(nn.Module):
         self.output_size_per_partition = output_size_per_partition or output_size
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
-        self.weight = nn.Parameter(
-            torch.empty(self.output_size_per_partition, self.input_size_per_partition),
-            requires_grad=False,
+        self.prefix = prefix
+        method = quant_config.get_quant_method(self, prefix) if quant_config else None
+        self.quant_method = method or UnquantizedLinearMethod()
+        self.quant_method.create_weights(
+            self,
+            self.input_size_per_partition,
+            self.output_partition_sizes(),
+            input_size,
+            output_size,
+            torch.get_default_dtype(),
         )
-        self.weight.weight_loader = self.weight_loader
         self.bias: nn.Parameter | None = None
         if bias:
             self.bias = nn.Parameter(
                 torch.empty(self.output_size_per_partition), requires_grad=False
             )
-            self.bias.weight_loader = self.weight_loader
+            self.bias.output_dim = 0
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
+
+    def output_partition_sizes(self) -> list[int]:
+        """This rank's output features of each stacked projection (one entry unstacked)."""
+        return [self.output_size_per_partition]
+
+    def output_shard(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
+        """``(offset in this rank's rows, rows, checkpoint tensor rows, first checkpoint row)``
+        of one stacked shard (of the whole output when not stacked), in output features."""
+        if shard_id is not None:
+            raise ValueError(f"is a stacked shard ({shard_id!r}) of a layer that stacks nothing")
+        return 0, self.output_size_per_partition, self.output_size, 0
+
+    def input_shard(self) -> tuple[int, int] | None:
+        """``(checkpoint tensor columns, first checkpoint column)`` of this rank's input
+        features, or None where every rank holds all of them."""
+        return None
+
+    def stacked_shards(self) -> list[tuple[str | int, int]]:
+        """``(shard id, checkpoint rows)`` of each stacked projection in output order; empty
+        for a layer that stacks nothing."""
+        return []
 
     def placement(self, param: nn.Parameter, shard_id: str | int | None) -> Placement:
         """Where ``param``'s checkpoint tensor (or its stacked shard ``shard_id``) goes.
 
+        The parameter's ``output_dim`` / ``input_dim`` say which dimensions hold output and
+        input features, ``output_div`` / ``input_div`` how many features one element covers
+        (:func:`~kvpilot.engine.layers.quantization.base_config.set_weight_attrs`); the dense
+        weight is ``output_dim=0, input_dim=1``, both 1.
+
         Raises:
-            ValueError: a ``shard_id`` for a layer that stacks nothing.
+            ValueError: a ``shard_id`` for a layer that stacks nothing, or a rank's piece that
+                does not fall on the format's packing, group or block boundaries.
         """
-        if shard_id is not None:
-            raise ValueError(f"is a stacked shard ({shard_id!r}) of a layer that stacks nothing")
-        return param.data, tuple(param.shape), 0, 0
+        target, full = param.data, list(param.shape)
+        dim = start = 0
+        out_dim = getattr(param, "output_dim", None)
+        offset, rows, full_rows, out_start = self.output_shard(shard_id)
+        if out_dim is not None:
+            div = getattr(param, "output_div", 1)
+            # A partial last block is fine when this is the whole tensor.
+            strict = rows != full_rows
+            n = _elements(rows, div, "output features per shard", strict)
+            first = _elements(offset, div, "output offset", True)
+            target = target.narrow(out_dim, first, n)
+            full[out_dim] = _elements(full_rows, div, "output features", False)
+            dim, start = out_dim, _elements(out_start, div, "output offset", strict)
+        in_dim = getattr(param, "input_dim", None)
+        input_shard = self.input_shard()
+        if in_dim is not None and input_shard is not None:
+            full_cols, in_start = input_shard
+            div = getattr(param, "input_div", 1)
+            strict = full_cols != self.input_size_per_partition
+            _elements(self.input_size_per_partition, div, "input features per rank", strict)
+            full[in_dim] = _elements(full_cols, div, "input features", False)
+            dim, start = in_dim, _elements(in_start, div, "input offset", strict)
+        return target, tuple(full), dim, start
+
+    def shard_index(self, shard_id: str | int | None) -> int:
+        """Position of stacked shard ``shard_id`` among :meth:`stacked_shards` (0 unstacked)."""
+        ids = [sid for sid, _ in self.stacked_shards()]
+        if shard_id is None:
+            if ids:
+                raise ValueError("is a per-projection scale of a stacked layer without a shard id")
+            return 0
+        if shard_id not in ids:
+            raise ValueError(f"is a stacked shard ({shard_id!r}) of a layer that stacks {ids}")
+        return ids.index(shard_id)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | int | None = None
     ) -> None:
         """Copy this rank's piece of one checkpoint tensor (or one stacked shard of it).
 
+        A per-projection scalar (``per_shard``: an fp8 per-tensor scale) goes to its
+        projection's slot. A tensor every stacked projection stores alike (``same_in_shards``:
+        GPTQ's act-order ``g_idx``, the same for projections of the same input) is loaded
+        once and the others checked against it.
+
         Raises:
-            ValueError: the tensor's shape does not match its place.
+            ValueError: the tensor's shape does not match its place, or stacked projections
+                disagree on a tensor they must share.
         """
         with torch.no_grad():
+            if getattr(param, "same_in_shards", False) and shard_id is not None:
+                target, expected_shape, dim, start = self.placement(param, shard_id)
+                piece = torch.empty_like(target)
+                load_shard(piece, loaded, expected_shape, dim, start)
+                if getattr(param, "loaded_once", False) and not torch.equal(piece, target):
+                    raise ValueError(f"(shard {shard_id!r}) differs from the other projections'")
+                target.copy_(piece)
+                param.loaded_once = True
+                return
+            if getattr(param, "per_shard", False):
+                value = loaded if isinstance(loaded, torch.Tensor) else loaded[...]
+                if value.numel() != 1:
+                    raise ValueError(f"has shape {tuple(value.shape)}, the model expects a scalar")
+                param.data[self.shard_index(shard_id)] = value.reshape(())
+                return
             target, expected_shape, dim, start = self.placement(param, shard_id)
             load_shard(target, loaded, expected_shape, dim, start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., input_size_per_partition]`` -> ``[..., output_size_per_partition]``."""
-        return linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ColumnParallelLinear(Linear):
@@ -129,6 +276,7 @@ class ColumnParallelLinear(Linear):
     Args:
         input_size, output_size: feature sizes of the whole layer.
         bias: whether a bias vector is present.
+        quant_config, prefix: see :class:`Linear`.
 
     Raises:
         ValueError: ``output_size`` not divisible by the tensor-parallel size.
@@ -141,6 +289,8 @@ class ColumnParallelLinear(Linear):
         bias: bool = False,
         *,
         output_size_per_partition: int | None = None,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         super().__init__(
@@ -149,24 +299,15 @@ class ColumnParallelLinear(Linear):
             bias,
             output_size_per_partition=output_size_per_partition
             or divide(output_size, tp_size, "output_size"),
+            quant_config=quant_config,
+            prefix=prefix,
         )
 
     def output_shard(self, shard_id: str | int | None) -> tuple[int, int, int, int]:
-        """``(offset in this rank's rows, rows, checkpoint tensor rows, first checkpoint row)``
-        of one stacked shard (of the whole output when not stacked)."""
         if shard_id is not None:
             raise ValueError(f"is a stacked shard ({shard_id!r}) of a layer that stacks nothing")
         rows = self.output_size_per_partition
         return 0, rows, self.output_size, self.tp_rank * rows
-
-    def placement(self, param: nn.Parameter, shard_id: str | int | None) -> Placement:
-        offset, rows, full_rows, start = self.output_shard(shard_id)
-        return param.data.narrow(0, offset, rows), (full_rows, *param.shape[1:]), 0, start
-
-    def stacked_shards(self) -> list[tuple[str | int, int]]:
-        """``(shard id, checkpoint rows)`` of each stacked projection in output order; empty
-        for a layer that stacks nothing."""
-        return []
 
     def weight_loader(
         self, param: nn.Parameter, loaded: CheckpointTensor, shard_id: str | int | None = None
@@ -185,6 +326,8 @@ class ColumnParallelLinear(Linear):
         if shard_id is not None or not shards:
             super().weight_loader(param, loaded, shard_id)
             return
+        if getattr(param, "output_dim", None) != 0 or getattr(param, "output_div", 1) != 1:
+            raise ValueError("is a fused stacked tensor of a quantized layer; not supported")
         expected = (self.output_size, *param.shape[1:])
         if shape_of(loaded) != expected:
             raise ValueError(f"has shape {shape_of(loaded)}, the model expects {expected}")
@@ -204,11 +347,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             checkpoint shard ``i`` fills this rank's ``i``-th slice.
         bias: whether the projections have biases.
 
+        quant_config, prefix: see :class:`Linear`.
+
     Raises:
         ValueError: an output size not divisible by the tensor-parallel size.
     """
 
-    def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool = False,
+        *,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.output_sizes = list(output_sizes)
         self.output_sizes_per_partition = [
@@ -219,7 +372,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             sum(output_sizes),
             bias,
             output_size_per_partition=sum(self.output_sizes_per_partition),
+            quant_config=quant_config,
+            prefix=prefix,
         )
+
+    def output_partition_sizes(self) -> list[int]:
+        return list(self.output_sizes_per_partition)
 
     def stacked_shards(self) -> list[tuple[str | int, int]]:
         return list(enumerate(self.output_sizes))
@@ -246,6 +404,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         num_heads: query heads of the whole layer.
         num_kv_heads: key/value heads of the whole layer (fewer under grouped-query attention).
         bias: whether q/k/v have biases (Qwen2).
+        quant_config, prefix: see :class:`Linear`.
 
     Attributes:
         num_heads, num_kv_heads: heads held by this rank.
@@ -257,7 +416,15 @@ class QKVParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(
-        self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        *,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.head_dim = head_dim
@@ -282,7 +449,12 @@ class QKVParallelLinear(ColumnParallelLinear):
             (num_heads + 2 * num_kv_heads) * head_dim,
             bias,
             output_size_per_partition=self.q_size + 2 * self.kv_size,
+            quant_config=quant_config,
+            prefix=prefix,
         )
+
+    def output_partition_sizes(self) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
 
     def stacked_shards(self) -> list[tuple[str | int, int]]:
         kv_rows = self.total_num_kv_heads * self.head_dim
@@ -313,33 +485,39 @@ class RowParallelLinear(Linear):
     Args:
         input_size, output_size: feature sizes of the whole layer.
         bias: whether a bias vector is present.
+        quant_config, prefix: see :class:`Linear`.
 
     Raises:
         ValueError: ``input_size`` not divisible by the tensor-parallel size.
     """
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        *,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         tp_size = get_tensor_model_parallel_world_size()
         super().__init__(
             input_size,
             output_size,
             bias,
             input_size_per_partition=divide(input_size, tp_size, "input_size"),
+            quant_config=quant_config,
+            prefix=prefix,
         )
 
-    def placement(self, param: nn.Parameter, shard_id: str | int | None) -> Placement:
-        if param is self.bias:
-            return super().placement(param, shard_id)
-        if shard_id is not None:
-            raise ValueError(f"is a stacked shard ({shard_id!r}) of a layer that stacks nothing")
-        columns = self.input_size_per_partition
-        return param.data, (self.output_size, self.input_size), 1, self.tp_rank * columns
+    def input_shard(self) -> tuple[int, int] | None:
+        return self.input_size, self.tp_rank * self.input_size_per_partition
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., input_size_per_partition]`` -> ``[..., output_size]`` (summed)."""
         if self.tp_size == 1:
-            return linear(x, self.weight, self.bias)
-        out = tensor_model_parallel_all_reduce(linear(x, self.weight))
+            return self.quant_method.apply(self, x, self.bias)
+        out = tensor_model_parallel_all_reduce(self.quant_method.apply(self, x))
         return out if self.bias is None else out + self.bias
 
 

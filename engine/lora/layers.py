@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from kvpilot.engine.layers.linear import ColumnParallelLinear, Linear
+from kvpilot.engine.layers.linear import ColumnParallelLinear, Linear, UnquantizedLinearMethod
 from kvpilot.engine.lora.adapter import LoRAAdapterError, LoRAWeights
 from kvpilot.engine.lora.torch_delta import PaddedBatch, add_lora_delta, padded_batch
 from kvpilot.kernels.lora_expand import lora_expand
@@ -106,6 +106,11 @@ class LinearWithLoRA(nn.Module):
         mapping: LoRABatchMapping,
     ) -> None:
         super().__init__()
+        if not isinstance(base_layer.quant_method, UnquantizedLinearMethod):
+            raise ValueError(
+                f"LoRA on quantized layers ({type(base_layer.quant_method).__name__}) is not "
+                "supported"
+            )
         self.base_layer = base_layer
         self.shard_ids = shard_ids
         self.max_lora_rank = max_lora_rank

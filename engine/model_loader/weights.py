@@ -14,6 +14,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import CONFIG_MAPPING, PretrainedConfig
 
+from kvpilot.engine.layers.quantization import get_quantization_config
 from kvpilot.engine.layers.weight_loading import CheckpointTensor
 from kvpilot.engine.models import get_model_class
 
@@ -80,6 +81,7 @@ def load_model(
     attention_backend: str = "torch",
     max_model_len: int | None = None,
     config: PretrainedConfig | None = None,
+    quantization: str | None = None,
 ) -> torch.nn.Module:
     """Instantiate our implementation of the folder's architecture and load its weights.
 
@@ -101,23 +103,38 @@ def load_model(
             rotary factors when it exceeds ``original_max_position_embeddings``.
         config: the folder's config already read (:func:`read_model_config`); read here when
             None.
+        quantization: ``--quantization``: None loads the checkpoint's own
+            ``quantization_config`` (or none); a method name must agree with it (see
+            :func:`~kvpilot.engine.layers.quantization.get_quantization_config`). Quantized
+            layers keep their packed weights; each layer's method converts them once every
+            tensor is loaded (``process_weights_after_loading``).
 
     Returns:
         The model in eval mode (see ``kvpilot.engine.models`` for its interface).
 
     Raises:
-        ValueError: an unsupported architecture (named in the message), or weights that are
-            missing from the checkpoint or do not fit the config.
+        ValueError: an unsupported architecture or quantization format (named in the message),
+            or weights that are missing from the checkpoint or do not fit the config.
     """
     model_dir = pathlib.Path(model_dir)
     if config is None:
         config = read_model_config(model_dir)[1]
     model_cls = get_model_class(config)
+    quant_config = get_quantization_config(
+        getattr(config, "quantization_config", None), quantization
+    )
+    extra = {} if quant_config is None else {"quant_config": quant_config}
     device = torch.device(device)
     with _default_dtype(dtype), device:
-        model = model_cls(config, attention_backend=attention_backend, max_model_len=max_model_len)
+        model = model_cls(
+            config, attention_backend=attention_backend, max_model_len=max_model_len, **extra
+        )
     loaded = model.load_weights(iterate_safetensors(model_dir, lazy=True))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
         raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing)}")
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -38,6 +39,9 @@ from kvpilot.engine.layers.linear import (
 )
 from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding, RotaryPositions
 from kvpilot.engine.layers.weight_loading import CheckpointTensor, copy_weight
+
+if TYPE_CHECKING:
+    from kvpilot.engine.layers.quantization import QuantizationConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -113,6 +117,8 @@ class LlamaAttention(nn.Module):
         options: biases, q/k norm and sliding window of this layer.
         backend: the attention backend shared by all layers.
         rotary_emb: the rotary embedding shared by all layers.
+        quant_config: the checkpoint's weight quantization, or None.
+        prefix: this module's name (``model.layers.0.self_attn``).
     """
 
     def __init__(
@@ -121,6 +127,8 @@ class LlamaAttention(nn.Module):
         options: AttentionOptions,
         backend: AttentionBackend,
         rotary_emb: RotaryEmbedding,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         self.head_dim = head_dim_of(config)
@@ -132,11 +140,17 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             options.qkv_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
         )
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, options.o_bias
+            config.num_attention_heads * self.head_dim,
+            config.hidden_size,
+            options.o_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
         )
         kernel_backend = rotary_emb.kernel_backend
         self.q_norm = self.k_norm = None
@@ -174,18 +188,34 @@ class LlamaMLP(nn.Module):
     Args:
         config: the model config.
         kernel_backend: the activation's implementation, ``"torch"`` or ``"triton"``.
+        quant_config: the checkpoint's weight quantization, or None.
+        prefix: this module's name (``model.layers.0.mlp``).
 
     Raises:
         ValueError: an unsupported ``hidden_act`` (named in the message).
     """
 
-    def __init__(self, config: PretrainedConfig, kernel_backend: str = "torch") -> None:
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        kernel_backend: str = "torch",
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
+    ) -> None:
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size,
+            [size, size],
+            bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj",
+        )
         self.act_fn = get_act_and_mul(config.hidden_act, kernel_backend)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias)
+        self.down_proj = RowParallelLinear(
+            size, config.hidden_size, bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> same shape."""
@@ -208,6 +238,8 @@ class LlamaDecoderLayer(nn.Module):
             layer's norms' and activation's too.
         model_options: the norm class, the residual multiplier and the MLP builder.
         layer_idx: this layer's index (the MLP may differ per layer).
+        quant_config: the checkpoint's weight quantization, or None.
+        prefix: this module's name (``model.layers.0``).
     """
 
     def __init__(
@@ -218,12 +250,21 @@ class LlamaDecoderLayer(nn.Module):
         rotary_emb: RotaryEmbedding,
         model_options: ModelOptions,
         layer_idx: int = 0,
+        quant_config: QuantizationConfig | None = None,
+        prefix: str = "",
     ) -> None:
         super().__init__()
         kernel_backend = rotary_emb.kernel_backend
-        self.self_attn = LlamaAttention(config, options, backend, rotary_emb)
+        self.self_attn = LlamaAttention(
+            config, options, backend, rotary_emb, quant_config, f"{prefix}.self_attn"
+        )
         if model_options.mlp is None:
-            self.mlp = LlamaMLP(config, kernel_backend)
+            self.mlp = LlamaMLP(config, kernel_backend, quant_config, f"{prefix}.mlp")
+        elif quant_config is not None:
+            raise ValueError(
+                f"quantized mixture-of-experts checkpoints are not supported "
+                f"({quant_config.get_name()}); use the unquantized checkpoint"
+            )
         else:
             self.mlp = model_options.mlp(config, layer_idx, kernel_backend)
         norm = model_options.norm
@@ -279,6 +320,8 @@ class LlamaModel(nn.Module):
         model_options: embedding and residual multipliers and the norm class.
         max_model_len: the longest sequence served, tokens (the rotary embedding's LongRoPE
             factors depend on it); None for the config's ``max_position_embeddings``.
+        quant_config: the checkpoint's weight quantization of the decoder layers' linear
+            layers, or None; the embedding and the LM head stay in the compute dtype.
     """
 
     def __init__(
@@ -289,6 +332,7 @@ class LlamaModel(nn.Module):
         kernel_backend: str = "torch",
         model_options: ModelOptions = ModelOptions(),
         max_model_len: int | None = None,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -297,7 +341,16 @@ class LlamaModel(nn.Module):
             config, head_dim_of(config), kernel_backend, max_model_len
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, layer_options, backend, self.rotary_emb, model_options, i)
+            LlamaDecoderLayer(
+                config,
+                layer_options,
+                backend,
+                self.rotary_emb,
+                model_options,
+                i,
+                quant_config,
+                f"model.layers.{i}",
+            )
             for i, layer_options in enumerate(options)
         )
         self.norm = model_options.norm(config.hidden_size, config.rms_norm_eps, kernel_backend)
@@ -330,6 +383,8 @@ class LlamaForCausalLM(nn.Module):
             ``"triton"``).
         max_model_len: the longest sequence the engine serves, tokens; None for the config's
             ``max_position_embeddings`` (only LongRoPE's frequencies depend on it).
+        quant_config: the checkpoint's weight quantization
+            (:func:`~kvpilot.engine.layers.quantization.get_quantization_config`), or None.
 
     Attributes:
         config: the Hugging Face config.
@@ -352,6 +407,7 @@ class LlamaForCausalLM(nn.Module):
         config: PretrainedConfig,
         attention_backend: str = "torch",
         max_model_len: int | None = None,
+        quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
         self.config = config
@@ -364,7 +420,7 @@ class LlamaForCausalLM(nn.Module):
         model_options = self.model_options(config, self.dtype)
         self.logits_scaling = model_options.logits_scaling
         self.model = LlamaModel(
-            config, options, backend, backend.name, model_options, max_model_len
+            config, options, backend, backend.name, model_options, max_model_len, quant_config
         )
         self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))

@@ -38,6 +38,8 @@ _POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.int32: "*i32",
     torch.int64: "*i64",
+    torch.uint8: "*u8",
+    torch.float8_e4m3fn: "*fp8e4nv",
 }
 
 

@@ -317,6 +317,8 @@ def test_engine_support():
     awq = {**load("Mistral-7B-v0.1"), "quantization_config": {"quant_method": "awq", "bits": 4}}
     assert ModelShape.from_hf_config(awq).quantization_method == "awq"
     assert ModelShape.from_hf_config(awq).is_supported_by_engine
+    bnb = {**awq, "quantization_config": {"quant_method": "bitsandbytes"}}
+    assert not ModelShape.from_hf_config(bnb).is_supported_by_engine
     # transformers' configs built from GGUF metadata carry model_type but no architectures.
     gguf_like = {**load("SmolLM2-135M-Instruct"), "architectures": None}
     assert ModelShape.from_hf_config(gguf_like).is_supported_by_engine
