@@ -1,0 +1,99 @@
+"""Pipeline parallelism on CPU with gloo (``mp`` executor): stages of layers in separate
+processes, alone and with tensor parallelism inside each stage, must reproduce one process.
+
+As in test_tensor_parallel.py, every engine has the same number of KV blocks as the one-rank
+engine it is compared with, so both schedule the same batches and preempt the same requests:
+greedy tokens identical, top-2 logprobs equal to float32 rounding. The stage split and the
+per-stage KV cache are read back from the workers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvpilot.engine import LLM
+from kvpilot.engine.distributed import parallel_state
+from kvpilot.engine.distributed.pipeline import get_pp_indices
+from kvpilot.engine.model_loader import load_model
+from tests.engine.parallel_helpers import (
+    BLOCK_SIZE,
+    assert_same_generation,
+    generate,
+    make_llm,
+    model_shape,
+    random_prompts,
+)
+
+# 5 requests needing 31 blocks in all share 16: some are preempted and recomputed.
+PROMPT_LENGTHS = [1, 7, 9, 17, 33]
+NUM_BLOCKS = 16
+
+
+def test_layers_split_as_vllm_splits_them():
+    assert [get_pp_indices(30, r, 4) for r in range(4)] == [(0, 7), (7, 15), (15, 23), (23, 30)]
+    assert [get_pp_indices(5, r, 2) for r in range(2)] == [(0, 3), (3, 5)]
+    assert [get_pp_indices(3, r, 3) for r in range(3)] == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError, match="num_hidden_layers 2 is smaller than"):
+        get_pp_indices(2, 0, 3)
+
+
+def test_more_stages_than_layers_is_refused(tiny_model_dir):
+    with pytest.raises(
+        ValueError, match="num_hidden_layers 2 is smaller than pipeline_parallel_size 3"
+    ):
+        LLM(str(tiny_model_dir("llama")), pipeline_parallel_size=3)
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_each_stage_holds_only_its_layers(tiny_model_dir, monkeypatch, tied):
+    """No process group needed: a model reads its stage when built. The last stage of a tied
+    model gets its own copy of the embedding table as its LM head."""
+    model_dir = tiny_model_dir("llama", num_hidden_layers=3, tie_word_embeddings=tied)
+    full = load_model(model_dir, torch.float32, "cpu")
+    whole = dict(full.named_parameters())
+    held = []
+    for stage in range(2):
+        state = parallel_state.PipelineParallelState(stage, 2)
+        monkeypatch.setattr(parallel_state, "_PP_STATE", state)
+        part = load_model(model_dir, torch.float32, "cpu")
+        params = dict(part.named_parameters())
+        held.append(set(params))
+        for name, param in params.items():
+            source = "model.embed_tokens.weight" if name == "lm_head.weight" and tied else name
+            assert torch.equal(param, whole[source]), name
+        assert part.num_layers == (2, 1)[stage]
+    first, last = held
+    assert "model.embed_tokens.weight" in first and "lm_head.weight" not in first
+    assert "model.norm.weight" in last and "lm_head.weight" in last
+    assert not any(n.startswith(("model.layers.2.", "model.norm.")) for n in first)
+    assert not any(n.startswith(("model.layers.0.", "model.layers.1.")) for n in last)
+    assert first.isdisjoint(last)
+    assert first | last == set(whole) | ({"lm_head.weight"} if tied else set())
+
+
+@pytest.fixture(scope="module")
+def single_rank_reference(tiny_model_dir):
+    """Greedy generation of the 3-layer tiny model on one rank, and the model folder."""
+    model_dir = tiny_model_dir("llama", num_hidden_layers=3)
+    llm = make_llm(model_dir, 1, NUM_BLOCKS)
+    return model_dir, generate(llm, random_prompts(PROMPT_LENGTHS), max_tokens=12)
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
+def test_stages_match_one_rank_under_batching_and_preemption(single_rank_reference, tp, pp):
+    model_dir, expected = single_rank_reference
+    llm = make_llm(model_dir, tp, NUM_BLOCKS, pp=pp)
+    try:
+        assert_same_generation(
+            expected, generate(llm, random_prompts(PROMPT_LENGTHS), max_tokens=12)
+        )
+        executor = llm.llm_engine.executor
+        # Ranks stage by stage; the 3 layers split 2 + 1; each rank's cache holds its stage's.
+        stages = [(0, 0, 2)] * tp + [(1, 2, 3)] * tp
+        assert executor.collective_rpc("stage") == stages
+        spec = model_shape(model_dir)
+        per_layer = spec.kv_bytes_per_token(4, tp) // spec.num_layers * BLOCK_SIZE * NUM_BLOCKS
+        assert executor.collective_rpc("kv_cache_bytes") == [2 * per_layer] * tp + [per_layer] * tp
+    finally:
+        llm.llm_engine.shutdown()
