@@ -80,7 +80,11 @@ def single_rank_reference(tiny_model_dir):
     return model_dir, generate(llm, random_prompts(PROMPT_LENGTHS), max_tokens=12)
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)], ids=["pp2", "tp2xpp2"])
+@pytest.mark.parametrize(
+    "tp,pp",
+    [(1, 2), pytest.param(2, 2, marks=pytest.mark.slow)],  # 4 processes on 2 cores: slow
+    ids=["pp2", "tp2xpp2"],
+)
 def test_stages_match_one_rank_under_batching_and_preemption(single_rank_reference, tp, pp):
     model_dir, expected = single_rank_reference
     llm = make_llm(model_dir, tp, NUM_BLOCKS, pp=pp)
