@@ -32,12 +32,10 @@ import torch
 
 from kvpilot.engine.distributed import destroy_distributed_environment
 from kvpilot.engine.distributed.pipeline import check_pipeline_parallel_size
-from kvpilot.engine.executor.abstract import EngineDeadError, Executor
+from kvpilot.engine.executor.abstract import DistributedExecutor, EngineDeadError
 from kvpilot.engine.executor.worker import Worker, WorkerConfig
 from kvpilot.engine.executor.worker_input import WorkerInputEncoder
-from kvpilot.engine.model_runner import ModelRunnerOutput
 from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
-from kvpilot.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("kvpilot.engine")
 
@@ -79,7 +77,7 @@ def check_parallel_config(config: WorkerConfig, *, local: bool = True) -> None:
             )
 
 
-class MultiprocExecutor(Executor):
+class MultiprocExecutor(DistributedExecutor):
     """Spawns ``tensor_parallel_size x pipeline_parallel_size`` worker processes and drives
     them step by step.
 
@@ -161,19 +159,6 @@ class MultiprocExecutor(Executor):
         return self._gather(
             method, reply_rank, self.config.distributed_timeout_s + STEP_TIMEOUT_MARGIN_S
         )
-
-    def profile_peak_memory(self, num_tokens: int, max_model_len: int) -> int:
-        return max(self.collective_rpc("profile_peak_memory", num_tokens, max_model_len))
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        # The last stage's ranks sample the same tokens from the same gathered logits; its
-        # first rank reports them.
-        message = self._encoder.encode(scheduler_output)
-        output_rank = self.config.output_rank
-        return self.collective_rpc("execute_step", message, reply_rank=output_rank)[output_rank]
 
     def check_health(self) -> None:
         if self._failure is None:

@@ -3,8 +3,7 @@ one placement group, on as many nodes as the cluster offers.
 
 vLLM's recipe for models larger than one node: tensor parallelism inside a node, pipeline
 parallelism across nodes, Ray for placing and supervising the workers. The executor connects to
-the cluster at ``RAY_ADDRESS`` (or one this process already joined), else starts a local one on
-the loopback address. It reserves one bundle per rank in a placement group (``{"GPU": 1}`` per
+the cluster at ``RAY_ADDRESS`` (or one this process already joined), else starts a local one. It reserves one bundle per rank in a placement group (``{"GPU": 1}`` per
 bundle on GPUs, ``{"CPU": 1}`` on the CPU) and waits for the group to be placed, so a
 replica's ranks are co-scheduled or not started at all. Ranks are numbered node by node (the
 driver's node first), so that with ``tensor_parallel_size`` = GPUs per node each pipeline stage
@@ -30,15 +29,13 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from kvpilot.engine.executor.abstract import EngineDeadError, Executor
+from kvpilot.engine.executor.abstract import DistributedExecutor, EngineDeadError
 from kvpilot.engine.executor.multiproc_executor import (
     STEP_TIMEOUT_MARGIN_S,
     check_parallel_config,
 )
 from kvpilot.engine.executor.worker import Worker, WorkerConfig
 from kvpilot.engine.executor.worker_input import WorkerInputEncoder
-from kvpilot.engine.model_runner import ModelRunnerOutput
-from kvpilot.engine.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("kvpilot.engine")
 
@@ -84,7 +81,7 @@ class RayWorkerWrapper:
         return True
 
 
-class RayExecutor(Executor):
+class RayExecutor(DistributedExecutor):
     """Runs ``tensor_parallel_size x pipeline_parallel_size`` ranks as Ray actors.
 
     Args:
@@ -190,17 +187,6 @@ class RayExecutor(Executor):
         ]
         return self._get(refs, method, self.config.distributed_timeout_s + STEP_TIMEOUT_MARGIN_S)
 
-    def profile_peak_memory(self, num_tokens: int, max_model_len: int) -> int:
-        return max(self.collective_rpc("profile_peak_memory", num_tokens, max_model_len))
-
-    def initialize_cache(self, num_blocks: int) -> None:
-        self.collective_rpc("initialize_cache", num_blocks)
-
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        message = self._encoder.encode(scheduler_output)
-        output_rank = self.config.output_rank
-        return self.collective_rpc("execute_step", message, reply_rank=output_rank)[output_rank]
-
     def check_health(self) -> None:
         self._raise_if_dead()
         self._get([a.ping.remote() for a in self._actors], "health check", HEALTH_CHECK_TIMEOUT_S)
@@ -303,10 +289,13 @@ class RayExecutor(Executor):
 
 def _connect(world_size: int, on_gpu: bool) -> bool:
     """Join the cluster at ``RAY_ADDRESS``, or the one this process is connected to, or start a
-    local one on the loopback address; whether this call started Ray.
+    local one; whether this call started Ray.
 
     A local CPU cluster gets at least ``world_size`` CPUs so every rank's bundle fits (on a
-    machine with fewer cores the ranks then share them).
+    machine with fewer cores the ranks then share them). Ray binds a local cluster to this
+    node's outward address (so that other nodes could join); with
+    ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0`` in the environment before Ray is imported it stays
+    on 127.0.0.1 (the tests and benchmarks do so).
     """
     import ray
 
@@ -317,7 +306,7 @@ def _connect(world_size: int, on_gpu: bool) -> bool:
         ray.init(address=address)
         return False
     num_cpus = None if on_gpu else max(os.cpu_count() or 1, world_size)
-    ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(num_cpus=num_cpus, include_dashboard=False)
     return True
 
 
