@@ -69,6 +69,21 @@ class PipelineParallelState:
 
 _STATE = TensorParallelState()
 _PP_STATE = PipelineParallelState()
+# Seconds the ranks may take to all reach the rendezvous (start-up), whatever the collective
+# timeout.
+RENDEZVOUS_TIMEOUT_S = 600.0
+
+
+def _parse_tcp_init_method(init_method: str) -> tuple[str, int]:
+    """``"tcp://host:port"`` -> ``(host, port)``.
+
+    Raises:
+        ValueError: another form (named in the message).
+    """
+    if not init_method.startswith("tcp://") or ":" not in init_method[6:]:
+        raise ValueError(f"init_method must be tcp://host:port, got {init_method!r}")
+    host, port = init_method[6:].rsplit(":", 1)
+    return host, int(port)
 
 
 def init_distributed_environment(
@@ -107,9 +122,19 @@ def init_distributed_environment(
     backend = "nccl" if device.type == "cuda" else "gloo"
     group = None
     if world_size > 1:
+        # The rendezvous waits as long as ranks take to start (imports, a Ray actor's
+        # placement); only the collectives are held to ``timeout_s``.
+        host, port = _parse_tcp_init_method(init_method)
+        store = dist.TCPStore(
+            host,
+            port,
+            world_size,
+            is_master=rank == 0,
+            timeout=datetime.timedelta(seconds=max(timeout_s, RENDEZVOUS_TIMEOUT_S)),
+        )
         dist.init_process_group(
             backend=backend,
-            init_method=init_method,
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s),

@@ -44,6 +44,8 @@ _SHUTDOWN_GRACE_S = 5.0
 # What a step may wait past the collective timeout for a silent rank, before the driver
 # declares it dead itself (seconds): its peers' collectives report it first when they can.
 STEP_TIMEOUT_MARGIN_S = 30.0
+# Seconds to wait, once one rank failed, for the others to answer or be seen dead.
+_ROOT_CAUSE_GRACE_S = 5.0
 
 
 def check_parallel_config(config: WorkerConfig, *, local: bool = True) -> None:
@@ -196,18 +198,40 @@ class MultiprocExecutor(DistributedExecutor):
                     except (EOFError, OSError):
                         self._fail(_death_message(rank, self._procs[rank], method))
                     if status == "error":
-                        # A peer's death surfaces in the survivors as a collective error
-                        # ("connection reset"): name the dead rank, the root cause, first.
-                        self._fail(
-                            self._dead_worker_message(method)
-                            or f"worker rank {rank} failed during {method}:\n{value}"
-                        )
+                        others = {r: c for r, c in pending.items() if r != rank}
+                        self._fail(self._failure_message(rank, value, method, others))
                     results[rank] = value
                     del pending[rank]
             for sentinel, rank in sentinels.items():
                 if sentinel in ready and rank in pending:
                     self._fail(_death_message(rank, self._procs[rank], method))
         return results
+
+    def _failure_message(
+        self,
+        rank: int,
+        error: str,
+        method: str,
+        others: dict[int, multiprocessing.connection.Connection],
+    ) -> str:
+        """What failed, when rank ``rank`` raised ``error``: a peer's death surfaces in the
+        survivors as a collective error ("connection reset"), a silent peer as a collective
+        timeout, so a dead rank (the root cause) is named first, else the ranks still silent
+        ``_ROOT_CAUSE_GRACE_S`` later beside the error."""
+        dead = self._dead_worker_message(method)
+        if dead is None and others:
+            ready = multiprocessing.connection.wait(
+                list(others.values()), timeout=_ROOT_CAUSE_GRACE_S
+            )
+            dead = self._dead_worker_message(method)
+            silent = [r for r, conn in others.items() if conn not in ready]
+            if dead is None and silent:
+                return (
+                    f"worker rank {rank} failed during {method}; rank(s) "
+                    f"{', '.join(map(str, silent))} had not answered {_ROOT_CAUSE_GRACE_S:.0f} s "
+                    f"later (stopped, or waiting on a collective with rank {rank}):\n{error}"
+                )
+        return dead or f"worker rank {rank} failed during {method}:\n{error}"
 
     def _dead_worker_message(self, method: str) -> str | None:
         """The death message of the first worker process that has exited, if any."""

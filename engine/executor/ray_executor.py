@@ -224,17 +224,16 @@ class RayExecutor(DistributedExecutor):
             except ray.exceptions.RayError as exc:
                 # A peer's death surfaces in the survivors as a collective error: name the
                 # dead rank, the root cause, when one reports it in time.
-                self._fail(
-                    self._first_death(pending, rank_of, method)
-                    or f"Ray worker rank {rank} ({self._where(rank)}) failed during {method}:\n"
-                    f"{exc}"
-                )
+                failed = f"Ray worker rank {rank} ({self._where(rank)}) failed during {method}"
+                cause = self._first_death(pending, rank_of, method)
+                self._fail(f"{cause}\n({failed}:\n{exc})" if cause else f"{failed}:\n{exc}")
         return results
 
     def _first_death(self, pending: list, rank_of: dict, method: str) -> str | None:
-        """The death message of a pending rank whose actor died, if one says so in time."""
+        """Once one rank failed: the death message of a pending rank whose actor died, or the
+        pending ranks still silent ``_ROOT_CAUSE_GRACE_S`` later; None when they all answered."""
         ray = self._ray
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=_ROOT_CAUSE_GRACE_S)
+        ready, silent = ray.wait(pending, num_returns=len(pending), timeout=_ROOT_CAUSE_GRACE_S)
         for ref in ready:
             try:
                 ray.get(ref)
@@ -242,6 +241,13 @@ class RayExecutor(DistributedExecutor):
                 return self._death_message(rank_of[ref], method, exc)
             except ray.exceptions.RayError:
                 continue
+        if silent:
+            ranks = ", ".join(str(rank_of[ref]) for ref in silent)
+            return (
+                f"Ray worker rank(s) {ranks} had not answered {method} "
+                f"{_ROOT_CAUSE_GRACE_S:.0f} s after another rank failed (stopped, or waiting on "
+                "a collective with it)"
+            )
         return None
 
     def _where(self, rank: int) -> str:

@@ -101,3 +101,21 @@ def test_stages_match_one_rank_under_batching_and_preemption(single_rank_referen
         assert executor.collective_rpc("kv_cache_bytes") == [2 * per_layer] * tp + [per_layer] * tp
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow
+def test_two_stages_match_one_on_the_default_model(default_model_dir):
+    """SmolLM2-135M: 30 layers in two stages of 15; its tied head is copied onto stage 1."""
+    prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    # The three requests need 11 blocks of 4 tokens; 9 blocks force preemption.
+    expected = generate(make_llm(default_model_dir, 1, 9), prompts, max_tokens=6)
+    llm = make_llm(default_model_dir, 1, 9, pp=2)
+    try:
+        assert_same_generation(expected, generate(llm, prompts, max_tokens=6))
+        assert llm.llm_engine.executor.collective_rpc("stage") == [(0, 0, 15), (1, 15, 30)]
+    finally:
+        llm.llm_engine.shutdown()

@@ -245,3 +245,23 @@ def test_three_ranks_match_one_on_the_default_model(default_model_dir):
         assert max(weight_bytes) < 0.34 * whole_bytes
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow  # ~30 s: a 3 s collective timeout and a 5 s grace after the start-up
+@pytest.mark.timeout(120)
+def test_a_rank_that_stops_answering_takes_the_engine_down_within_the_timeout(tiny_model_dir):
+    # Start-up is not held to the collective timeout (a 3 s rendezvous would race the imports).
+    llm = make_llm(tiny_model_dir("llama"), 2, num_blocks=16, distributed_timeout_seconds=3)
+    engine = llm.llm_engine
+    try:
+        victim = engine.executor.worker_pids[1]
+        os.kill(victim, signal.SIGSTOP)
+        # Rank 0's all-reduce gives up after 3 s; rank 1 is named as the silent one.
+        with pytest.raises(EngineDeadError, match=r"rank\(s\) 1 had not answered") as dead:
+            generate(llm, random_prompts([5, 6]), max_tokens=4)
+        assert "worker rank 0 failed during execute_step" in str(dead.value)
+        assert tp_workers() == []
+        with pytest.raises(EngineDeadError, match="rank"):
+            engine.check_health()
+    finally:
+        engine.shutdown()
