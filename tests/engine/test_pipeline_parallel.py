@@ -9,10 +9,13 @@ per-stage KV cache are read back from the workers.
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
 from kvpilot.engine import LLM
+from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.distributed import parallel_state
 from kvpilot.engine.distributed.pipeline import get_pp_indices
 from kvpilot.engine.model_loader import load_model
@@ -36,6 +39,33 @@ def test_layers_split_as_vllm_splits_them():
     assert [get_pp_indices(3, r, 3) for r in range(3)] == [(0, 1), (1, 2), (2, 3)]
     with pytest.raises(ValueError, match="num_hidden_layers 2 is smaller than"):
         get_pp_indices(2, 0, 3)
+
+
+def test_parallel_flags_are_vllms():
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    argv = ["-tp", "2", "-pp", "3", "--distributed-executor-backend", "ray"]
+    args = EngineArgs.from_cli_args(
+        parser.parse_args([*argv, "--distributed-timeout-seconds", "30"])
+    )
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size) == (2, 3)
+    assert (args.distributed_executor_backend, args.distributed_timeout_seconds) == ("ray", 30)
+    defaults = EngineArgs()
+    assert (defaults.pipeline_parallel_size, defaults.distributed_executor_backend) == (1, "mp")
+    for kwargs, name in [
+        ({"pipeline_parallel_size": 0}, "pipeline_parallel_size"),
+        ({"distributed_executor_backend": "mpi"}, "distributed_executor_backend"),
+        ({"distributed_timeout_seconds": 0}, "distributed_timeout_seconds"),
+        ({"pipeline_parallel_size": 2, "enable_lora": True}, "enable_lora"),
+        (
+            {
+                "pipeline_parallel_size": 2,
+                "speculative_config": {"model": "d", "num_speculative_tokens": 2},
+            },
+            "speculative_config",
+        ),
+    ]:
+        with pytest.raises(ValueError, match=f"^{name} "):
+            EngineArgs(**kwargs)
 
 
 def test_more_stages_than_layers_is_refused(tiny_model_dir):

@@ -39,21 +39,27 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def ray_cluster():
     """Two Ray nodes of one CPU each on 127.0.0.1, this process connected as the driver."""
-    # Ray would otherwise look up this machine's outward address for its nodes.
-    previous = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
-    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray = pytest.importorskip("ray")
+    from ray._private import ray_constants
     from ray.cluster_utils import Cluster
 
-    node = {"num_cpus": 1, "node_ip_address": "127.0.0.1"}
-    cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
-    cluster.add_node(**node)
-    ray.init(address=cluster.address)
+    # Ray would otherwise bind its nodes to this machine's outward address: the environment
+    # for its processes, the constant for this one (read when Ray was imported).
+    previous = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    enable_cluster, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    cluster = None
     try:
+        node = {"num_cpus": 1, "node_ip_address": "127.0.0.1"}
+        cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
+        cluster.add_node(**node)
+        ray.init(address=cluster.address)
         yield ray
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        if cluster is not None:
+            cluster.shutdown()
+        ray_constants.ENABLE_RAY_CLUSTER = enable_cluster
         if previous is None:
             os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
         else:
