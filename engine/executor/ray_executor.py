@@ -113,12 +113,13 @@ class RayExecutor(DistributedExecutor):
         self._placement_group = placement_group([bundle] * config.world_size, strategy="PACK")
         ready, _ = ray.wait([self._placement_group.ready()], timeout=PLACEMENT_GROUP_TIMEOUT_S)
         if not ready:
-            ray.util.remove_placement_group(self._placement_group)
+            resources = ray.cluster_resources()
+            self._stop()
             raise ValueError(
                 f"Ray could not place {config.world_size} bundles of {bundle} "
                 f"(tensor_parallel_size {config.tensor_parallel_size} x pipeline_parallel_size "
                 f"{config.pipeline_parallel_size}) within {PLACEMENT_GROUP_TIMEOUT_S:.0f} s; "
-                f"the cluster has {ray.cluster_resources()}"
+                f"the cluster has {resources}"
             )
         actor_cls = ray.remote(num_cpus=0 if on_gpu else 1, num_gpus=1 if on_gpu else 0)(
             RayWorkerWrapper

@@ -1,6 +1,7 @@
 """The Ray executor (``distributed_executor_backend="ray"``) on CPU actors with gloo, on a Ray
 cluster of two "nodes" on this machine (``ray.cluster_utils.Cluster``, one CPU each, loopback
-addresses), started once for the module: every engine here spans both nodes.
+addresses), started once for the module and found through ``RAY_ADDRESS``: every engine here
+spans both nodes.
 
 Tensor- and pipeline-parallel engines must reproduce one rank token for token (the same check
 as test_tensor_parallel.py); a pipeline's stages sit one per node; a killed actor turns the
@@ -38,7 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """Two Ray nodes of one CPU each on 127.0.0.1, this process connected as the driver."""
+    """Two Ray nodes of one CPU each on 127.0.0.1, at ``RAY_ADDRESS``."""
     ray = pytest.importorskip("ray")
     from ray._private import ray_constants
     from ray.cluster_utils import Cluster
@@ -53,9 +54,11 @@ def ray_cluster():
         node = {"num_cpus": 1, "node_ip_address": "127.0.0.1"}
         cluster = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False})
         cluster.add_node(**node)
-        ray.init(address=cluster.address)
+        # The first engine connects through RAY_ADDRESS, as a pod of a LeaderWorkerSet would.
+        os.environ["RAY_ADDRESS"] = cluster.address
         yield ray
     finally:
+        os.environ.pop("RAY_ADDRESS", None)
         ray.shutdown()
         if cluster is not None:
             cluster.shutdown()
