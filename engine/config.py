@@ -29,6 +29,7 @@ CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 
 _SIZE_UNITS = {
     "": 1,
@@ -121,6 +122,9 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = "mp"
+    distributed_timeout_seconds: int = 600
     attention_backend: str | None = None
     served_model_name: str | None = None
     generation_config: str = "auto"
@@ -163,6 +167,13 @@ class EngineArgs:
             positive_int(name)
         positive_int("block_size", optional=False)
         positive_int("tensor_parallel_size", optional=False)
+        positive_int("pipeline_parallel_size", optional=False)
+        positive_int("distributed_timeout_seconds", optional=False)
+        if self.distributed_executor_backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            bad(
+                "distributed_executor_backend",
+                f"must be one of {', '.join(DISTRIBUTED_EXECUTOR_BACKENDS)}",
+            )
         positive_int("max_loras", optional=False)
         positive_int("max_lora_rank", optional=False)
         if not isinstance(self.enable_expert_parallel, bool):
@@ -179,6 +190,8 @@ class EngineArgs:
                 bad("lora_modules", "needs enable_lora (--enable-lora)")
         if self.enable_lora and self.tensor_parallel_size > 1:
             bad("enable_lora", "is not supported with tensor_parallel_size > 1 yet")
+        if self.enable_lora and self.pipeline_parallel_size > 1:
+            bad("enable_lora", "is not supported with pipeline_parallel_size > 1 yet")
         if not isinstance(self.gpu_memory_utilization, int | float) or not (
             0.0 < self.gpu_memory_utilization <= 1.0
         ):
@@ -196,6 +209,11 @@ class EngineArgs:
         if self.speculative_config is not None:
             # Parsed here so that a bad config is refused before any model is loaded.
             self.speculative_config = SpeculativeConfig.from_json(self.speculative_config)
+            if self.speculative_config.method == "draft_model" and self.pipeline_parallel_size > 1:
+                bad(
+                    "speculative_config",
+                    "method 'draft_model' needs pipeline_parallel_size 1 (use 'ngram')",
+                )
         if (
             self.max_model_len is not None
             and self.max_num_batched_tokens is not None
@@ -299,7 +317,28 @@ class EngineArgs:
             "-tp",
             type=int,
             default=1,
-            help="number of devices to shard the model over",
+            help="number of devices to shard each pipeline stage over",
+        )
+        group.add_argument(
+            "--pipeline-parallel-size",
+            "-pp",
+            type=int,
+            default=1,
+            help="number of pipeline stages the layers are split into (world size: "
+            "tensor-parallel-size x pipeline-parallel-size)",
+        )
+        group.add_argument(
+            "--distributed-executor-backend",
+            default="mp",
+            choices=DISTRIBUTED_EXECUTOR_BACKENDS,
+            help="how the ranks run: mp: processes on this node; ray: Ray actors in a placement "
+            "group, on the cluster at RAY_ADDRESS or a local one",
+        )
+        group.add_argument(
+            "--distributed-timeout-seconds",
+            type=int,
+            default=600,
+            help="seconds a collective waits for a silent rank before the engine is declared dead",
         )
         group.add_argument(
             "--enable-expert-parallel",

@@ -22,6 +22,7 @@ from kvpilot.engine.config import (
     resolve_max_num_batched_tokens,
 )
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.distributed.pipeline import check_pipeline_parallel_size, max_stage_layers
 from kvpilot.engine.executor import WorkerConfig, create_executor
 from kvpilot.engine.input_processor import InputProcessor, PromptType, sequence_ids
 from kvpilot.engine.kv_cache_manager import KVCacheManager
@@ -82,6 +83,7 @@ class LLMEngine:
             self.model_shape = ModelShape.from_hf_config(config_dict)
             # The planner's divisor rule, checked before anything is loaded.
             check_tensor_parallel_size(self.model_shape, args.tensor_parallel_size)
+            check_pipeline_parallel_size(self.model_shape, args.pipeline_parallel_size)
             progress.update()
             progress.set_postfix_str("tokenizer")
             self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
@@ -108,7 +110,7 @@ class LLMEngine:
             backend = args.attention_backend or (
                 "triton" if self.device.type == "cuda" else "torch"
             )
-            # One rank in this process, or one worker process per tensor-parallel rank.
+            # One rank in this process, or one worker process (or Ray actor) per rank.
             self.executor = create_executor(
                 WorkerConfig(
                     model_dir=self.model_dir,
@@ -120,11 +122,14 @@ class LLMEngine:
                     eos_token_ids=self.eos_token_ids,
                     tensor_parallel_size=args.tensor_parallel_size,
                     enable_expert_parallel=args.enable_expert_parallel,
+                    pipeline_parallel_size=args.pipeline_parallel_size,
+                    distributed_timeout_s=float(args.distributed_timeout_seconds),
                     max_model_len=self.scheduler_config.max_model_len,
                     model_config=self.model_config,
                     model_shape=self.model_shape,
                     quantization=args.quantization,
-                )
+                ),
+                args.distributed_executor_backend,
             )
             progress.update()
             progress.set_postfix_str("KV cache")
@@ -241,11 +246,16 @@ class LLMEngine:
     def _cache_config(self) -> CacheConfig:
         args = self.args
         sched = self.scheduler_config
-        # Per rank: each holds only its KV heads (all of them on a single rank); a draft
-        # model's cache shares the blocks (tensor parallelism is refused with one).
+        # Per rank: each holds only its KV heads (all of them on a single rank) of its stage's
+        # layers, the largest stage counted; a draft model's cache shares the blocks (tensor
+        # and pipeline parallelism are refused with one).
         bytes_per_token = self.model_shape.kv_bytes_per_token(
             self.dtype.itemsize, args.tensor_parallel_size
-        ) + proposers.draft_kv_bytes_per_token(self.draft_dir, self.dtype.itemsize)
+        ) * max_stage_layers(
+            self.model_shape.num_layers, args.pipeline_parallel_size
+        ) // self.model_shape.num_layers + proposers.draft_kv_bytes_per_token(
+            self.draft_dir, self.dtype.itemsize
+        )
         block_bytes = bytes_per_token * args.block_size
         if self.device.type == "cuda":
             peak = self.executor.profile_peak_memory(

@@ -2,7 +2,9 @@
 
 The batch layout is vLLM V1's: the new tokens of every scheduled request are concatenated into
 one ``[num_tokens]`` dimension, prefill chunks and decodes alike, and attention finds each
-sequence's context through its block table (PagedAttention).
+sequence's context through its block table (PagedAttention). Under pipeline parallelism a
+stage after the first starts from the previous stage's activations and every stage but the
+last passes its own on; only the last computes logits and samples.
 """
 
 from __future__ import annotations
@@ -14,6 +16,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.engine.distributed import get_pp_state
+from kvpilot.engine.distributed.pipeline import (
+    IntermediateTensors,
+    recv_intermediate_tensors,
+    send_intermediate_tensors,
+)
 from kvpilot.engine.logits_processors import TokenLogprobs
 from kvpilot.engine.prompt_logprobs import compute_prompt_logprobs, rows_per_slice
 from kvpilot.engine.sampler import Sampler
@@ -95,7 +103,13 @@ class ModelRunner:
             self.lora_manager.set_batch(
                 [s.request.lora_name for s in scheduled], [s.num_new_tokens for s in scheduled]
             )
-        hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        pp = get_pp_state()
+        if pp.world_size == 1:
+            hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+        else:
+            hidden = self._run_stage(input_ids, positions, attn_metadata)
+            if not pp.is_last_rank:
+                return ModelRunnerOutput({}, {})
         prompt_logprobs = compute_prompt_logprobs(
             self.model.compute_logits, hidden, scheduled, self.model.vocab_size
         )
@@ -131,6 +145,24 @@ class ModelRunner:
             logprobs={rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None},
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _run_stage(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """This pipeline stage's forward pass: receive (after the first stage), run its layers,
+        send (before the last); the final hidden states on the last stage."""
+        pp = get_pp_state()
+        intermediate = None
+        if not pp.is_first_rank:
+            intermediate = recv_intermediate_tensors(
+                input_ids.shape[0], self.model.config.hidden_size, self.model.dtype, self.device
+            )
+        out = _forward(
+            self.model, input_ids, positions, self.kv_caches, attn_metadata, intermediate
+        )
+        if not pp.is_last_rank:
+            send_intermediate_tensors(out)
+        return out
 
     def prepare_inputs(
         self, scheduler_output: SchedulerOutput
@@ -185,13 +217,42 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        hidden = self.model(input_ids, positions, scratch, metadata)
+        pp = get_pp_state()
+        intermediate = None
+        if not pp.is_first_rank:
+            # Stand-ins for the previous stage's activations: profiling runs stages alone.
+            zeros = torch.zeros(
+                num_tokens,
+                self.model.config.hidden_size,
+                dtype=self.model.dtype,
+                device=self.device,
+            )
+            intermediate = IntermediateTensors(zeros, zeros.clone())
+        hidden = _forward(self.model, input_ids, positions, scratch, metadata, intermediate)
+        if not pp.is_last_rank:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
         self.model.compute_logits(hidden[query_start_loc[1:].long().to(self.device) - 1])
         # The largest logits a step holds: one slice of prompt-logprobs rows, log-softmaxed.
         rows = min(num_tokens, rows_per_slice(self.model.vocab_size))
         torch.log_softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
         torch.cuda.synchronize(self.device)
         return torch.cuda.max_memory_allocated(self.device)
+
+
+def _forward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    attn_metadata: AttentionMetadata,
+    intermediate: IntermediateTensors | None,
+) -> torch.Tensor | IntermediateTensors:
+    """The model's forward pass; the previous stage's activations are passed only when there
+    are some, so models without pipeline support keep the four-argument interface."""
+    if intermediate is None:
+        return model(input_ids, positions, kv_caches, attn_metadata)
+    return model(input_ids, positions, kv_caches, attn_metadata, intermediate)
 
 
 def _apply_grammar_bitmask(

@@ -1,13 +1,15 @@
-"""Tensor parallelism's process group: rank and world size state, and the collectives."""
+"""Tensor and pipeline parallelism: the process groups, the collectives, the stage split."""
 
 from kvpilot.engine.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
 from kvpilot.engine.distributed.parallel_state import (
+    PipelineParallelState,
     TensorParallelState,
     destroy_distributed_environment,
     divide,
+    get_pp_state,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     get_tp_state,
@@ -15,9 +17,11 @@ from kvpilot.engine.distributed.parallel_state import (
 )
 
 __all__ = [
+    "PipelineParallelState",
     "TensorParallelState",
     "destroy_distributed_environment",
     "divide",
+    "get_pp_state",
     "get_tensor_model_parallel_rank",
     "get_tensor_model_parallel_world_size",
     "get_tp_state",

@@ -1,4 +1,4 @@
-"""Collectives over the tensor-parallel group; each is the identity in a group of one.
+"""Collectives over the stage's tensor-parallel group; each is the identity in a group of one.
 
 Every rank receives bitwise the same result (gloo's and NCCL's all-reduce reduce each element
 once and send that sum to every rank; checked for gloo with 2 and 3 ranks), so the ranks never
@@ -12,7 +12,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from kvpilot.engine.distributed.parallel_state import get_tensor_model_parallel_world_size
+from kvpilot.engine.distributed.parallel_state import (
+    get_tensor_model_parallel_world_size,
+    get_tp_state,
+)
 
 
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
@@ -23,7 +26,7 @@ def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """
     if get_tensor_model_parallel_world_size() == 1:
         return x
-    dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    dist.all_reduce(x, op=dist.ReduceOp.SUM, group=get_tp_state().group)
     return x
 
 
@@ -41,5 +44,5 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     if world_size == 1:
         return x
     pieces = [torch.empty_like(x) for _ in range(world_size)]
-    dist.all_gather(pieces, x.contiguous())
+    dist.all_gather(pieces, x.contiguous(), group=get_tp_state().group)
     return torch.cat(pieces, dim=dim)

@@ -19,10 +19,11 @@ class UniProcExecutor(Executor):
     """
 
     def __init__(self, config: WorkerConfig) -> None:
-        if config.tensor_parallel_size != 1:
+        if config.world_size != 1:
             raise ValueError(
                 f"UniProcExecutor runs one rank, got tensor_parallel_size "
-                f"{config.tensor_parallel_size}; use MultiprocExecutor"
+                f"{config.tensor_parallel_size} x pipeline_parallel_size "
+                f"{config.pipeline_parallel_size}; use MultiprocExecutor"
             )
         self.config = config
         self.worker = Worker(config)

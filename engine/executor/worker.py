@@ -1,9 +1,11 @@
-"""One tensor-parallel rank: its shard of the model, its share of the KV cache, its sampler.
+"""One rank: its shard of its pipeline stage's layers, their share of the KV cache, its sampler.
 
 A worker is what an executor drives: the in-process executor holds one, the multiprocessing
-executor one per process. Every rank runs the same ``SchedulerOutput`` through its shard; the
-logits are gathered on every rank, so every rank samples the same tokens from the same logits
-and the driver reads them from rank 0.
+and Ray executors one per process. Every rank runs the same step through its shard (sent as a
+:class:`~kvpilot.engine.executor.worker_input.WorkerInput`, the diff against what it holds);
+stages after the first start from the previous stage's activations. On the last stage the
+logits are gathered on every rank, so every rank there samples the same tokens from the same
+logits and the driver reads them from that stage's first rank (``output_rank``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ from typing import Any
 
 import torch
 
-from kvpilot.engine.distributed import init_distributed_environment
+from kvpilot.engine.distributed import get_pp_state, init_distributed_environment
+from kvpilot.engine.executor.worker_input import CachedRequestStates, WorkerInput
 from kvpilot.engine.layers.linear import prepack_linear_weights
 from kvpilot.engine.model_loader import load_model
 from kvpilot.engine.model_runner import ModelRunner, ModelRunnerOutput
@@ -35,10 +38,14 @@ class WorkerConfig:
         block_size: tokens per KV cache block.
         seed: the sampler seed for requests without their own.
         eos_token_ids: token ids that end generation (masked before ``min_tokens``).
-        tensor_parallel_size: ranks the model is sharded over.
+        tensor_parallel_size: ranks each pipeline stage is sharded over.
+        pipeline_parallel_size: stages the layers are split into (world size
+            ``tensor_parallel_size * pipeline_parallel_size``).
         enable_expert_parallel: MoE layers place whole experts on ranks rather than a slice
             of every expert on each.
-        distributed_timeout_s: seconds a collective waits for the other ranks before failing.
+        distributed_timeout_s: seconds a collective, or a stage's receive, waits for the other
+            ranks before failing; the executors give a step this long plus a margin before
+            declaring a silent rank dead.
         num_threads: torch CPU threads of each rank; None keeps torch's default.
         max_model_len: the longest sequence served, tokens (LongRoPE models pick their rotary
             factors by it); None for the model's ``max_position_embeddings``.
@@ -57,6 +64,7 @@ class WorkerConfig:
     eos_token_ids: frozenset[int]
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
     distributed_timeout_s: float = 600.0
     num_threads: int | None = None
     max_model_len: int | None = None
@@ -64,10 +72,20 @@ class WorkerConfig:
     model_shape: Any = None
     quantization: str | None = None
 
-    def device_of_rank(self, rank: int) -> torch.device:
-        """The device rank ``rank`` computes on: ``cuda:rank`` on GPUs, else the CPU."""
+    @property
+    def world_size(self) -> int:
+        """All ranks: ``tensor_parallel_size * pipeline_parallel_size``."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The global rank whose sampled tokens the driver reads: the last stage's first."""
+        return self.world_size - self.tensor_parallel_size
+
+    def device_of_rank(self, local_rank: int) -> torch.device:
+        """The device a rank computes on: ``cuda:local_rank`` on GPUs, else the CPU."""
         if self.device.type == "cuda":
-            return torch.device("cuda", rank)
+            return torch.device("cuda", local_rank)
         return self.device
 
 
@@ -76,32 +94,39 @@ class Worker:
 
     Args:
         config: the engine's worker settings.
-        rank: this worker's tensor-parallel rank.
+        rank: this worker's global rank (``pp_rank * tensor_parallel_size + tp_rank``).
         distributed_init_method: rendezvous address of the group (``tcp://host:port``);
             None for a single rank.
+        local_rank: index of its GPU among the devices this process sees (default ``rank``:
+            one node, every GPU visible; a Ray actor sees only its own, index 0).
 
     Raises:
         ValueError: from model loading (unsupported architecture, weights that do not fit).
     """
 
     def __init__(
-        self, config: WorkerConfig, rank: int = 0, distributed_init_method: str | None = None
+        self,
+        config: WorkerConfig,
+        rank: int = 0,
+        distributed_init_method: str | None = None,
+        local_rank: int | None = None,
     ) -> None:
         self.config = config
         self.rank = rank
-        self.device = config.device_of_rank(rank)
+        self.device = config.device_of_rank(rank if local_rank is None else local_rank)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        if config.tensor_parallel_size > 1:
+        if config.world_size > 1:
             init_distributed_environment(
                 rank,
                 config.tensor_parallel_size,
                 distributed_init_method,
                 self.device,
                 config.distributed_timeout_s,
-                config.enable_expert_parallel,
+                enable_expert_parallel=config.enable_expert_parallel,
+                pipeline_parallel_size=config.pipeline_parallel_size,
             )
         self.model = load_model(
             config.model_dir,
@@ -116,6 +141,11 @@ class Worker:
         prepack_linear_weights(self.model)
         self.sampler = Sampler(config.seed, self.device, set(config.eos_token_ids))
         self.model_runner: ModelRunner | None = None
+        self.requests = CachedRequestStates()
+
+    def stage(self) -> tuple[int, int, int]:
+        """This rank's pipeline stage and its layers: ``(pp_rank, start_layer, end_layer)``."""
+        return get_pp_state().rank, self.model.model.start_layer, self.model.model.end_layer
 
     def weight_bytes(self) -> int:
         """Bytes of this rank's parameters (a tied table counted once)."""
@@ -146,6 +176,16 @@ class Worker:
         self.model_runner = ModelRunner(
             self.model, num_blocks, self.config.block_size, self.device, self.sampler
         )
+
+    def execute_step(self, message: WorkerInput) -> ModelRunnerOutput:
+        """Apply a step's deltas to the requests this worker holds, then run it
+        (:meth:`execute_model`).
+
+        Raises:
+            KeyError: a delta for a request this worker never got whole.
+            RuntimeError: ``initialize_cache`` was not called.
+        """
+        return self.execute_model(self.requests.apply(message))
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; an empty step only forgets the finished requests' sampler state.

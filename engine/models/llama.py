@@ -10,6 +10,11 @@ loaders read only that shard of each checkpoint tensor.
 The float operations mirror transformers' ``modeling_llama`` in order, so logits agree with it
 to rounding and greedy decoding picks the same tokens.
 
+Under pipeline parallelism (:mod:`kvpilot.engine.distributed.pipeline`) a stage builds only its
+decoder layers (the embedding on the first stage, the final norm and the LM head on the last,
+every other module a parameterless ``PPMissingLayer``) and loads only their weights; a tied LM
+head on a last stage that is not also the first gets its own copy of the embedding table.
+
 Variants differ only in what subclasses override: :meth:`LlamaForCausalLM.attention_options`
 (biases, q/k norm, sliding window, attention scale: per layer) and
 :meth:`LlamaForCausalLM.model_options` (embedding, residual and logits scales, the norm: per
@@ -29,6 +34,12 @@ from transformers import PretrainedConfig
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.attention.backends import AttentionBackend
+from kvpilot.engine.distributed import get_pp_state
+from kvpilot.engine.distributed.pipeline import (
+    IntermediateTensors,
+    PPMissingLayer,
+    get_pp_indices,
+)
 from kvpilot.engine.layers.activation import get_act_and_mul
 from kvpilot.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvpilot.engine.layers.layernorm import RMSNorm
@@ -309,7 +320,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm (HF's ``model.`` prefix).
+    """Embedding, decoder layers and final norm (HF's ``model.`` prefix), or this pipeline
+    stage's part of them.
 
     Args:
         config: the model config.
@@ -322,6 +334,10 @@ class LlamaModel(nn.Module):
             factors depend on it); None for the config's ``max_position_embeddings``.
         quant_config: the checkpoint's weight quantization of the decoder layers' linear
             layers, or None; the embedding and the LM head stay in the compute dtype.
+
+    Attributes:
+        start_layer, end_layer: the decoder layers ``[start, end)`` this stage holds (all of
+            them without pipeline parallelism); the others are ``PPMissingLayer``.
     """
 
     def __init__(
@@ -335,7 +351,13 @@ class LlamaModel(nn.Module):
         quant_config: QuantizationConfig | None = None,
     ) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        pp = get_pp_state()
+        self.start_layer, self.end_layer = get_pp_indices(len(options), pp.rank, pp.world_size)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+            if pp.is_first_rank
+            else PPMissingLayer()
+        )
         self.embedding_multiplier = model_options.embedding_multiplier
         self.rotary_emb = RotaryEmbedding(
             config, head_dim_of(config), kernel_backend, max_model_len
@@ -351,9 +373,15 @@ class LlamaModel(nn.Module):
                 quant_config,
                 f"model.layers.{i}",
             )
+            if self.start_layer <= i < self.end_layer
+            else PPMissingLayer()
             for i, layer_options in enumerate(options)
         )
-        self.norm = model_options.norm(config.hidden_size, config.rms_norm_eps, kernel_backend)
+        self.norm = (
+            model_options.norm(config.hidden_size, config.rms_norm_eps, kernel_backend)
+            if pp.is_last_rank
+            else PPMissingLayer()
+        )
 
     def forward(
         self,
@@ -361,15 +389,29 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """``input_ids`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden_size]``."""
-        hidden = self.embed_tokens(input_ids)
-        if self.embedding_multiplier != 1.0:
-            hidden = hidden * self.embedding_multiplier
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """``input_ids`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden_size]``
+        on the last stage, the activations for the next stage on the others.
+
+        Args:
+            kv_caches: one pair per layer of this stage (``end_layer - start_layer``).
+            intermediate_tensors: the previous stage's activations (None on the first stage,
+                which embeds ``input_ids``).
+        """
+        if intermediate_tensors is None:
+            hidden = self.embed_tokens(input_ids)
+            if self.embedding_multiplier != 1.0:
+                hidden = hidden * self.embedding_multiplier
+            residual = None
+        else:
+            hidden, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+        layers = self.layers[self.start_layer : self.end_layer]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        if isinstance(self.norm, PPMissingLayer):
+            return IntermediateTensors(hidden, residual)
         return self.norm(hidden, residual)[0]
 
 
@@ -389,9 +431,13 @@ class LlamaForCausalLM(nn.Module):
     Attributes:
         config: the Hugging Face config.
         num_layers, num_kv_heads, head_dim, vocab_size: sizes the KV cache and sampler need;
-            ``num_kv_heads`` is this rank's (the KV cache holds only those heads).
+            ``num_layers`` is this pipeline stage's and ``num_kv_heads`` this rank's (the KV
+            cache holds only those layers and heads).
         dtype: the parameters' dtype (the default dtype at construction).
+        supports_pp: the class splits into pipeline stages (vLLM's ``SupportsPP``).
     """
+
+    supports_pp = True
 
     # (stacked parameter, checkpoint name part, shard id)
     stacked_params_mapping: tuple[tuple[str, str, str | int], ...] = (
@@ -411,25 +457,29 @@ class LlamaForCausalLM(nn.Module):
     ) -> None:
         super().__init__()
         self.config = config
-        self.num_layers = config.num_hidden_layers
         self.head_dim = head_dim_of(config)
         self.vocab_size = config.vocab_size
         self.dtype = torch.get_default_dtype()
         backend = get_attention_backend(attention_backend)
-        options = [self.attention_options(config, i) for i in range(self.num_layers)]
+        options = [self.attention_options(config, i) for i in range(config.num_hidden_layers)]
         model_options = self.model_options(config, self.dtype)
         self.logits_scaling = model_options.logits_scaling
         self.model = LlamaModel(
             config, options, backend, backend.name, model_options, max_model_len, quant_config
         )
-        self.num_kv_heads = self.model.layers[0].self_attn.num_kv_heads
+        self.num_layers = self.model.end_layer - self.model.start_layer
+        self.num_kv_heads = self.model.layers[self.model.start_layer].self_attn.num_kv_heads
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        pp = get_pp_state()
+        if not pp.is_last_rank:
+            self.lm_head = PPMissingLayer()
+        elif self.tie_word_embeddings and pp.is_first_rank:
             # Built on "meta" (no memory) because its weight is replaced by the shared table.
             with torch.device("meta"):
                 self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
             self.lm_head.weight = self.model.embed_tokens.weight
         else:
+            # Untied, or tied on a last stage without the embedding: loaded from the table.
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
 
     @classmethod
@@ -456,21 +506,24 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Run the new tokens of a mixed prefill/decode batch.
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Run the new tokens of a mixed prefill/decode batch (this stage's layers).
 
         Args:
             input_ids: ``[num_tokens]`` int64.
             positions: ``[num_tokens]`` int64 absolute positions.
-            kv_caches: one ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size,
-                num_kv_heads, head_dim]`` in the model dtype; the new tokens' K/V are written
-                at ``attn_metadata.slot_mapping``.
+            kv_caches: one ``(k_cache, v_cache)`` per layer of this stage, each
+                ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype; the
+                new tokens' K/V are written at ``attn_metadata.slot_mapping``.
             attn_metadata: the batch layout.
+            intermediate_tensors: the previous stage's activations; None on the first stage.
 
         Returns:
-            Hidden states ``[num_tokens, hidden_size]``, model dtype.
+            Hidden states ``[num_tokens, hidden_size]``, model dtype, on the last stage; the
+            activations for the next stage on the others.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` float32 (divided by
@@ -504,7 +557,9 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 # Some tied checkpoints store the shared table twice.
                 continue
-            target, shard_id = self._param_name(name)
+            target, shard_id = self._param_name(self._stage_name(name))
+            if target is None:
+                continue  # another pipeline stage's weight
             if target not in params:
                 raise ValueError(f"checkpoint weight {name!r} matches no parameter of this model")
             param = params[target]
@@ -533,7 +588,28 @@ class LlamaForCausalLM(nn.Module):
             if stacked in param_name
         }
 
-    def _param_name(self, name: str) -> tuple[str, str | int | None]:
+    def _stage_name(self, name: str) -> str | None:
+        """The checkpoint name as this pipeline stage holds it: None for another stage's
+        weight; the embedding table as ``lm_head.weight`` on a last stage with a tied head
+        and no embedding of its own."""
+        pp = get_pp_state()
+        if pp.world_size == 1:
+            return name
+        if name.startswith("model.embed_tokens."):
+            if pp.is_first_rank:
+                return name
+            tied_head = self.tie_word_embeddings and pp.is_last_rank
+            return "lm_head.weight" if tied_head and name.endswith(".weight") else None
+        if name.startswith("model.layers."):
+            index = int(name.split(".", 3)[2])
+            return name if self.model.start_layer <= index < self.model.end_layer else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if pp.is_last_rank else None
+        return name
+
+    def _param_name(self, name: str | None) -> tuple[str | None, str | int | None]:
+        if name is None:
+            return None, None
         for stacked, part, shard_id in self.stacked_params_mapping:
             if part in name:
                 return name.replace(part, stacked), shard_id

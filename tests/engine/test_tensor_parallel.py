@@ -11,10 +11,8 @@ with.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
-import pathlib
 import re
 import signal
 
@@ -26,69 +24,21 @@ from kvpilot.engine.async_llm import AsyncLLM, EngineError
 from kvpilot.engine.distributed import parallel_state
 from kvpilot.engine.executor import EngineDeadError, MultiprocExecutor, WorkerConfig
 from kvpilot.engine.model_loader import load_model
-from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
+from kvpilot.engine.model_shape import check_tensor_parallel_size
 from kvpilot.engine.sampling_params import StructuredOutputsParams
-
-BLOCK_SIZE = 4
-LOGPROB_ATOL = 1e-4
+from tests.engine.parallel_helpers import (
+    BLOCK_SIZE,
+    assert_same_generation,
+    generate,
+    make_llm,
+    model_shape,
+    random_prompts,
+)
 
 
 def tp_workers() -> list[multiprocessing.process.BaseProcess]:
     """This process's live tensor-parallel worker processes."""
     return [p for p in multiprocessing.active_children() if p.name.startswith("kvpilot-tp-")]
-
-
-def model_shape(model_dir: pathlib.Path) -> ModelShape:
-    return ModelShape.from_hf_config(json.loads((model_dir / "config.json").read_text()))
-
-
-def make_llm(model_dir: pathlib.Path, tp: int, num_blocks: int, **engine_args) -> LLM:
-    """An engine over ``tp`` ranks with exactly ``num_blocks`` KV blocks on each rank; other
-    ``EngineArgs`` from ``engine_args``."""
-    bytes_per_token = model_shape(model_dir).kv_bytes_per_token(4, tp)
-    return LLM(
-        str(model_dir),
-        tensor_parallel_size=tp,
-        dtype="float32",
-        max_model_len=64,
-        block_size=BLOCK_SIZE,
-        kv_cache_memory=num_blocks * BLOCK_SIZE * bytes_per_token,
-        enable_prefix_caching=False,
-        **engine_args,
-    )
-
-
-def generate(llm: LLM, prompts: list, max_tokens: int) -> tuple[list, list, int]:
-    """Greedy tokens, per-token top-2 logprobs ``{token: (logprob, rank)}`` and preemptions."""
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=2)
-    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
-    logprobs = [
-        [{t: (lp.logprob, lp.rank) for t, lp in step.items()} for step in o.logprobs]
-        for o in outputs
-    ]
-    stats = llm.llm_engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
-    return [o.token_ids for o in outputs], logprobs, stats.num_preemptions_total
-
-
-def assert_same_generation(expected: tuple, actual: tuple) -> None:
-    tokens, logprobs, preemptions = actual
-    assert tokens == expected[0]
-    assert preemptions == expected[2] > 0
-    for seq_expected, seq_actual in zip(expected[1], logprobs, strict=True):
-        for top_expected, top_actual in zip(seq_expected, seq_actual, strict=True):
-            assert top_actual.keys() == top_expected.keys()
-            for token, (logprob, rank) in top_expected.items():
-                assert top_actual[token][1] == rank
-                assert top_actual[token][0] == pytest.approx(logprob, abs=LOGPROB_ATOL)
-
-
-def random_prompts(lengths: list[int], seed: int = 0) -> list[dict]:
-    generator = torch.Generator().manual_seed(seed)
-    return [
-        {"prompt_token_ids": torch.randint(3, 49000, (n,), generator=generator).tolist()}
-        for n in lengths
-    ]
 
 
 def test_unshardable_sizes_are_refused_with_the_planners_message(default_model_dir, tiny_model_dir):
@@ -295,3 +245,23 @@ def test_three_ranks_match_one_on_the_default_model(default_model_dir):
         assert max(weight_bytes) < 0.34 * whole_bytes
     finally:
         llm.llm_engine.shutdown()
+
+
+@pytest.mark.slow  # ~30 s: a 3 s collective timeout and a 5 s grace after the start-up
+@pytest.mark.timeout(120)
+def test_a_rank_that_stops_answering_takes_the_engine_down_within_the_timeout(tiny_model_dir):
+    # Start-up is not held to the collective timeout (a 3 s rendezvous would race the imports).
+    llm = make_llm(tiny_model_dir("llama"), 2, num_blocks=16, distributed_timeout_seconds=3)
+    engine = llm.llm_engine
+    try:
+        victim = engine.executor.worker_pids[1]
+        os.kill(victim, signal.SIGSTOP)
+        # Rank 0's all-reduce gives up after 3 s; rank 1 is named as the silent one.
+        with pytest.raises(EngineDeadError, match=r"rank\(s\) 1 had not answered") as dead:
+            generate(llm, random_prompts([5, 6]), max_tokens=4)
+        assert "worker rank 0 failed during execute_step" in str(dead.value)
+        assert tp_workers() == []
+        with pytest.raises(EngineDeadError, match="rank"):
+            engine.check_health()
+    finally:
+        engine.shutdown()
