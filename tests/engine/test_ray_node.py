@@ -43,7 +43,9 @@ def test_a_leader_waits_for_its_worker_then_runs_the_command():
     port = free_port()
     leader = worker = None
     kvpilot = [sys.executable, "-m", "kvpilot", "ray-node"]
-    env = {**os.environ, "RAY_TMPDIR": str(temp_dir)}
+    # Token authentication off: a token a previous Ray left in ~/.ray would otherwise turn it
+    # on for the head, and the worker here is given none.
+    env = {**os.environ, "RAY_TMPDIR": str(temp_dir), "RAY_AUTH_MODE": "disabled"}
     try:
         leader = subprocess.Popen(
             [
