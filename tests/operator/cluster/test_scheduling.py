@@ -8,14 +8,21 @@ process for (they are ready at once); the chunked-prefill test runs a real engin
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import pytest
 
-from kvpilot.operator import manifests
+from kvpilot.engine.model_shape import ModelShape
+from kvpilot.operator import leaderworkerset, manifests
+from kvpilot.operator.planner import plan_for_spec
+from kvpilot.operator.spec import parse_spec
 from tests.cluster import Cluster, condition, dump, wait_for
 from tests.cluster.fixtures import pod_visible_model
 from tests.cluster.specs import NO_ENGINE, engineless
 
 pytestmark = pytest.mark.slow
+CONFIG_405B = pathlib.Path(__file__).parents[1] / "configs" / "Meta-Llama-3.1-405B.json"
 
 
 def pods(kube: Cluster, namespace: str, name: str) -> list[dict]:
@@ -232,6 +239,14 @@ def test_a_model_larger_than_a_node_runs_as_a_leader_worker_set_group(
     assert kube.get(f"/apis/apps/v1/namespaces/{watched}/deployments/big") is None
     lws = kube.get(f"/apis/leaderworkerset.x-k8s.io/v1/namespaces/{watched}/leaderworkersets/big")
     assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2, dump(lws)
+    # What the operator renders is valid against the LWS CRD's schema: strict field validation
+    # (an unknown field is an error, not silently pruned) in a server-side dry run.
+    spec_obj = parse_spec(spec)
+    plan = plan_for_spec(spec_obj, ModelShape.from_hf_config(json.loads(CONFIG_405B.read_text())))
+    rendered = leaderworkerset.leader_worker_set("dry", watched, spec_obj, plan)
+    kube.kubectl(
+        "apply", "--dry-run=server", "--validate=strict", "-f", "-", input=json.dumps(rendered)
+    )
 
     group = group_pods(kube, watched, "big")
     assert sorted(group) == ["big-0", "big-0-1"], dump(group)
