@@ -67,6 +67,7 @@ class LLMEngine:
             read_model_config,
             read_sampling_defaults,
             resolve_dtype,
+            resolve_kv_cache_dtype,
             resolve_model,
         )
 
@@ -108,6 +109,9 @@ class LLMEngine:
             backend = args.attention_backend or (
                 "triton" if self.device.type == "cuda" else "torch"
             )
+            self.kv_cache_dtype = resolve_kv_cache_dtype(
+                args.kv_cache_dtype, self.dtype, self.device, backend
+            )
             # One rank in this process, or one worker process per tensor-parallel rank.
             self.executor = create_executor(
                 WorkerConfig(
@@ -122,6 +126,8 @@ class LLMEngine:
                     max_model_len=self.scheduler_config.max_model_len,
                     model_config=self.model_config,
                     model_shape=self.model_shape,
+                    kv_cache_dtype=self.kv_cache_dtype,
+                    calculate_kv_scales=args.calculate_kv_scales,
                 )
             )
             progress.update()
@@ -140,6 +146,8 @@ class LLMEngine:
                     backend,
                     self.cache_config.num_blocks,
                     args.block_size,
+                    self.kv_cache_dtype,
+                    args.calculate_kv_scales,
                 )
                 if self.speculative_config is not None
                 else None
@@ -171,6 +179,12 @@ class LLMEngine:
             capacity,
             self.cache_config.num_blocks,
             args.block_size,
+        )
+        logger.info(
+            "KV cache dtype: %s (kv_cache_dtype %s), %d bytes per token",
+            str(self.kv_cache_dtype).removeprefix("torch."),
+            args.kv_cache_dtype,
+            self.cache_config.bytes_per_token,
         )
         logger.info(
             "Maximum concurrency for %d tokens per request: %.2fx",
@@ -241,9 +255,10 @@ class LLMEngine:
         sched = self.scheduler_config
         # Per rank: each holds only its KV heads (all of them on a single rank); a draft
         # model's cache shares the blocks (tensor parallelism is refused with one).
+        itemsize = self.kv_cache_dtype.itemsize
         bytes_per_token = self.model_shape.kv_bytes_per_token(
-            self.dtype.itemsize, args.tensor_parallel_size
-        ) + proposers.draft_kv_bytes_per_token(self.draft_dir, self.dtype.itemsize)
+            itemsize, args.tensor_parallel_size
+        ) + proposers.draft_kv_bytes_per_token(self.draft_dir, itemsize)
         block_bytes = bytes_per_token * args.block_size
         if self.device.type == "cuda":
             peak = self.executor.profile_peak_memory(
@@ -272,6 +287,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             bytes_per_token=bytes_per_token,
             enable_prefix_caching=args.enable_prefix_caching,
+            cache_dtype=args.kv_cache_dtype,
         )
 
     def add_request(

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from kvpilot.engine.attention.layer import enable_kv_scale_calculation
 from kvpilot.engine.distributed import init_distributed_environment
 from kvpilot.engine.layers.linear import prepack_linear_weights
 from kvpilot.engine.model_loader import load_model
@@ -43,6 +44,10 @@ class WorkerConfig:
         model_config: the folder's transformers config as the engine read it (None: each rank
             reads ``config.json`` itself).
         model_shape: its shape, for the tensor-parallel checks (None: read from the folder).
+        kv_cache_dtype: the paged cache's dtype (``resolve_kv_cache_dtype``); None for
+            ``dtype``.
+        calculate_kv_scales: set each layer's fp8 k/v scales from the first step after
+            ``initialize_cache`` (``--calculate-kv-scales``).
     """
 
     model_dir: pathlib.Path
@@ -58,6 +63,8 @@ class WorkerConfig:
     max_model_len: int | None = None
     model_config: Any = None
     model_shape: Any = None
+    kv_cache_dtype: torch.dtype | None = None
+    calculate_kv_scales: bool = False
 
     def device_of_rank(self, rank: int) -> torch.device:
         """The device rank ``rank`` computes on: ``cuda:rank`` on GPUs, else the CPU."""
@@ -130,15 +137,29 @@ class Worker:
         """Peak GPU memory (bytes) of a ``num_tokens`` forward pass on this rank
         (see ``ModelRunner.profile_peak_memory``)."""
         runner = ModelRunner(
-            self.model, 1, self.config.block_size, self.device, Sampler(0, self.device, set())
+            self.model,
+            1,
+            self.config.block_size,
+            self.device,
+            Sampler(0, self.device, set()),
+            self.config.kv_cache_dtype,
         )
         return runner.profile_peak_memory(num_tokens, max_model_len)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate this rank's KV cache: ``num_blocks`` blocks of its KV heads only."""
+        """Allocate this rank's KV cache: ``num_blocks`` blocks of its KV heads only, in
+        ``kv_cache_dtype``; with ``calculate_kv_scales`` (after the profiling pass, which must
+        not set them) the next step sets the fp8 scales."""
         self.model_runner = ModelRunner(
-            self.model, num_blocks, self.config.block_size, self.device, self.sampler
+            self.model,
+            num_blocks,
+            self.config.block_size,
+            self.device,
+            self.sampler,
+            self.config.kv_cache_dtype,
         )
+        if self.config.calculate_kv_scales:
+            enable_kv_scale_calculation(self.model)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one step; an empty step only forgets the finished requests' sampler state.

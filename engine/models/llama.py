@@ -27,6 +27,7 @@ from transformers import PretrainedConfig
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.attention.backends import AttentionBackend
+from kvpilot.engine.attention.layer import Attention, load_kv_scale
 from kvpilot.engine.layers.activation import get_act_and_mul
 from kvpilot.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvpilot.engine.layers.layernorm import RMSNorm
@@ -140,7 +141,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernel_backend)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernel_backend)
         self.rotary_emb = rotary_emb
-        self.backend = backend
+        self.attn = Attention(backend, self.scale, self.sliding_window)
 
     def forward(
         self,
@@ -157,9 +158,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(rope, q, k)
-        out = self.backend.forward(
-            q, k, v, kv_cache, attn_metadata, scale=self.scale, sliding_window=self.sliding_window
-        )
+        out = self.attn(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.flatten(1))
 
 
@@ -398,8 +397,8 @@ class LlamaForCausalLM(nn.Module):
             input_ids: ``[num_tokens]`` int64.
             positions: ``[num_tokens]`` int64 absolute positions.
             kv_caches: one ``(k_cache, v_cache)`` per layer, each ``[num_blocks, block_size,
-                num_kv_heads, head_dim]`` in the model dtype; the new tokens' K/V are written
-                at ``attn_metadata.slot_mapping``.
+                num_kv_heads, head_dim]`` in the model dtype or fp8 (``--kv-cache-dtype``);
+                the new tokens' K/V are written at ``attn_metadata.slot_mapping``.
             attn_metadata: the batch layout.
 
         Returns:
@@ -434,7 +433,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         shards_seen: dict[str, set[str | int]] = {}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or load_kv_scale(self, name, tensor):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 # Some tied checkpoints store the shared table twice.
