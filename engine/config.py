@@ -63,6 +63,9 @@ def parse_bytes(text: str | int) -> int:
 def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
     """Bytes of one cached K or V element: the model dtype's for ``auto``, 1 for the fp8 ones.
 
+    The engine sizes its cache by it; the operator's planner can size KV memory by the same
+    rule without importing torch.
+
     Raises:
         ValueError: a ``kv_cache_dtype`` not in ``KV_CACHE_DTYPES``.
     """

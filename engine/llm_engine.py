@@ -19,6 +19,7 @@ from kvpilot.engine.config import (
     CacheConfig,
     EngineArgs,
     SchedulerConfig,
+    kv_cache_dtype_bytes,
     resolve_max_num_batched_tokens,
 )
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
@@ -255,7 +256,8 @@ class LLMEngine:
         sched = self.scheduler_config
         # Per rank: each holds only its KV heads (all of them on a single rank); a draft
         # model's cache shares the blocks (tensor parallelism is refused with one).
-        itemsize = self.kv_cache_dtype.itemsize
+        # The planner's rule (engine/config.py), which the cache's torch dtype agrees with.
+        itemsize = kv_cache_dtype_bytes(args.kv_cache_dtype, self.dtype.itemsize)
         bytes_per_token = self.model_shape.kv_bytes_per_token(
             itemsize, args.tensor_parallel_size
         ) + proposers.draft_kv_bytes_per_token(self.draft_dir, itemsize)

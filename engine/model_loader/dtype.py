@@ -57,8 +57,12 @@ _KV_CACHE_DTYPES: dict[str, torch.dtype] = {
     "fp8_e4m3": torch.float8_e4m3fn,
     "fp8_e5m2": torch.float8_e5m2,
 }
-# Triton converts to and from fp8 in hardware from Ada/Hopper (compute capability 8.9) on.
-_MIN_FP8_CAPABILITY = (8, 9)
+# The oldest GPU whose Triton compile has each format: E4M3 ("fp8e4nv") from Ada/Hopper (8.9)
+# on, E5M2 from Ampere (8.0) on (tests/kernels/gpu_compile.py compiles both kernels so).
+_MIN_TRITON_CAPABILITY = {
+    torch.float8_e4m3fn: (8, 9),
+    torch.float8_e5m2: (8, 0),
+}
 
 
 def resolve_kv_cache_dtype(
@@ -77,21 +81,27 @@ def resolve_kv_cache_dtype(
         attention_backend: ``"torch"`` or ``"triton"``.
 
     Raises:
-        ValueError: an unknown name, or fp8 with the ``triton`` backend on a GPU older than
-            compute capability 8.9 (the message names the GPU and suggests the torch backend).
+        ValueError: an unknown name, or an fp8 format the ``triton`` backend cannot compile
+            for the GPU: E4M3 below compute capability 8.9, E5M2 below 8.0 (the message names
+            the GPU and what to use instead).
     """
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype not in _KV_CACHE_DTYPES:
         known = ", ".join(["auto", *_KV_CACHE_DTYPES])
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; use one of {known}")
+    cache_dtype = _KV_CACHE_DTYPES[kv_cache_dtype]
     if device.type == "cuda" and attention_backend == "triton":
         capability = torch.cuda.get_device_capability(device)
-        if capability < _MIN_FP8_CAPABILITY:
+        needed = _MIN_TRITON_CAPABILITY[cache_dtype]
+        if capability < needed:
+            instead = (
+                "fp8_e5m2, " if capability >= _MIN_TRITON_CAPABILITY[torch.float8_e5m2] else ""
+            )
             raise ValueError(
                 f"kv_cache_dtype {kv_cache_dtype!r} needs a GPU of compute capability "
-                f">= 8.9 for the triton attention backend; "
+                f">= {needed[0]}.{needed[1]} for the triton attention backend; "
                 f"{torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]} "
-                "(use --attention-backend torch, or --kv-cache-dtype auto)"
+                f"(use --kv-cache-dtype {instead}auto, or --attention-backend torch)"
             )
-    return _KV_CACHE_DTYPES[kv_cache_dtype]
+    return cache_dtype
