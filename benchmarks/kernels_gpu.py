@@ -10,6 +10,9 @@
    batch >= 32 and context >= 4k.
 3. Prefill attention: TFLOP/s (causal, ``2 * L^2 * heads * head_dim`` FLOPs per sequence of L
    tokens) beside SDPA (contiguous) and ``flex_attention`` on the same paged layout.
+2b. The same decode grid over an fp8 (E4M3) KV cache (``--kv-cache-dtype fp8``), on GPUs
+   that compile it (compute capability 8.9+): half the K/V bytes of bf16, so at the same
+   bandwidth fraction a step takes about half as long.
 4. End to end: the engine's greedy tokens in bfloat16 with the Triton backend (attention,
    RMSNorm with the fused residual add, rotary embedding and SiLU-and-mul all in the Triton
    kernels) against transformers' ``generate()`` on the same model.
@@ -177,6 +180,11 @@ def main() -> None:
     dtype = dtypes[0]
     results["decode"] = decode_grid(bench, shapes, dtype, peak)
     print_table("Decode attention: HBM bandwidth", results["decode"])
+    if fp8_supported(device):
+        results["decode_fp8"] = decode_grid(bench, shapes, dtype, peak, torch.float8_e4m3fn)
+        print_table(
+            "Decode attention over an fp8 (E4M3) cache: HBM bandwidth", results["decode_fp8"]
+        )
     results["decode_sweep"] = decode_config_sweep(bench, shapes, dtype, peak)
     print_table("Decode launch configurations (best first per cell)", results["decode_sweep"])
     if not args.skip_flex:
@@ -318,6 +326,22 @@ def paged_batch(
     )  # fmt: skip
 
 
+def fp8_supported(device: torch.device) -> bool:
+    """Whether the Triton kernels compile an E4M3 cache here: CUDA 8.9+, or the interpreter."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def to_fp8(batch: PagedBatch, cache_dtype: torch.dtype) -> tuple[PagedBatch, dict]:
+    """``batch`` with its caches quantized to ``cache_dtype`` (scale 1.0: N(0, 1) values are in
+    range), freeing the originals, and the scale arguments of the kernels."""
+    from kvpilot.kernels import reference
+
+    scale = torch.ones((), device=batch.q.device)
+    for name in ("k_cache", "v_cache"):
+        setattr(batch, name, reference.quantize_to_cache(getattr(batch, name), scale, cache_dtype))
+    return batch, {"k_scale": scale, "v_scale": scale}
+
+
 def fits(nbytes: int, device: torch.device, share: float = 0.6) -> bool:
     """Whether ``nbytes`` fits in ``share`` of the device's free memory (always on CPU)."""
     if device.type != "cuda":
@@ -429,36 +453,82 @@ def check_correctness(shapes: Shapes, dtype: torch.dtype, device: torch.device) 
         decode.q, decode.k_cache, decode.v_cache, **decode.attention_kwargs()
     )
     record("unified_attention decode (auto splits)", got, want)
+    if fp8_supported(device):
+        e4m3 = torch.float8_e4m3fn
+        scale = torch.tensor(0.5, device=device)
+        fp8_caches = [torch.zeros_like(c, dtype=e4m3) for c in caches]
+        want_caches = [c.clone() for c in fp8_caches]
+        reshape_and_cache(key, value, *fp8_caches, slots, scale, scale)
+        reference.reshape_and_cache(key, value, *want_caches, slots, scale, scale)
+        got, want = (torch.stack(c).view(torch.uint8) for c in (fp8_caches, want_caches))
+        record("reshape_and_cache fp8_e4m3 (bytes)", got, want, scale=0.0)
+        batch, scales = to_fp8(paged_batch(shapes, specs, dtype, device), e4m3)
+        got = unified_attention(
+            batch.q, batch.k_cache, batch.v_cache, **scales, **batch.attention_kwargs()
+        )
+        want = reference.unified_attention(
+            batch.q, batch.k_cache, batch.v_cache, **scales, **batch.attention_kwargs()
+        )
+        record("unified_attention fp8_e4m3 cache, mixed", got, want)
     return rows
 
 
 # ----------------------------------------------------------------------------- decode
 
 
-def decode_bytes(batch: int, context: int, shapes: Shapes, dtype: torch.dtype) -> int:
-    """HBM bytes a decode step must move: K and V of every context token, plus q and out."""
+def decode_bytes(
+    batch: int,
+    context: int,
+    shapes: Shapes,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype | None = None,
+) -> int:
+    """HBM bytes a decode step must move: K and V of every context token (in ``cache_dtype``,
+    default ``dtype``), plus q and out."""
     elem = dtype.itemsize
-    kv = 2 * batch * context * shapes.num_kv_heads * shapes.head_dim * elem
+    kv = (
+        2
+        * batch
+        * context
+        * shapes.num_kv_heads
+        * shapes.head_dim
+        * (cache_dtype or dtype).itemsize
+    )
     return kv + 2 * batch * shapes.num_heads * shapes.head_dim * elem
 
 
-def decode_grid(bench: Bench, shapes: Shapes, dtype: torch.dtype, peak_gbs: float) -> list[dict]:
+def decode_grid(
+    bench: Bench,
+    shapes: Shapes,
+    dtype: torch.dtype,
+    peak_gbs: float,
+    cache_dtype: torch.dtype | None = None,
+) -> list[dict]:
+    """The decode bandwidth grid; with an fp8 ``cache_dtype`` the cache is quantized and the
+    SDPA peer (which has no fp8 cache) is left out."""
     from kvpilot.kernels.unified_attention import unified_attention
 
     rows = []
     for batch_size in shapes.decode_batches:
         for context in shapes.decode_contexts:
-            nbytes = decode_bytes(batch_size, context, shapes, dtype)
-            # ours and SDPA's contiguous copy side by side
-            if fits(nbytes, bench.device):
+            nbytes = decode_bytes(batch_size, context, shapes, dtype, cache_dtype)
+            # ours and SDPA's contiguous copy side by side (the cache is made in dtype first)
+            if fits(decode_bytes(batch_size, context, shapes, dtype), bench.device):
                 batch = paged_batch(shapes, [(1, context)] * batch_size, dtype, bench.device)
+                scales = {}
+                if cache_dtype is not None:
+                    batch, scales = to_fp8(batch, cache_dtype)
                 ours = bench.ms(
-                    lambda b=batch: unified_attention(
-                        b.q, b.k_cache, b.v_cache, **b.attention_kwargs()
+                    lambda b=batch, s=scales: unified_attention(
+                        b.q, b.k_cache, b.v_cache, **s, **b.attention_kwargs()
                     )
                 )
                 del batch
-                sdpa = sdpa_decode_ms(bench, shapes, batch_size, context, dtype)
+                sdpa = (
+                    float("nan")
+                    if cache_dtype is not None
+                    else sdpa_decode_ms(bench, shapes, batch_size, context, dtype)
+                )
             else:  # reported as NaN: the K/V copies do not fit in memory
                 ours = sdpa = float("nan")
             rows.append({

@@ -27,6 +27,8 @@ GPU_MAX_NUM_BATCHED_TOKENS = 8192
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 DTYPES = ("auto", "float32", "float", "float16", "half", "bfloat16")
+# vLLM's --kv-cache-dtype values: auto (the model dtype) or fp8 (fp8 and fp8_e4m3 are E4M3).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
@@ -58,6 +60,22 @@ def parse_bytes(text: str | int) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a memory size: {text!r} (examples: 1073741824, 1GiB, 512MB)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
+    """Bytes of one cached K or V element: the model dtype's for ``auto``, 1 for the fp8 ones.
+
+    The engine sizes its cache by it; the operator's planner can size KV memory by the same
+    rule without importing torch.
+
+    Raises:
+        ValueError: a ``kv_cache_dtype`` not in ``KV_CACHE_DTYPES``.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(
+            f"unknown kv_cache_dtype {kv_cache_dtype!r}; expected one of {', '.join(KV_CACHE_DTYPES)}"
+        )
+    return model_dtype_bytes if kv_cache_dtype == "auto" else 1
 
 
 def resolve_max_num_batched_tokens(
@@ -109,6 +127,8 @@ class EngineArgs:
     revision: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    calculate_kv_scales: bool = False
     device: str = "auto"
     seed: int = 0
     max_model_len: int | None = None
@@ -157,6 +177,12 @@ class EngineArgs:
 
         if self.dtype not in DTYPES:
             bad("dtype", f"must be one of {', '.join(DTYPES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            bad("kv_cache_dtype", f"must be one of {', '.join(KV_CACHE_DTYPES)}")
+        if not isinstance(self.calculate_kv_scales, bool):
+            bad("calculate_kv_scales", "must be a boolean")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            bad("calculate_kv_scales", "needs an fp8 kv_cache_dtype (--kv-cache-dtype fp8)")
         if self.device not in DEVICES:
             bad("device", f"must be one of {', '.join(DEVICES)}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -243,7 +269,22 @@ class EngineArgs:
             "--dtype",
             default="auto",
             choices=DTYPES,
-            help="weights and KV cache dtype (auto: float32 on CPU, bfloat16/float16 on GPU)",
+            help="weights, activations and (--kv-cache-dtype auto) KV cache dtype (auto: float32 on CPU, bfloat16/float16 on GPU)",
+        )
+        group.add_argument(
+            "--kv-cache-dtype",
+            default="auto",
+            choices=KV_CACHE_DTYPES,
+            help="KV cache storage: auto (the model dtype) or fp8 (fp8 = fp8_e4m3, or "
+            "fp8_e5m2), with per-tensor scales from the checkpoint, 1.0 otherwise: half the "
+            "bytes of float16/bfloat16, twice the tokens in the same memory",
+        )
+        group.add_argument(
+            "--calculate-kv-scales",
+            action="store_true",
+            default=False,
+            help="with an fp8 KV cache, set each layer's k/v scales from the first step's "
+            "keys and values (max |k| / 200, max |v| / 100) instead of the checkpoint's",
         )
         group.add_argument(
             "--device", default="auto", choices=DEVICES, help="auto: cuda when available, else cpu"
@@ -425,12 +466,15 @@ class CacheConfig:
         num_blocks: blocks in the pool.
         bytes_per_token: K and V of one token over all layers (bytes).
         enable_prefix_caching: whether full blocks are hashed and reused.
+        cache_dtype: the ``kv_cache_dtype`` setting (vLLM's ``CacheConfig.cache_dtype``):
+            ``auto`` or an fp8 name.
     """
 
     block_size: int
     num_blocks: int
     bytes_per_token: int
     enable_prefix_caching: bool
+    cache_dtype: str = "auto"
 
     @property
     def capacity_tokens(self) -> int:

@@ -29,7 +29,8 @@ class LLM:
             (SmolLM2-135M-Instruct).
         **kwargs: any other ``EngineArgs`` field (``dtype``, ``block_size``, ``max_model_len``,
             ``max_num_seqs``, ``max_num_batched_tokens``, ``kv_cache_memory`` (bytes),
-            ``gpu_memory_utilization``, ``seed``, ``enable_prefix_caching``, ...).
+            ``kv_cache_dtype`` (``"fp8"``...), ``gpu_memory_utilization``, ``seed``,
+            ``enable_prefix_caching``, ...).
 
     Raises:
         ValueError: a bad engine argument (named), an unsupported architecture.

@@ -19,6 +19,7 @@ from kvpilot.engine.config import (
     CacheConfig,
     EngineArgs,
     SchedulerConfig,
+    kv_cache_dtype_bytes,
     resolve_max_num_batched_tokens,
 )
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
@@ -68,6 +69,7 @@ class LLMEngine:
             read_model_config,
             read_sampling_defaults,
             resolve_dtype,
+            resolve_kv_cache_dtype,
             resolve_model,
         )
 
@@ -110,6 +112,9 @@ class LLMEngine:
             backend = args.attention_backend or (
                 "triton" if self.device.type == "cuda" else "torch"
             )
+            self.kv_cache_dtype = resolve_kv_cache_dtype(
+                args.kv_cache_dtype, self.dtype, self.device, backend
+            )
             # One rank in this process, or one worker process (or Ray actor) per rank.
             self.executor = create_executor(
                 WorkerConfig(
@@ -128,6 +133,8 @@ class LLMEngine:
                     model_config=self.model_config,
                     model_shape=self.model_shape,
                     quantization=args.quantization,
+                    kv_cache_dtype=self.kv_cache_dtype,
+                    calculate_kv_scales=args.calculate_kv_scales,
                 ),
                 args.distributed_executor_backend,
             )
@@ -147,6 +154,8 @@ class LLMEngine:
                     backend,
                     self.cache_config.num_blocks,
                     args.block_size,
+                    self.kv_cache_dtype,
+                    args.calculate_kv_scales,
                 )
                 if self.speculative_config is not None
                 else None
@@ -178,6 +187,12 @@ class LLMEngine:
             capacity,
             self.cache_config.num_blocks,
             args.block_size,
+        )
+        logger.info(
+            "KV cache dtype: %s (kv_cache_dtype %s), %d bytes per token",
+            str(self.kv_cache_dtype).removeprefix("torch."),
+            args.kv_cache_dtype,
+            self.cache_config.bytes_per_token,
         )
         logger.info(
             "Maximum concurrency for %d tokens per request: %.2fx",
@@ -248,13 +263,15 @@ class LLMEngine:
         sched = self.scheduler_config
         # Per rank: each holds only its KV heads (all of them on a single rank) of its stage's
         # layers, the largest stage counted; a draft model's cache shares the blocks (tensor
-        # and pipeline parallelism are refused with one).
+        # and pipeline parallelism are refused with one). The planner's rule for the KV dtype
+        # (engine/config.py), which the cache's torch dtype agrees with.
+        itemsize = kv_cache_dtype_bytes(args.kv_cache_dtype, self.dtype.itemsize)
         bytes_per_token = self.model_shape.kv_bytes_per_token(
-            self.dtype.itemsize, args.tensor_parallel_size
+            itemsize, args.tensor_parallel_size
         ) * max_stage_layers(
             self.model_shape.num_layers, args.pipeline_parallel_size
         ) // self.model_shape.num_layers + proposers.draft_kv_bytes_per_token(
-            self.draft_dir, self.dtype.itemsize
+            self.draft_dir, itemsize
         )
         block_bytes = bytes_per_token * args.block_size
         if self.device.type == "cuda":
@@ -284,6 +301,7 @@ class LLMEngine:
             num_blocks=num_blocks,
             bytes_per_token=bytes_per_token,
             enable_prefix_caching=args.enable_prefix_caching,
+            cache_dtype=args.kv_cache_dtype,
         )
 
     def add_request(

@@ -63,6 +63,7 @@ class ModelRunner:
         block_size: tokens per block.
         device: where the model and cache live.
         sampler: draws the tokens.
+        cache_dtype: the KV cache's dtype (``--kv-cache-dtype``); None for the model's.
 
     Attributes:
         lora_manager: the model's LoRA slots, set by the engine when LoRA is enabled (the
@@ -76,6 +77,7 @@ class ModelRunner:
         block_size: int,
         device: torch.device,
         sampler: Sampler,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.lora_manager: LoRAManager | None = None
@@ -83,7 +85,8 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler
         self.rejection_sampler = RejectionSampler(sampler)
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device)
+        self.cache_dtype = cache_dtype or model.dtype
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, self.cache_dtype)
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -202,7 +205,7 @@ class ModelRunner:
         query_start_loc = torch.tensor(
             [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32
         )
-        scratch = allocate_kv_caches(self.model, 1, self.block_size, self.device)
+        scratch = allocate_kv_caches(self.model, 1, self.block_size, self.device, self.cache_dtype)
         metadata = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             query_start_loc=query_start_loc.to(self.device),
@@ -333,14 +336,19 @@ def build_model_inputs(
 
 
 def allocate_kv_caches(
-    model: torch.nn.Module, num_blocks: int, block_size: int, device: torch.device
+    model: torch.nn.Module,
+    num_blocks: int,
+    block_size: int,
+    device: torch.device,
+    cache_dtype: torch.dtype | None = None,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Zeroed K and V caches, one pair per layer, each
-    ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model's dtype.
+    ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``cache_dtype`` (None: the model's
+    dtype; fp8 holds one byte an element, the attention layers' scales say what it means).
 
     Zeroed rather than empty: attention kernels may read (and mask) slots past a sequence's end,
     and uninitialised memory could hold NaNs that survive a multiplication by 0.
     """
     shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    cache = torch.zeros(shape, dtype=model.dtype, device=device)
+    cache = torch.zeros(shape, dtype=cache_dtype or model.dtype, device=device)
     return [(cache[layer, 0], cache[layer, 1]) for layer in range(model.num_layers)]

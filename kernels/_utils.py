@@ -15,6 +15,9 @@ from collections.abc import Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# What a paged KV cache may be stored in: the activation dtypes, or fp8 with per-tensor scales.
+CACHE_DTYPES = FLOAT_DTYPES + FP8_DTYPES
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 # A GPU compile of tl.dot needs every operand dimension >= 16; the interpreter does not check.
@@ -130,3 +133,16 @@ def check_number(fn: str, name: str, value: object, *, positive: bool) -> None:
 def cdiv(a: int, b: int) -> int:
     """Ceiling division of non-negative integers."""
     return -(-a // b)
+
+
+def check_scales(fn: str, k_scale: object, v_scale: object, device: torch.device) -> None:
+    """Raise ``ValueError`` unless ``k_scale`` and ``v_scale`` (the dequantization scales of an
+    fp8 KV cache) are one-element float32 tensors on ``device``."""
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise ValueError(f"{fn}: an fp8 KV cache needs {name} (a float32 scalar tensor)")
+        check_tensor(fn, name, scale, dtypes=(torch.float32,))
+        if scale.numel() != 1:
+            raise ValueError(f"{fn}: {name} must hold one value, got shape {tuple(scale.shape)}")
+        if scale.device != device:
+            raise ValueError(f"{fn}: {name} is on {scale.device}, the cache on {device}")

@@ -15,6 +15,67 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# The fp8 formats a KV cache may be stored in (vLLM's ``fp8_e4m3`` and ``fp8_e5m2``).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one of the fp8 KV cache formats (``FP8_DTYPES``)."""
+    return dtype in FP8_DTYPES
+
+
+def quantize_to_cache(
+    x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """``x`` in the cache's ``dtype``: a plain cast, or for fp8 ``x / scale`` saturated to the
+    format's largest finite value and rounded to nearest even (per-tensor scaling, as vLLM's
+    fp8 KV cache and the FP8 formats paper, Micikevicius et al. 2022).
+
+    Args:
+        x: any shape, a float dtype.
+        scale: ``[]`` (or ``[1]``) float32 dequantization scale (``x ~ stored * scale``);
+            needed for fp8, ignored otherwise.
+        dtype: the cache's dtype.
+
+    Returns:
+        ``x``'s shape in ``dtype``.
+
+    Raises:
+        ValueError: an fp8 ``dtype`` without a ``scale``.
+    """
+    if not is_fp8(dtype):
+        return x.to(dtype)
+    if scale is None:
+        raise ValueError(f"quantize_to_cache: a {dtype} cache needs a scale")
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale.float()).clamp(-limit, limit).to(dtype)
+
+
+def dequantize_from_cache(
+    x: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """Cache values read back in the compute ``dtype``: fp8 ones times ``scale`` (in float32,
+    then cast), others cast only (see :func:`quantize_to_cache`)."""
+    if not is_fp8(x.dtype):
+        return x.to(dtype)
+    if scale is None:
+        raise ValueError(f"dequantize_from_cache: a {x.dtype} cache needs a scale")
+    return (x.float() * scale.float()).to(dtype)
+
+
+def write_slots(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """``cache[slots] = values`` along dim 0, in place, for any cache dtype: fp8 through a
+    same-size ``uint8`` view, because PyTorch's CPU ``index_copy_`` has no fp8 kernel.
+
+    Args:
+        cache: ``[num_slots, ...]``.
+        slots: ``[n]`` int64 row indices.
+        values: ``[n, ...]``, ``cache``'s dtype.
+    """
+    if is_fp8(cache.dtype):
+        cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+    cache.index_copy_(0, slots, values)
+
 
 def reshape_and_cache(
     key: torch.Tensor,
@@ -22,20 +83,25 @@ def reshape_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Write new keys and values into their slots of the paged cache, in place.
 
     Args:
-        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the cache's dtype.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, a float dtype.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous;
+            float16/bfloat16/float32 (a cast) or fp8 (quantized, :func:`quantize_to_cache`).
         slot_mapping: ``[num_tokens]`` int64; slot ``s`` is block ``s // block_size``, offset
             ``s % block_size``; ``-1`` skips that token.
+        k_scale, v_scale: ``[]`` float32 dequantization scales of an fp8 cache.
     """
     valid = slot_mapping >= 0
     slots = slot_mapping[valid].long()
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key[valid].to(k_cache.dtype))
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value[valid].to(v_cache.dtype))
+    for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        quantized = quantize_to_cache(x[valid], scale, cache.dtype)
+        write_slots(cache.view(-1, num_kv_heads, head_dim), slots, quantized)
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -66,6 +132,8 @@ def unified_attention(
     scale: float,
     causal: bool = True,
     out: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed prefill/decode batch over the paged KV cache.
 
@@ -78,13 +146,15 @@ def unified_attention(
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``; an fp8 cache
+            is dequantized with ``k_scale`` / ``v_scale`` (:func:`dequantize_from_cache`).
         query_start_loc: ``[num_seqs + 1]`` int32, cumulative new-token counts.
         seq_lens: ``[num_seqs]`` int32, cached + new tokens per sequence.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32.
         scale: softmax scale, usually ``head_dim ** -0.5``.
         causal: mask future positions (True for decoder models).
         out: optional ``[num_tokens, num_heads, head_dim]`` output buffer.
+        k_scale, v_scale: ``[]`` float32 dequantization scales of an fp8 cache.
 
     Returns:
         ``out``: ``[num_tokens, num_heads, head_dim]``, ``q``'s dtype.
@@ -98,8 +168,12 @@ def unified_attention(
         q_len = end - start
         if q_len == 0:
             continue
-        k = gather_kv(k_cache, block_tables[i], seq_len).float()
-        v = gather_kv(v_cache, block_tables[i], seq_len).float()
+        k = dequantize_from_cache(
+            gather_kv(k_cache, block_tables[i], seq_len), k_scale, torch.float32
+        )
+        v = dequantize_from_cache(
+            gather_kv(v_cache, block_tables[i], seq_len), v_scale, torch.float32
+        )
         qi = q[start:end].float()
         mask = None
         if causal:

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from kvpilot.kernels._utils import (
     FLOAT_DTYPES,
+    FP8_DTYPES,
     INDEX_DTYPES,
     cdiv,
     check_contiguous,
@@ -28,6 +29,7 @@ from kvpilot.kernels._utils import (
     check_inner_contiguous,
     check_number,
     check_same_device,
+    check_scales,
     check_tensor,
     interpreting,
     upcast_to_fp32,
@@ -94,6 +96,8 @@ def unified_attention(
     out: torch.Tensor | None = None,
     sliding_window: int | None = None,
     num_kv_splits: int | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a mixed prefill/decode batch over the paged KV cache.
 
@@ -111,12 +115,14 @@ def unified_attention(
 
     Softmax statistics and the output accumulator are float32; with float16/bfloat16 inputs the
     probabilities are rounded to that dtype before the ``P @ V`` product, as in FlashAttention.
+    An fp8 cache is dequantized tile by tile as it is loaded (``stored * scale`` in float32,
+    then ``q``'s dtype), as vLLM's Triton attention does; nothing else changes.
 
     Args:
         q: ``[num_tokens, num_heads, head_dim]`` float16, bfloat16 or float32, contiguous in
             the last dimension; ``head_dim <= 256``.
-        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, ``q``'s dtype,
-            contiguous in the last dimension.
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, one dtype:
+            ``q``'s, or float8_e4m3fn / float8_e5m2; contiguous in the last dimension.
         query_start_loc: ``[num_seqs + 1]`` int32 (or int64), contiguous; cumulative new-token
             counts, starting at 0, at most ``num_tokens``.
         seq_lens: ``[num_seqs]`` int32 (or int64), contiguous; cached + new tokens per
@@ -131,6 +137,8 @@ def unified_attention(
         num_kv_splits: how many parts the KV axis of each sequence is split into (then merged);
             ``None`` chooses: more than 1 only for decode batches on a GPU that one split per
             (sequence, KV head) would leave idle.
+        k_scale, v_scale: ``[]`` (or ``[1]``) float32 dequantization scales on the caches'
+            device; required for an fp8 cache, ignored otherwise.
 
     Returns:
         ``out``: ``[num_tokens, num_heads, head_dim]``, ``q``'s dtype.
@@ -143,8 +151,11 @@ def unified_attention(
     """
     _check_inputs(
         q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, out,
-        sliding_window, num_kv_splits,
+        sliding_window, num_kv_splits, k_scale, v_scale,
     )  # fmt: skip
+    kv_fp8 = k_cache.dtype in FP8_DTYPES
+    if not kv_fp8:
+        k_scale = v_scale = seq_lens  # unused by the kernel (KV_FP8 is off): any pointer
     out = torch.empty_like(q) if out is None else out
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = seq_lens.shape[0]
@@ -179,7 +190,7 @@ def unified_attention(
         )
     _unified_attention_kernel[(num_q_blocks, num_kv_heads, num_kv_splits)](
         q, k_cache, v_cache, out, part_out, part_lse,
-        query_start_loc, seq_lens, block_tables,
+        query_start_loc, seq_lens, block_tables, k_scale, v_scale,
         float(scale), num_seqs, head_dim, k_cache.shape[1], sliding_window or 0,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -187,7 +198,7 @@ def unified_attention(
         block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_Q=block_q, TILE_N=config.tile_n, HEAD_PAD=head_pad,
         CAUSAL=bool(causal), SLIDING=sliding_window is not None, NUM_SPLITS=num_kv_splits,
-        UPCAST=upcast_to_fp32(q.dtype),
+        UPCAST=upcast_to_fp32(q.dtype), KV_FP8=kv_fp8,
         num_warps=config.num_warps,
     )  # fmt: skip
     if num_kv_splits > 1:
@@ -211,15 +222,19 @@ def _check_inputs(
     out: torch.Tensor | None,
     sliding_window: int | None,
     num_kv_splits: int | None,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
 ) -> None:
     """Raise ``ValueError`` naming the first argument of ``unified_attention`` that is wrong."""
     fn = "unified_attention"
     check_tensor(fn, "q", q, ndim=3, dtypes=FLOAT_DTYPES)
     num_tokens, num_heads, head_dim = q.shape
-    check_tensor(fn, "k_cache", k_cache, ndim=4, dtypes=(q.dtype,))
+    check_tensor(fn, "k_cache", k_cache, ndim=4, dtypes=(q.dtype, *FP8_DTYPES))
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     check_tensor(fn, "k_cache", k_cache, shape=(None, None, None, head_dim))
-    check_tensor(fn, "v_cache", v_cache, dtypes=(q.dtype,), shape=tuple(k_cache.shape))
+    check_tensor(fn, "v_cache", v_cache, dtypes=(k_cache.dtype,), shape=tuple(k_cache.shape))
+    if k_cache.dtype in FP8_DTYPES:
+        check_scales(fn, k_scale, v_scale, k_cache.device)
     if num_kv_heads == 0 or num_heads % num_kv_heads:
         raise ValueError(
             f"{fn}: q's num_heads ({num_heads}) must be a multiple of the caches' "
@@ -333,7 +348,7 @@ def _find_seq(qsl_ptr, num_seqs, q_block, BLOCK_Q: tl.constexpr):
 @triton.jit
 def _unified_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, part_out_ptr, part_lse_ptr,
-    qsl_ptr, seq_lens_ptr, block_tables_ptr,
+    qsl_ptr, seq_lens_ptr, block_tables_ptr, k_scale_ptr, v_scale_ptr,
     scale, num_seqs, head_dim, block_size, sliding_window,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kb, stride_ks, stride_kh,
@@ -341,7 +356,7 @@ def _unified_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, TILE_N: tl.constexpr,
     HEAD_PAD: tl.constexpr, CAUSAL: tl.constexpr, SLIDING: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, KV_FP8: tl.constexpr,
 ):  # fmt: skip
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -370,6 +385,9 @@ def _unified_attention_kernel(
     )
     if UPCAST:
         q = q.to(tl.float32)
+    if KV_FP8:
+        k_scale = tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
     q_pos = context_len + q_tok
 
     if CAUSAL:
@@ -407,7 +425,10 @@ def _unified_attention_kernel(
             + kv_head * stride_vh + dims[None, :],
             mask=kv_mask, other=0.0,
         )  # fmt: skip
-        if UPCAST:
+        if KV_FP8:
+            k = (k.to(tl.float32) * k_scale).to(q.dtype)
+            v = (v.to(tl.float32) * v_scale).to(q.dtype)
+        elif UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [BLOCK_M, TILE_N]

@@ -35,6 +35,8 @@ class AttentionBackend(Protocol):
         *,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Write the new tokens' K/V into the cache, then attend.
 
@@ -42,11 +44,14 @@ class AttentionBackend(Protocol):
             query: ``[num_tokens, num_heads, head_dim]``, already rotated.
             key, value: ``[num_tokens, num_kv_heads, head_dim]``, key already rotated.
             kv_cache: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
-                head_dim]``; written in place at ``attn_metadata.slot_mapping``.
+                head_dim]``, the activation dtype or fp8 (``FP8_DTYPES``: keys and values are
+                stored as ``x / scale``); written in place at ``attn_metadata.slot_mapping``.
             attn_metadata: the batch layout.
             scale: softmax scale (usually ``head_dim ** -0.5``).
             sliding_window: when set, a token attends only to the last ``sliding_window``
                 positions up to and including itself (Mistral, Qwen2/3 sliding layers).
+            k_scale, v_scale: ``[]`` float32 per-tensor dequantization scales of an fp8 cache
+                (``x ~ stored * scale``), on the cache's device; ignored for other dtypes.
 
         Returns:
             ``[num_tokens, num_heads, head_dim]``, ``query``'s dtype.

@@ -8,6 +8,11 @@ prefill chunk, attending to its cached context and causally to itself) gets its 
 Scores are computed by ``scaled_dot_product_attention`` in the activation dtype, as
 transformers' default ("sdpa") attention does, so results agree with it to float rounding.
 
+An fp8 cache (``--kv-cache-dtype fp8``) holds ``x / scale`` per layer and tensor; keys and
+values are quantized as they are written and dequantized to the activation dtype as they are
+gathered (``reference.quantize_to_cache`` / ``dequantize_from_cache``), so attention itself
+runs as with a float cache.
+
 Everything derived from the batch layout alone (which rows decode, the flat cache slots to read,
 the masks) is computed once per forward pass, in :func:`plan_step`, and reused by every layer:
 the same :class:`AttentionMetadata` object is passed to all of them.
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.kernels.reference import dequantize_from_cache, quantize_to_cache, write_slots
 
 
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
@@ -223,6 +229,8 @@ class TorchAttentionBackend:
         *,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Cache the new K/V, then attend; shapes as in ``AttentionBackend.forward``."""
         k_cache, v_cache = kv_cache
@@ -232,8 +240,12 @@ class TorchAttentionBackend:
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         if plan.write_rows is not None:
             key, value = key[plan.write_rows], value[plan.write_rows]
-        k_flat.index_copy_(0, plan.write_slots, key.to(k_cache.dtype))
-        v_flat.index_copy_(0, plan.write_slots, value.to(v_cache.dtype))
+        write_slots(k_flat, plan.write_slots, quantize_to_cache(key, k_scale, k_cache.dtype))
+        write_slots(v_flat, plan.write_slots, quantize_to_cache(value, v_scale, v_cache.dtype))
+        k_flat, v_flat = (
+            _Gather(k_flat, k_scale, query.dtype),
+            _Gather(v_flat, v_scale, query.dtype),
+        )
 
         decode_masks, prefill_masks = plan.masks_for(sliding_window)
         if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
@@ -242,8 +254,8 @@ class TorchAttentionBackend:
         for d, mask in zip(plan.decodes, decode_masks, strict=True):
             out[d.rows] = self._decode(query[d.rows], k_flat, v_flat, d, mask, scale)
         for p, mask in zip(plan.prefills, prefill_masks, strict=True):
-            k = k_flat.index_select(0, p.slots)  # [seq_len, num_kv_heads, head_dim]
-            v = v_flat.index_select(0, p.slots)
+            k = k_flat(p.slots)  # [seq_len, num_kv_heads, head_dim]
+            v = v_flat(p.slots)
             # 4-D inputs: with 3-D ones PyTorch's CPU dispatch takes the unfused math kernel,
             # ~3x slower on long prompts.
             o = F.scaled_dot_product_attention(
@@ -261,17 +273,17 @@ class TorchAttentionBackend:
     @staticmethod
     def _decode(
         query: torch.Tensor,
-        k_flat: torch.Tensor,
-        v_flat: torch.Tensor,
+        k_flat: _Gather,
+        v_flat: _Gather,
         d: DecodePlan,
         mask: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
         """``query`` ``[num_decodes, num_heads, head_dim]`` -> attention output, same shape."""
-        batch, num_kv_heads, head_dim = len(d.seq_lens), k_flat.shape[1], k_flat.shape[2]
+        batch, num_kv_heads, head_dim = len(d.seq_lens), k_flat.num_kv_heads, k_flat.head_dim
         # [batch, num_kv_heads, max_len, head_dim], one index_select per cache.
-        k = k_flat.index_select(0, d.slots).view(batch, d.max_len, num_kv_heads, head_dim)
-        v = v_flat.index_select(0, d.slots).view(batch, d.max_len, num_kv_heads, head_dim)
+        k = k_flat(d.slots).view(batch, d.max_len, num_kv_heads, head_dim)
+        v = v_flat(d.slots).view(batch, d.max_len, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             query[:, :, None, :],  # [batch, num_heads, 1, head_dim]
             k.transpose(1, 2),
@@ -281,3 +293,21 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return o[:, :, 0, :]
+
+
+class _Gather:
+    """Reads slots of one flat cache ``[num_slots, num_kv_heads, head_dim]`` in the compute
+    dtype: an ``index_select``, then for an fp8 cache the dequantization by ``scale``."""
+
+    def __init__(self, flat: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.flat, self.scale, self.dtype = flat, scale, dtype
+        self.num_kv_heads, self.head_dim = flat.shape[1], flat.shape[2]
+
+    def __call__(self, slots: torch.Tensor) -> torch.Tensor:
+        """``slots`` ``[n]`` int64 -> ``[n, num_kv_heads, head_dim]`` in the compute dtype."""
+        rows = self.flat.index_select(0, slots)
+        return (
+            rows
+            if rows.dtype == self.dtype
+            else dequantize_from_cache(rows, self.scale, self.dtype)
+        )

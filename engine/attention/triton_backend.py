@@ -32,6 +32,8 @@ class TritonAttentionBackend:
         *,
         scale: float,
         sliding_window: int | None = None,
+        k_scale: torch.Tensor | None = None,
+        v_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Cache the new K/V, then attend.
 
@@ -40,12 +42,15 @@ class TritonAttentionBackend:
                 float32, contiguous in the last dimension.
             key, value: ``[num_tokens, num_kv_heads, head_dim]``, key already rotated.
             kv_cache: ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads,
-                head_dim]``, contiguous, ``query``'s dtype; written in place at
+                head_dim]``, contiguous, ``query``'s dtype or fp8 (float8_e4m3fn,
+                float8_e5m2: quantized as written, dequantized as read); written in place at
                 ``attn_metadata.slot_mapping``.
             attn_metadata: the batch layout.
             scale: softmax scale (usually ``head_dim ** -0.5``).
             sliding_window: when set, a token attends only to the last ``sliding_window``
                 positions up to and including itself.
+            k_scale, v_scale: ``[]`` float32 dequantization scales of an fp8 cache, on its
+                device.
 
         Returns:
             ``[num_tokens, num_heads, head_dim]``, ``query``'s dtype.
@@ -54,7 +59,9 @@ class TritonAttentionBackend:
             ValueError: from the kernels' input checks (the message names the argument).
         """
         k_cache, v_cache = kv_cache
-        reshape_and_cache(key, value, k_cache, v_cache, attn_metadata.slot_mapping)
+        reshape_and_cache(
+            key, value, k_cache, v_cache, attn_metadata.slot_mapping, k_scale, v_scale
+        )
         return unified_attention(
             query,
             k_cache,
@@ -64,4 +71,6 @@ class TritonAttentionBackend:
             block_tables=attn_metadata.block_tables,
             scale=scale,
             sliding_window=sliding_window,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvpilot.engine.attention.layer import enable_kv_scale_calculation
 from kvpilot.engine.distributed import get_pp_state, init_distributed_environment
 from kvpilot.engine.executor.worker_input import CachedRequestStates, WorkerInput
 from kvpilot.engine.layers.linear import prepack_linear_weights
@@ -53,6 +54,10 @@ class WorkerConfig:
             reads ``config.json`` itself).
         model_shape: its shape, for the tensor-parallel checks (None: read from the folder).
         quantization: ``--quantization`` (None: the checkpoint's own ``quantization_config``).
+        kv_cache_dtype: the paged cache's dtype (``resolve_kv_cache_dtype``); None for
+            ``dtype``.
+        calculate_kv_scales: set each layer's fp8 k/v scales from the first step after
+            ``initialize_cache`` (``--calculate-kv-scales``).
     """
 
     model_dir: pathlib.Path
@@ -71,6 +76,8 @@ class WorkerConfig:
     model_config: Any = None
     model_shape: Any = None
     quantization: str | None = None
+    kv_cache_dtype: torch.dtype | None = None
+    calculate_kv_scales: bool = False
 
     @property
     def world_size(self) -> int:
@@ -167,15 +174,29 @@ class Worker:
         """Peak GPU memory (bytes) of a ``num_tokens`` forward pass on this rank
         (see ``ModelRunner.profile_peak_memory``)."""
         runner = ModelRunner(
-            self.model, 1, self.config.block_size, self.device, Sampler(0, self.device, set())
+            self.model,
+            1,
+            self.config.block_size,
+            self.device,
+            Sampler(0, self.device, set()),
+            self.config.kv_cache_dtype,
         )
         return runner.profile_peak_memory(num_tokens, max_model_len)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """Allocate this rank's KV cache: ``num_blocks`` blocks of its KV heads only."""
+        """Allocate this rank's KV cache: ``num_blocks`` blocks of its KV heads only, in
+        ``kv_cache_dtype``; with ``calculate_kv_scales`` (after the profiling pass, which must
+        not set them) the next step sets the fp8 scales."""
         self.model_runner = ModelRunner(
-            self.model, num_blocks, self.config.block_size, self.device, self.sampler
+            self.model,
+            num_blocks,
+            self.config.block_size,
+            self.device,
+            self.sampler,
+            self.config.kv_cache_dtype,
         )
+        if self.config.calculate_kv_scales:
+            enable_kv_scale_calculation(self.model)
 
     def execute_step(self, message: WorkerInput) -> ModelRunnerOutput:
         """Apply a step's deltas to the requests this worker holds, then run it

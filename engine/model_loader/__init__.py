@@ -19,6 +19,7 @@ _LAZY = {
     "read_model_config": "kvpilot.engine.model_loader.weights",
     "iterate_safetensors": "kvpilot.engine.model_loader.weights",
     "resolve_dtype": "kvpilot.engine.model_loader.dtype",
+    "resolve_kv_cache_dtype": "kvpilot.engine.model_loader.dtype",
     "load_tokenizer": "kvpilot.engine.model_loader.tokenizer",
     "get_eos_token_ids": "kvpilot.engine.model_loader.tokenizer",
     "read_sampling_defaults": "kvpilot.engine.model_loader.generation_config",

@@ -34,6 +34,7 @@ from transformers import PretrainedConfig
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.attention.backends import AttentionBackend
+from kvpilot.engine.attention.layer import Attention, load_kv_scale
 from kvpilot.engine.distributed import get_pp_state
 from kvpilot.engine.distributed.pipeline import (
     IntermediateTensors,
@@ -169,7 +170,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernel_backend)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, kernel_backend)
         self.rotary_emb = rotary_emb
-        self.backend = backend
+        self.attn = Attention(backend, self.scale, self.sliding_window)
 
     def forward(
         self,
@@ -186,9 +187,7 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(rope, q, k)
-        out = self.backend.forward(
-            q, k, v, kv_cache, attn_metadata, scale=self.scale, sliding_window=self.sliding_window
-        )
+        out = self.attn(q, k, v, kv_cache, attn_metadata)
         return self.o_proj(out.flatten(1))
 
 
@@ -514,8 +513,9 @@ class LlamaForCausalLM(nn.Module):
             input_ids: ``[num_tokens]`` int64.
             positions: ``[num_tokens]`` int64 absolute positions.
             kv_caches: one ``(k_cache, v_cache)`` per layer of this stage, each
-                ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype; the
-                new tokens' K/V are written at ``attn_metadata.slot_mapping``.
+                ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the model dtype or fp8
+                (``--kv-cache-dtype``); the new tokens' K/V are written at
+                ``attn_metadata.slot_mapping``.
             attn_metadata: the batch layout.
             intermediate_tensors: the previous stage's activations; None on the first stage.
 
@@ -552,7 +552,7 @@ class LlamaForCausalLM(nn.Module):
         loaded: set[str] = set()
         shards_seen: dict[str, set[str | int]] = {}
         for name, tensor in weights:
-            if "rotary_emb.inv_freq" in name:
+            if "rotary_emb.inv_freq" in name or load_kv_scale(self, name, tensor):
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 # Some tied checkpoints store the shared table twice.

@@ -248,7 +248,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
             "block_size": cache.block_size,
             "num_gpu_blocks": cache.num_blocks,
             "enable_prefix_caching": cache.enable_prefix_caching,
-            "cache_dtype": str(engine.dtype).removeprefix("torch."),
+            "cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
             "gpu_memory_utilization": engine.args.gpu_memory_utilization,
         },
     )

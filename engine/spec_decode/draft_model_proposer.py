@@ -34,6 +34,8 @@ class DraftModelProposer:
         block_size: tokens per block.
         device: where the model and its cache live.
         num_speculative_tokens: drafts per request and step (k).
+        cache_dtype: its KV cache's dtype, the target's (``--kv-cache-dtype``); None for the
+            draft model's dtype.
     """
 
     def __init__(
@@ -43,12 +45,13 @@ class DraftModelProposer:
         block_size: int,
         device: torch.device,
         num_speculative_tokens: int,
+        cache_dtype: torch.dtype | None = None,
     ) -> None:
         self.model = model
         self.block_size = block_size
         self.device = device
         self.k = num_speculative_tokens
-        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device)
+        self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, cache_dtype)
 
     @torch.inference_mode()
     def propose(self, scheduler_output: SchedulerOutput, requests: list[Request]) -> None:

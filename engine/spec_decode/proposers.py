@@ -7,6 +7,7 @@ import pathlib
 
 import torch
 
+from kvpilot.engine.attention.layer import enable_kv_scale_calculation
 from kvpilot.engine.model_shape import ModelShape
 from kvpilot.engine.spec_decode.config import DRAFT_MODEL, SpeculativeConfig
 from kvpilot.engine.spec_decode.draft_model_proposer import (
@@ -65,9 +66,12 @@ def build_proposer(
     attention_backend: str,
     num_blocks: int,
     block_size: int,
+    kv_cache_dtype: torch.dtype | None = None,
+    calculate_kv_scales: bool = False,
 ) -> Proposer:
     """The n-gram proposer, or the draft model loaded with its own cache of ``num_blocks``
-    blocks (the target's count, the same block ids)."""
+    blocks (the target's count, the same block ids) in ``kv_cache_dtype`` (None: ``dtype``),
+    its fp8 scales calculated on its first step when ``calculate_kv_scales``."""
     if config.method != DRAFT_MODEL:
         return NgramProposer(
             config.prompt_lookup_min, config.prompt_lookup_max, config.num_speculative_tokens
@@ -75,4 +79,8 @@ def build_proposer(
     from kvpilot.engine.model_loader import load_model
 
     model = load_model(draft_dir, dtype, device, attention_backend=attention_backend)
-    return DraftModelProposer(model, num_blocks, block_size, device, config.num_speculative_tokens)
+    if calculate_kv_scales:
+        enable_kv_scale_calculation(model)
+    return DraftModelProposer(
+        model, num_blocks, block_size, device, config.num_speculative_tokens, kv_cache_dtype
+    )

@@ -40,7 +40,12 @@ _POINTER_TYPES = {
     torch.int64: "*i64",
     torch.uint8: "*u8",
     torch.float8_e4m3fn: "*fp8e4nv",
+    torch.float8_e5m2: "*fp8e5",
 }
+# The fp8 formats compile from these architectures on (fp8e4nv from Ada/Hopper, fp8e5 from
+# Ampere); the engine refuses each with the Triton backend below them (model_loader/dtype.py).
+E4M3_MIN_CAPABILITY = 89
+E5M2_MIN_CAPABILITY = 80
 
 
 class _Recorder:
@@ -118,9 +123,11 @@ def _ptxas_usage(ptx: str, capability: int) -> dict:
     }
 
 
-def _cases() -> list[tuple[str, Callable[[], None]]]:
-    """(name, call) pairs covering the wrappers' launch configurations at real model shapes."""
+def _cases(capability: int) -> list[tuple[str, Callable[[], None]]]:
+    """(name, call) pairs covering the wrappers' launch configurations at real model shapes;
+    the fp8 KV cache's only where ``capability`` has fp8 conversions."""
     bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
 
     def attention_case(
         dtype: torch.dtype,
@@ -128,14 +135,18 @@ def _cases() -> list[tuple[str, Callable[[], None]]]:
         num_kv_heads: int,
         head_dim: int,
         q_lens: list[int],
+        cache_dtype: torch.dtype | None = None,
         **kwargs: object,
     ) -> Callable[[], None]:
         def run() -> None:
             block_size, blocks_per_seq = 16, 8
             num_seqs = len(q_lens)
             cache = torch.zeros(
-                num_seqs * blocks_per_seq, block_size, num_kv_heads, head_dim, dtype=dtype
-            )
+                num_seqs * blocks_per_seq, block_size, num_kv_heads, head_dim,
+                dtype=cache_dtype or dtype,
+            )  # fmt: skip
+            if cache_dtype is not None:
+                kwargs.update(k_scale=torch.ones(()), v_scale=torch.ones(()))
             qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
             attention.unified_attention(
                 torch.zeros(int(qsl[-1]), num_heads, head_dim, dtype=dtype),
@@ -156,15 +167,41 @@ def _cases() -> list[tuple[str, Callable[[], None]]]:
         q, k = torch.zeros(4, 32, 128, dtype=bf16), torch.zeros(4, 8, 128, dtype=bf16)
         rotary_embedding.rotary_embedding(torch.arange(4), q, k, torch.zeros(64, 128), is_neox)
 
-    def cache_write() -> None:
+    def cache_write(cache_dtype: torch.dtype = bf16) -> None:
         kv = torch.zeros(4, 8, 128, dtype=bf16)
-        cache = torch.zeros(2, 16, 8, 128, dtype=bf16)
-        reshape_and_cache.reshape_and_cache(kv, kv, cache, cache, torch.arange(4))
+        cache = torch.zeros(2, 16, 8, 128, dtype=cache_dtype)
+        scales = (torch.ones(()), torch.ones(())) if cache_dtype != bf16 else (None, None)
+        reshape_and_cache.reshape_and_cache(kv, kv, cache, cache, torch.arange(4), *scales)
 
     x = torch.zeros(4, 4096, dtype=bf16)
     gemma_x = torch.zeros(4, 3072, dtype=bf16)  # Gemma-7B: hidden 3072, intermediate 24576
     gemma_gate_up = torch.zeros(4, 2 * 24576, dtype=bf16)
-    return [
+    e4m3_cases = [
+        (
+            "attention llama3-8b bf16 fp8-e4m3 decode",
+            attention_case(bf16, 32, 8, 128, [1, 1, 1, 1], e4m3),
+        ),
+        (
+            "attention llama3-8b bf16 fp8-e4m3 decode split",
+            attention_case(bf16, 32, 8, 128, [1, 1], e4m3, num_kv_splits=8),
+        ),
+        (
+            "attention llama3-8b bf16 fp8-e4m3 mixed",
+            attention_case(bf16, 32, 8, 128, [1, 40, 7], e4m3),
+        ),
+        ("reshape_and_cache bf16 fp8-e4m3", lambda: cache_write(e4m3)),
+    ]
+    e5m2_cases = [
+        (
+            "attention llama3-8b fp16 fp8-e5m2 mixed",
+            attention_case(fp16, 32, 8, 128, [1, 40], e5m2),
+        ),
+        ("reshape_and_cache bf16 fp8-e5m2", lambda: cache_write(e5m2)),
+    ]
+    fp8_cases = (e4m3_cases if capability >= E4M3_MIN_CAPABILITY else []) + (
+        e5m2_cases if capability >= E5M2_MIN_CAPABILITY else []
+    )
+    return fp8_cases + [
         ("attention llama3-8b bf16 decode", attention_case(bf16, 32, 8, 128, [1, 1, 1, 1])),
         (
             "attention llama3-8b bf16 decode split",
@@ -210,7 +247,9 @@ def main(capability: int) -> None:
     }
     for (module, name), recorder in recorders.items():
         setattr(module, name, recorder)
-    compile_recorded(_cases(), {name: rec for (_, name), rec in recorders.items()}, capability)
+    compile_recorded(
+        _cases(capability), {name: rec for (_, name), rec in recorders.items()}, capability
+    )
 
 
 def compile_recorded(cases, recorders: dict, capability: int) -> None:

@@ -34,5 +34,8 @@ def test_smoke_run_reports_correct_kernels(tmp_path: pathlib.Path) -> None:
     # The flex_attention peer reads the same paged cache and must agree with the reference.
     for row in results["decode_flex"] + results["prefill"]:
         assert row["flex_error"] == "" and row["flex_max_err"] < 1e-4, row
-    assert all(row["triton_us"] > 0 for row in results["decode"])
+    assert all(row["triton_us"] > 0 for row in results["decode"] + results["decode_fp8"])
+    assert {"reshape_and_cache fp8_e4m3 (bytes)", "unified_attention fp8_e4m3 cache, mixed"} <= {
+        row["kernel"] for row in results["correctness"]
+    }
     assert "## Decode attention: HBM bandwidth" in done.stdout

@@ -525,11 +525,6 @@ def test_a_fp8_kv_canary_runs_the_fp8_flag_alone():
     assert "--kv-cache-dtype" not in kv[0] and flag(kv[1], "--kv-cache-dtype") == "fp8"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="kvpilot serve gains --kv-cache-dtype/--quantization with the engine side of issue 20 "
-    "(built in parallel); remove this mark when both are merged",
-)
 def test_the_engine_accepts_the_rendered_kv_and_quantization_flags():
     spec_dict = {**GPU_SPEC, "engine": {**GPU_SPEC["engine"], **KV_AND_QUANTIZATION}}
     engine = engine_args_accepted(container(render(spec_dict, "Meta-Llama-3-70B")[2])["args"])

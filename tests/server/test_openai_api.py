@@ -442,6 +442,7 @@ def test_metrics_move_as_requests_run(client, server):
     [info] = [labels for name, labels in after if name == "vllm:cache_config_info"]
     assert dict(info)["block_size"] == "16"
     assert dict(info)["num_gpu_blocks"] == str(int(total))
+    assert dict(info)["cache_dtype"] == "float32"  # the KV cache's (--kv-cache-dtype auto)
 
 
 def test_prefix_cache_counters_move_on_a_repeated_prompt(client, server):
