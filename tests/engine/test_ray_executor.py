@@ -154,3 +154,30 @@ def test_a_placement_the_cluster_cannot_hold_is_refused(ray_cluster, reference, 
     model_dir, _ = reference
     with pytest.raises(ValueError, match=r"could not place 4 bundles of \{'CPU': 1.0\}"):
         ray_llm(model_dir, 2, 2)
+
+
+def test_two_ray_stages_match_one_on_the_default_model(ray_cluster, default_model_dir):
+    """SmolLM2-135M on Ray: its head counts allow tensor parallel 1 or 3 only (3 query-KV
+    groups), so it is split into two pipeline stages of 15 layers, one per Ray node (its tied
+    head copied onto stage 1), and must reproduce one rank."""
+    prompts = [
+        "The capital of France is",
+        "<|im_start|>user\nName three colours.<|im_end|>\n<|im_start|>assistant\n",
+    ]
+    # The two requests need 8 blocks of 4 tokens; 6 blocks force preemption.
+    expected = generate(make_llm(default_model_dir, 1, 6), prompts, max_tokens=6)
+    llm = make_llm(
+        default_model_dir,
+        1,
+        6,
+        pp=2,
+        backend="ray",
+        distributed_timeout_seconds=DISTRIBUTED_TIMEOUT_S,
+    )
+    try:
+        assert_same_generation(expected, generate(llm, prompts, max_tokens=6))
+        executor = llm.llm_engine.executor
+        assert executor.collective_rpc("stage") == [(0, 0, 15), (1, 15, 30)]
+        assert len(set(executor.worker_node_ids)) == 2
+    finally:
+        llm.llm_engine.shutdown()
