@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import os
 import pathlib
 import time
 from collections.abc import Iterable
@@ -112,6 +113,15 @@ class LLMEngine:
             backend = args.attention_backend or (
                 "triton" if self.device.type == "cuda" else "torch"
             )
+            if (
+                backend == "triton"
+                and self.device.type != "cuda"
+                and os.environ.get("TRITON_INTERPRET") != "1"
+            ):
+                raise ValueError(
+                    "--attention-backend triton needs a CUDA device (on the CPU the Triton "
+                    "kernels run only under the interpreter, TRITON_INTERPRET=1); use torch"
+                )
             self.kv_cache_dtype = resolve_kv_cache_dtype(
                 args.kv_cache_dtype, self.dtype, self.device, backend
             )

@@ -3,6 +3,7 @@ heavy, so ``kvpilot --help`` stays fast)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvpilot.router.scoring import (
@@ -73,6 +74,20 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.kubernetes and self.endpoints:
             raise ValueError("--endpoint and --kubernetes exclude each other")
+        for name in (
+            "load_factor",
+            "prefix_weight",
+            "load_weight",
+            "waiting_weight",
+            "kv_weight",
+            "down_s",
+            "refresh_s",
+            "connect_timeout_s",
+            "wake_timeout_s",
+            "wake_poll_s",
+        ):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.load_factor < 1:
             raise ValueError(f"--load-factor must be >= 1, got {self.load_factor}")
         if self.routing_policy not in ROUTING_POLICIES:

@@ -64,10 +64,16 @@ def parse_role_args(rest: list[str]) -> tuple[argparse.Namespace, list[str]]:
     """
     if "--" in rest:
         cut = rest.index("--")
-        rest, command = rest[:cut], rest[cut + 1 :]
     else:
-        command = []
-    return _options().parse_args(rest), command
+        # The top-level parser may have taken the ``--`` itself (``leader -- serve ...``): the
+        # command starts at the first word that is neither an option nor an option's value
+        # (every option takes one value).
+        cut = 0
+        while cut < len(rest) and rest[cut].startswith("-"):
+            cut += 1 if "=" in rest[cut] else 2
+        cut = min(cut, len(rest))
+        rest = [*rest[:cut], "--", *rest[cut:]]
+    return _options().parse_args(rest[:cut]), rest[cut + 1 :]
 
 
 def ray_executable() -> list[str]:

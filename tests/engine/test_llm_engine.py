@@ -284,3 +284,13 @@ def test_stop_string_ends_the_request_and_the_text(llama_dir, prompts):
     )
     assert kept.outputs[0].text == full.text[: cut + len(stop)]
     assert_no_leak(llm.llm_engine)
+
+
+def test_the_triton_backend_on_the_cpu_outside_the_interpreter_is_refused(
+    tiny_model_dir, monkeypatch
+):
+    """On the CPU the Triton kernels run only under the interpreter (the suite sets
+    TRITON_INTERPRET=1); without it the engine refuses at start instead of failing mid-step."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--attention-backend triton needs a CUDA device"):
+        LLM(str(tiny_model_dir("llama")), device="cpu", attention_backend="triton")

@@ -124,3 +124,11 @@ def test_ray_node_arguments():
         ray_node.serve_command([])
     with pytest.raises(SystemExit):
         ray_node.parse_role_args(["--bogus"])
+    # ``leader -- serve ...``: the top-level parser takes the ``--``, the command stays whole.
+    assert ray_node.parse_role_args(["serve", "--pipeline-parallel-size", "2"])[1] == [
+        "serve",
+        "--pipeline-parallel-size",
+        "2",
+    ]
+    options, command = ray_node.parse_role_args(["--nodes", "3", "--port=7000", "serve"])
+    assert (options.nodes, options.port, command) == (3, 7000, ["serve"])

@@ -65,3 +65,11 @@ def test_kubernetes_mode_and_endpoints_exclude_each_other():
         RouterConfig(endpoints=["http://a:1"], kubernetes=True)
     with pytest.raises(SystemExit, match="--endpoint URL .* or --kubernetes"):
         router_cli.run(argparse.Namespace(endpoints=[], kubernetes=False))
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_non_finite_settings_are_refused(value):
+    with pytest.raises(ValueError, match="load_factor must be a finite number"):
+        RouterConfig(endpoints=["http://a:1"], load_factor=value)
+    with pytest.raises(ValueError, match="kv_weight must be a finite number"):
+        RouterConfig(endpoints=["http://a:1"], kv_weight=value)
