@@ -32,6 +32,10 @@ How it decides, in order (docs/autoscaling.md explains each rule):
    replicas a forecast (rule 9) asks for; Pending ones do.
 6. **Scale to zero** after ``idleSeconds`` without traffic when ``minReplicas`` is 0; **wake from
    zero** when a wake request (annotation ``kvpilot.dev/wake``) is newer than the last scaling.
+   Requests a router holds for the deployment (``kvpilot.dev/held-requests``, reported with
+   the wake time) are demand: a wake starts enough replicas to give each a sequence slot, and
+   while pods are starting and none is Ready, more are asked for when the held requests
+   outgrow the replicas' slots (not while pods are Pending).
 7. **Bounds**: ``[minReplicas, maxReplicas]``, then the namespace's GPU budget, which wins.
 8. **Bigger, not more**: when the pressure comes from long contexts (a running request holds at
    least ``LONG_CONTEXT_SHARE`` of a replica's KV cache, the cache is above target, and requests
@@ -230,6 +234,8 @@ class FleetState:
             token rate's rise over that time, and a recurring burst due within it (plus a
             tick), are provisioned ahead (0: unknown; the forecast looks one tick ahead).
         wake_requested_at: time (seconds) of the newest wake request, or None.
+        held_requests: requests a router holds for the deployment (no replica ready to take
+            them), as reported with that wake request; 0 when none or the report is stale.
     """
 
     replicas: int
@@ -243,6 +249,7 @@ class FleetState:
     max_num_seqs: int | None = None
     startup_seconds: float = 0.0
     wake_requested_at: float | None = None
+    held_requests: int = 0
 
 
 @dataclass(frozen=True)
@@ -285,8 +292,8 @@ class Decision:
         desired_replicas: what ``spec.replicas`` should be.
         reason: CamelCase reason for status and the Event (``ScaleUp``, ``ScaleDown``,
             ``Panic``, ``Stable``, ``PendingPods``, ``StartingPods``, ``ScaleToZero``,
-            ``WakeFromZero``, ``Idle``, ``NoMetrics``, ``BelowMinimum``, ``AboveMaximum``,
-            ``GPUBudget``, ``LongContext``, ``PredictedBurst``, ``BurstEndsFirst``).
+            ``WakeFromZero``, ``HeldRequests``, ``Idle``, ``NoMetrics``, ``BelowMinimum``,
+            ``AboveMaximum``, ``GPUBudget``, ``LongContext``, ``PredictedBurst``, ``BurstEndsFirst``).
         message: one human sentence with the numbers behind the reason.
         signals: the stable window's signals, or None without metrics.
         replan: the larger shape to roll out instead of adding replicas, or None.
@@ -484,8 +491,8 @@ def _activity(
     woken = fleet.wake_requested_at is not None and fleet.wake_requested_at > (
         memory.last_scale_time if memory.last_scale_time is not None else -math.inf
     )
-    if woken:
-        last_active = now
+    if woken:  # a wake request is activity at its own time (renewals while requests wait)
+        last_active = max(last_active, min(fleet.wake_requested_at, now))
     first = memory.first_decision if memory.first_decision is not None else now
     memory = replace(memory, last_active=last_active, first_decision=first)
     moment = _Moment(policy, fleet, now, woken, last_active, first, stable, panic)
@@ -674,12 +681,11 @@ def _hold_for_pods(moment: _Moment, verdict: _Verdict) -> _Verdict:
 
 
 def _scale_to_zero(moment: _Moment, verdict: _Verdict) -> _Verdict:
-    """Rule 6: no traffic for ``idleSeconds`` (and no new wake request) with ``minReplicas``
-    0: zero replicas."""
+    """Rule 6: no traffic (nor wake request) for ``idleSeconds`` with ``minReplicas`` 0: zero
+    replicas."""
     policy, now, panic = moment.policy, moment.now, moment.panic
     if (
         policy.min_replicas == 0
-        and not moment.woken
         and now - moment.last_active >= policy.idle_seconds
         and not (panic and panic.active)
     ):
@@ -736,14 +742,24 @@ def _without_metrics(
     policy: AutoscalingPolicy, fleet: FleetState, woken: bool
 ) -> tuple[int, str, str]:
     """(replicas, reason, message) at zero replicas or before any pod reported (rule 6)."""
+    held = replicas_for_held(fleet) if woken else 0
+    held_note = f" for {fleet.held_requests} held requests" if held > 1 else ""
     if fleet.replicas == 0:
         if woken:
-            target = max(1, policy.min_replicas)
-            return target, "WakeFromZero", f"wake requested: starting {target} replicas"
+            target = max(1, policy.min_replicas, held)
+            return target, "WakeFromZero", f"wake requested: starting {target} replicas{held_note}"
         if policy.min_replicas == 0:
             return 0, "Idle", "scaled to zero; waiting for a wake request"
         return policy.min_replicas, "BelowMinimum", "below minReplicas"
+    if held > fleet.replicas and fleet.ready_replicas == 0 and fleet.pending_replicas == 0:
+        return held, "HeldRequests", f"no pod ready yet; {held} replicas{held_note}"
     return fleet.replicas, "NoMetrics", "no ready pod reported metrics yet; holding"
+
+
+def replicas_for_held(fleet: FleetState) -> int:
+    """The replicas whose sequence slots (``max_num_seqs`` each; one without a plan) take
+    every request a router holds at once: ``ceil(held_requests / max_num_seqs)``."""
+    return math.ceil(fleet.held_requests / max(fleet.max_num_seqs or 1, 1))
 
 
 def _bigger_not_more(

@@ -98,6 +98,14 @@ CANARY_WINDOWS = 2
 WAKE_ANNOTATION = "kvpilot.dev/wake"
 """Set it to the current time (Unix seconds or RFC 3339) to wake a deployment from zero."""
 
+HELD_REQUESTS_ANNOTATION = "kvpilot.dev/held-requests"
+"""Requests a router holds for the deployment, written with a fresh wake time (the router's
+``report_held``): demand for the autoscaler while no replica is ready to take them."""
+
+HELD_REQUESTS_TTL_S = 60.0
+"""A held count is current while its wake time is at most this old (s): the router renews it
+every few seconds while requests wait, so an older one is from a router that is gone."""
+
 logger = logging.getLogger("kvpilot.operator.autoscaling")
 
 
@@ -149,6 +157,23 @@ def wake_time(annotations: dict[str, str]) -> float | None:
         logger.warning("ignoring %s=%r: not Unix seconds or RFC 3339 time", WAKE_ANNOTATION, raw)
         return None
     return moment.timestamp()
+
+
+def held_requests(annotations: dict[str, str], now: float) -> int:
+    """The requests a router reports holding (``kvpilot.dev/held-requests``), 0 when absent,
+    not a whole number >= 0 (logged), or older than ``HELD_REQUESTS_TTL_S`` by the wake time
+    on the same clock as ``now`` (Unix seconds)."""
+    raw, at = annotations.get(HELD_REQUESTS_ANNOTATION), wake_time(annotations)
+    if raw is None or at is None or now - at > HELD_REQUESTS_TTL_S:
+        return 0
+    try:
+        held = int(raw)
+    except ValueError:
+        held = -1
+    if held < 0:
+        logger.warning("ignoring %s=%r: not a count", HELD_REQUESTS_ANNOTATION, raw)
+        return 0
+    return held
 
 
 def larger_shape(
@@ -392,6 +417,7 @@ def plan_writes(
         max_num_seqs=planned.plan.max_num_seqs,
         startup_seconds=startup,
         wake_requested_at=wake_time(annotations),
+        held_requests=held_requests(annotations, t),
     )
     decision = decide(window, policy, fleet, memory, t)
     tuning = tuning_step(

@@ -116,6 +116,9 @@ class Router:
         self._max_chars: dict[int, int] = {}  # max_model_len -> tokenization.max_prompt_chars
         self._next_round_robin = 0
         self._held: dict[str, int] = {}  # model -> requests held for it
+        self._reporting: set[str] = set()  # models whose held count is being reported
+        self._held_to_report: dict[str, int] = {}  # model -> count to report next
+        self._background: set[asyncio.Future] = set()  # those reports, kept from the GC
         self._poll_soon = asyncio.Event()
         self._published: set[str] = set()  # replicas with a replica_up series
 
@@ -181,6 +184,8 @@ class Router:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._poll_soon.wait(), interval)
             self._poll_soon.clear()
+            for model, held in self._held.items():
+                self._report_held(model, held)
             try:
                 await self.refresh()
             except Exception:  # a failed poll must not end polling for good
@@ -400,6 +405,7 @@ class Router:
             self._held[model] -= 1
             if not self._held[model]:
                 del self._held[model]
+                self._report_held(model, 0)
             self.metrics.held.labels(model).dec()
         if left:
             self.metrics.requests.labels(model, "", "499").inc()
@@ -412,6 +418,34 @@ class Router:
             f"ready within {self.config.wake_timeout_s:g} s; retry later",
             headers={"Retry-After": str(WAKE_RETRY_AFTER_S)},
         )
+
+    def _report_held(self, model: str, held: int) -> None:
+        """Tell the wake hook how many requests are held for ``model``, in the background: one
+        report per model at a time, and the latest count is the one sent next (a final 0 is
+        never lost behind an earlier report). A failure is logged and counted; the next poll
+        reports again while requests are held."""
+        self._held_to_report[model] = held
+        if model in self._reporting:
+            return
+        self._reporting.add(model)
+
+        async def report() -> None:
+            try:
+                while model in self._held_to_report:
+                    count = self._held_to_report.pop(model)
+                    try:
+                        await asyncio.wait_for(
+                            self.wake.report_held(model, count), self.config.wake_timeout_s
+                        )
+                    except Exception as exc:  # the hook's API is away: the next poll retries
+                        logger.warning("reporting %d held for %s failed: %r", count, model, exc)
+                        self.metrics.errors.labels(model, "", "wake").inc()
+            finally:
+                self._reporting.discard(model)
+
+        task = asyncio.ensure_future(report())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _request_wake(self, model: str) -> None:
         """Call the wake hook (bounded by ``wake_timeout_s``); count and log its failures."""

@@ -19,6 +19,14 @@ docs/autoscaling.md). It is written at most once per ``wake_interval_s`` per dep
 autoscaler ignores a request older than its last scaling, so a repeat never keeps a
 deployment awake longer than its traffic does.
 
+Held requests as demand: while the router holds requests for the model,
+:meth:`KubernetesDiscovery.report_held` writes their number in ``kvpilot.dev/held-requests``
+together with a fresh ``kvpilot.dev/wake`` time on each deployment serving it that has no
+ready pod (at zero, or with its pods still starting), whenever the count changed and at least
+every ``wake_interval_s``; once none is held, ``kvpilot.dev/held-requests: "0"``. The
+autoscaler starts enough replicas for the requests waiting (one sequence slot each), and
+keeps a deployment whose requests wait from being scaled to zero.
+
 What the router's ServiceAccount needs (the operator grants exactly this, per LLMDeployment):
 ``list`` and ``watch`` on pods, ``get``, ``list``, ``watch`` and ``patch`` on its
 ``llmdeployments`` (by name).
@@ -46,6 +54,9 @@ logger = logging.getLogger("kvpilot.router.kubernetes")
 WAKE_ANNOTATION = "kvpilot.dev/wake"
 """The autoscaler's wake request (``kvpilot.operator.autoscaling_handlers.WAKE_ANNOTATION``; a
 test checks they agree: the router must not import the operator's kopf handlers)."""
+HELD_REQUESTS_ANNOTATION = "kvpilot.dev/held-requests"
+"""The requests the router holds for the deployment, as of the ``kvpilot.dev/wake`` time
+(``kvpilot.operator.autoscaling_handlers.HELD_REQUESTS_ANNOTATION``, checked alike)."""
 LLMD_GROUP, LLMD_VERSION, LLMD_PLURAL = "kvpilot.dev", "v1alpha1", "llmdeployments"
 WATCH_TIMEOUT_S = 300
 RELIST_DELAY_S = 1.0
@@ -140,6 +151,7 @@ class KubernetesDiscovery:
         self.llmds: dict[str, dict[str, Any]] = {}
         self.pods: dict[str, dict[str, Any]] = {}
         self._woken: dict[str, float] = {}
+        self._held_written: dict[str, int] = {}  # deployment -> held count last written
         self._changed = asyncio.Event()
         self._stop = threading.Event()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -174,15 +186,49 @@ class KubernetesDiscovery:
             if now - self._woken.get(name, float("-inf")) < self.wake_interval_s:
                 continue
             self._woken[name] = now
-            try:
-                await asyncio.to_thread(self._annotate_wake, name, now)
-                logger.info("wake requested for LLMDeployment %s/%s", self.namespace, name)
-            except Exception as exc:  # noqa: BLE001 - an API refusal or outage
-                logger.warning("wake request for %s/%s failed: %s", self.namespace, name, exc)
+            await self._annotate(name, {WAKE_ANNOTATION: f"{now:.0f}"}, "wake request")
 
-    def _annotate_wake(self, name: str, now: float) -> None:
+    async def report_held(self, model: str, held: int) -> None:
+        """Write ``held`` (requests held for ``model``) with a fresh wake time on each watched
+        LLMDeployment serving ``model`` without a ready pod, when it changed or
+        ``wake_interval_s`` passed since the last write; 0 once, when none is held any more
+        (see the module docstring). A refused write is logged, not raised."""
+        now = time.time()
+        with self._lock:
+            llmds = list(self.llmds.items())
+            ready = {
+                (pod.get("metadata") or {}).get("labels", {}).get(LLMDEPLOYMENT_LABEL)
+                for pod in self.pods.values()
+                if is_ready(pod)
+            }
+        for name, llmd in llmds:
+            if model not in served_models(llmd):
+                continue
+            last = self._held_written.get(name, 0)
+            if held == 0:
+                if last == 0:
+                    continue
+                annotations = {HELD_REQUESTS_ANNOTATION: "0"}
+            else:
+                recent = now - self._woken.get(name, float("-inf")) < self.wake_interval_s
+                if name in ready or (recent and held == last):
+                    continue
+                self._woken[name] = now
+                annotations = {WAKE_ANNOTATION: f"{now:.0f}", HELD_REQUESTS_ANNOTATION: str(held)}
+            self._held_written[name] = held
+            await self._annotate(name, annotations, f"{held} held requests")
+
+    async def _annotate(self, name: str, annotations: dict[str, str], what: str) -> None:
+        """Merge ``annotations`` into LLMDeployment ``name``'s; a refusal is logged."""
+        try:
+            await asyncio.to_thread(self._patch_annotations, name, annotations)
+            logger.info("%s for LLMDeployment %s/%s", what, self.namespace, name)
+        except Exception as exc:  # noqa: BLE001 - an API refusal or outage
+            logger.warning("%s for %s/%s failed: %s", what, self.namespace, name, exc)
+
+    def _patch_annotations(self, name: str, annotations: dict[str, str]) -> None:
         path = f"/apis/{LLMD_GROUP}/{LLMD_VERSION}/namespaces/{self.namespace}/{LLMD_PLURAL}/{name}"
-        body = {"metadata": {"annotations": {WAKE_ANNOTATION: f"{now:.0f}"}}}
+        body = {"metadata": {"annotations": annotations}}
         response = self.client.call_api(
             *self.client.param_serialize(
                 "PATCH",

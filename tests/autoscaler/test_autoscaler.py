@@ -277,6 +277,37 @@ async def test_scale_to_zero_after_idle_then_wake():
     assert starting.desired_replicas == 1
 
 
+def test_held_requests_size_the_wake_and_keep_it_awake():
+    policy = AutoscalingPolicy(min_replicas=0, max_replicas=5, idle_seconds=60)
+    asleep = AutoscalerMemory(last_active=0.0, last_scale_time=100.0, first_decision=0.0)
+    held = FleetState(0, 0, max_num_seqs=16, wake_requested_at=399.0, held_requests=40)
+    woken = decide([], policy, held, asleep, now=400.0)
+    assert (woken.desired_replicas, woken.reason) == (3, "WakeFromZero")  # ceil(40 / 16)
+    assert woken.message == "wake requested: starting 3 replicas for 40 held requests"
+    crowd = decide([], policy, replace(held, held_requests=200), asleep, now=400.0)
+    assert (crowd.desired_replicas, crowd.reason) == (5, "AboveMaximum")
+    # Pods starting, none ready, and the router now holds more than their slots take.
+    more = replace(held, replicas=3, starting_replicas=3, wake_requested_at=405.0, held_requests=70)
+    grown = decide([], policy, more, woken.memory, now=406.0)
+    assert (grown.desired_replicas, grown.reason) == (5, "HeldRequests")
+    # A Pending pod (no GPU for it) holds: more would only wait too.
+    pending = decide([], policy, replace(more, pending_replicas=1), woken.memory, now=406.0)
+    assert (pending.desired_replicas, pending.reason) == (3, "NoMetrics")
+    # A held count that the last scaling already answered (wake older than it) is no demand.
+    stale = decide([], policy, replace(more, wake_requested_at=399.0), woken.memory, now=406.0)
+    assert stale.desired_replicas == 3
+    # Renewed wake requests keep a ready but quiet deployment from going to zero.
+    quiet = pod_samples(400.0, 0.0, 1) + pod_samples(480.0, 0.0, 1)
+    memory = replace(woken.memory, last_active=300.0)
+    renewed = FleetState(1, 1, max_num_seqs=16, wake_requested_at=470.0, held_requests=1)
+    assert decide(quiet, policy, renewed, memory, now=480.0).desired_replicas == 1
+    gone = replace(renewed, wake_requested_at=399.0, held_requests=0)
+    assert decide(quiet, policy, gone, memory, now=480.0).reason == "ScaleToZero"
+    # The last renewal is activity at its own time, not for ever after.
+    long_ago = replace(renewed, wake_requested_at=410.0, held_requests=0)
+    assert decide(quiet, policy, long_ago, memory, now=480.0).reason == "ScaleToZero"
+
+
 @pytest.mark.looptime
 async def test_only_idle_seconds_of_silence_reach_zero():
     policy = AutoscalingPolicy(
@@ -619,4 +650,6 @@ def test_scale_to_zero_and_keep_one_alone():
     zero = _scale_to_zero(idle, verdict(1))
     assert (zero.desired, zero.reason) == (0, "ScaleToZero")
     assert _scale_to_zero(rule_moment(), verdict(1)) == verdict(1)  # active 10 s ago
-    assert _scale_to_zero(replace(idle, woken=True), verdict(1)) == verdict(1)
+    # A wake request counts as activity at its time (``_activity`` folds it into
+    # ``last_active``), not as a flag that keeps the deployment awake after it.
+    assert _scale_to_zero(replace(idle, woken=True), verdict(1)).desired == 0

@@ -22,8 +22,10 @@ from kvpilot.operator.autoscaler import (
     starting_hold_seconds,
 )
 from kvpilot.operator.autoscaling_handlers import (
+    HELD_REQUESTS_ANNOTATION,
     WAKE_ANNOTATION,
     decision_status,
+    held_requests,
     larger_shape,
     remembered,
     wake_time,
@@ -94,6 +96,17 @@ def test_wake_time_reads_unix_seconds_and_rfc3339():
     assert wake_time({WAKE_ANNOTATION: "soon"}) is None
     assert wake_time({WAKE_ANNOTATION: "2023-11-14T22:13:20"}) is None  # no zone: ambiguous
     assert wake_time({}) is None
+
+
+def test_held_requests_count_only_with_a_recent_wake_time():
+    fresh = {WAKE_ANNOTATION: "1700000000", HELD_REQUESTS_ANNOTATION: "40"}
+    assert held_requests(fresh, now=1700000030.0) == 40
+    assert held_requests(fresh, now=1700000061.0) == 0  # the router that wrote it is gone
+    assert held_requests({HELD_REQUESTS_ANNOTATION: "40"}, now=1700000000.0) == 0  # no time
+    assert held_requests({**fresh, HELD_REQUESTS_ANNOTATION: "0"}, now=1700000001.0) == 0
+    assert held_requests({**fresh, HELD_REQUESTS_ANNOTATION: "-3"}, now=1700000001.0) == 0
+    assert held_requests({**fresh, HELD_REQUESTS_ANNOTATION: "many"}, now=1700000001.0) == 0
+    assert held_requests({WAKE_ANNOTATION: "1700000000"}, now=1700000001.0) == 0
 
 
 def test_unschedulable_reads_pod_scheduled():

@@ -12,7 +12,7 @@ import pytest
 
 from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import drain, manifests, router_manifests, scale_down
-from kvpilot.operator.autoscaling_handlers import WAKE_ANNOTATION
+from kvpilot.operator.autoscaling_handlers import HELD_REQUESTS_ANNOTATION, WAKE_ANNOTATION
 from kvpilot.operator.planner import plan_for_spec
 from kvpilot.operator.signals import MetricSample
 from kvpilot.operator.spec import SpecError, parse_spec
@@ -69,6 +69,7 @@ def test_the_router_role_is_what_router_kubernetes_calls():
         {"kind": "ServiceAccount", "name": "chat-router", "namespace": "team-a"}
     ]
     assert WAKE_ANNOTATION == router_kubernetes.WAKE_ANNOTATION
+    assert HELD_REQUESTS_ANNOTATION == router_kubernetes.HELD_REQUESTS_ANNOTATION
 
 
 def test_the_router_tokenizer_and_settings_follow_the_spec():

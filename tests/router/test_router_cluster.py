@@ -11,7 +11,8 @@ the router at its pod IP (no ClusterIP is reachable here) and check:
   deletion cost; its preStop hook (``kvpilot drain``) waits for its streams, every stream ends
   whole, and after its deletion the router sends it nothing;
 - wake from zero: a request for a deployment at 0 replicas is held by the router, which writes
-  the wake annotation; the autoscaler scales up, and the held request is answered.
+  the wake annotation and the held count; the autoscaler scales up, the held request is
+  answered, and the count goes back to 0.
 """
 
 from __future__ import annotations
@@ -253,8 +254,16 @@ def test_a_request_wakes_a_deployment_at_zero_and_is_answered(
         "the router's wake request",
     )
     assert float(annotations) > 0
+
+    def held_requests() -> str | None:
+        annotations = kube.llmd(routed, "sleepy")["metadata"].get("annotations", {})
+        return annotations.get("kvpilot.dev/held-requests")
+
+    # The held request is demand the autoscaler reads, reported until it is answered.
+    wait_for(lambda: held_requests() == "1", "the router's held-request count")
     wait_for(lambda: kube.llmd(routed, "sleepy")["spec"]["replicas"] == 1, "the wake")
     held.join(300)
     assert answers and answers[0]["choices"][0]["text"], dump(answers)
+    wait_for(lambda: held_requests() == "0", "the router's report that none is held")
     woke = [e for e in kube.events(routed, "sleepy") if e["reason"] == "WakeFromZero"]
     assert woke and "replicas 0 -> 1" in woke[-1]["message"], dump(woke)

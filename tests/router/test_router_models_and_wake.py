@@ -78,6 +78,9 @@ def router(replicas, late, tiny_model_dir):
         registry = router.state.metrics.registry
         while registry.get_sample_value("kvpilot:router_held_requests", {"model": model}) < 2:
             await asyncio.sleep(0.05)
+        # ... and the hook was told so: demand for the autoscaler (it hangs here if not).
+        while (model, 2) not in hook.held_reports:
+            await asyncio.sleep(0.05)
         async with router.state.session.get(f"{router.url}/metrics") as response:
             hook.metrics_at_wake = await response.text()
         server = await asyncio.to_thread(
@@ -215,6 +218,9 @@ def test_a_model_at_zero_is_woken_and_its_requests_held_until_ready(
     assert router.hook.requested == ["late"]  # one wake for both held requests
     assert 'kvpilot:router_held_requests{model="late"} 2.0' in router.hook.metrics_at_wake
     assert router.metric("kvpilot:router_held_requests", model="late") == 0
+    # Once both are answered the hook hears that none is held any more.
+    replicas[0].wait_for(lambda: router.hook.held_reports[-1] == ("late", 0))
+    assert {count for _, count in router.hook.held_reports} <= {1, 2, 0}
     [replica] = late
     direct = replica.openai_client()
     for prompt, answer in zip(prompts, answers, strict=True):
