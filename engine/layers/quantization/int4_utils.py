@@ -117,7 +117,7 @@ def apply_int4(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> 
 
 class Int4LinearMethod(LinearMethodBase):
     """A linear method whose weights end in the common int4 layout (AWQ, GPTQ,
-    compressed-tensors W4A16): they differ in ``create_weights`` and
+    compressed-tensors W4A16): they differ in ``create_layer_weights`` and
     ``process_weights_after_loading`` only."""
 
     def apply(
