@@ -1,5 +1,6 @@
 """Local ``kvpilot serve`` / ``kvpilot router`` processes on loopback for the routing benchmarks
-(``routing.py``, ``router_overhead.py``): start, wait for ``/health``, read ``/metrics``, stop.
+(``routing.py``, ``router_overhead.py``) and the live-server tests (``tests/server/conftest.py``,
+with this folder on ``sys.path``): start, wait for ``/health``, read ``/metrics``, stop.
 """
 
 from __future__ import annotations
@@ -50,8 +51,8 @@ class LocalProcess:
             argv, env={**os.environ, **(env or {})}, stdout=self.log, stderr=subprocess.STDOUT
         )
 
-    def wait_healthy(self, timeout_s: float = 600.0) -> None:
-        """Wait until ``GET /health`` answers 200.
+    def wait_healthy(self, timeout_s: float = 600.0, request_timeout_s: float = 5.0) -> None:
+        """Wait until ``GET /health`` answers 200 (each try waits ``request_timeout_s``).
 
         Raises:
             RuntimeError: the process exited, or ``timeout_s`` passed (with its log's end).
@@ -59,9 +60,11 @@ class LocalProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"{self.process.args} exited:\n{self.output()}")
+                raise RuntimeError(
+                    f"{self.process.args} exited with {self.process.returncode}:\n{self.output()}"
+                )
             try:
-                if httpx.get(f"{self.url}/health", timeout=5).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=request_timeout_s).status_code == 200:
                     return
             except httpx.TransportError:
                 pass

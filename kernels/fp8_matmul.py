@@ -22,17 +22,20 @@ from kvpilot.kernels._utils import (
     FLOAT_DTYPES,
     cdiv,
     check_contiguous,
-    check_dot_dims,
     check_inner_contiguous,
     check_same_device,
     check_tensor,
     interpreting,
 )
+from kvpilot.kernels.matmul_tile import (
+    BLOCK_K,
+    TILE,
+    load_x_slice,
+    store_tile,
+    tile_offsets,
+    tile_output,
+)
 from kvpilot.kernels.quant_reference import FP8_DTYPE
-
-BLOCK_M = 16
-BLOCK_N = 32
-BLOCK_K = 32
 
 
 @triton.jit
@@ -56,21 +59,10 @@ def _fp8_scaled_mm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        x, offs_k, mask_k = load_x_slice(x_ptr, stride_xm, offs_m, mask_m, k0, K, BLOCK_K)
         w = tl.load(
             w_ptr + offs_n[:, None] * K + offs_k[None, :],
             mask=mask_n[:, None] & mask_k[None, :],
@@ -91,11 +83,7 @@ def _fp8_scaled_mm_kernel(
             other=0.0,
         )
         acc += part * x_scale[:, None] * w_scale[None, :]
-    tl.store(
-        out_ptr + offs_m[:, None] * N + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
+    store_tile(out_ptr, acc, offs_m, offs_n, mask_m, mask_n, N)
 
 
 def fp8_scaled_mm(
@@ -155,11 +143,9 @@ def fp8_scaled_mm(
     check_same_device(
         fn, {"x_q": x_q, "x_scales": x_scales, "weight": weight, "weight_scales": weight_scales}
     )
-    check_dot_dims(fn, {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K})
-    out = torch.empty(num_m, num_n, dtype=out_dtype, device=x_q.device)
+    out, grid = tile_output(fn, num_m, num_n, out_dtype, x_q.device)
     if num_m == 0:
         return out
-    grid = (cdiv(num_m, BLOCK_M), cdiv(num_n, BLOCK_N))
     _fp8_scaled_mm_kernel[grid](
         x_q,
         x_scales,
@@ -176,8 +162,6 @@ def fp8_scaled_mm(
         bk if bk < num_k else num_k + BLOCK_K,
         weight_scales.shape[1],
         UPCAST=interpreting() or x_q.dtype == torch.float32,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        **TILE,
     )
     return out

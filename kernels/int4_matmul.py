@@ -19,16 +19,12 @@ from kvpilot.kernels._utils import (
     FLOAT_DTYPES,
     cdiv,
     check_contiguous,
-    check_dot_dims,
     check_inner_contiguous,
     check_same_device,
     check_tensor,
     upcast_to_fp32,
 )
-
-BLOCK_M = 16
-BLOCK_N = 32
-BLOCK_K = 32
+from kvpilot.kernels.matmul_tile import TILE, load_x_slice, store_tile, tile_offsets, tile_output
 
 
 @triton.jit
@@ -52,22 +48,11 @@ def _int4_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_m = offs_m < M
-    mask_n = offs_n < N
+    offs_m, offs_n, mask_m, mask_n = tile_offsets(M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     words_per_row = K // 8
     for k0 in range(0, K, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
+        x, offs_k, mask_k = load_x_slice(x_ptr, stride_xm, offs_m, mask_m, k0, K, BLOCK_K)
         mask_nk = mask_n[:, None] & mask_k[None, :]
         words = tl.load(
             qweight_ptr + offs_n[:, None] * words_per_row + (offs_k // 8)[None, :],
@@ -90,11 +75,7 @@ def _int4_gemm_kernel(
             acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    tl.store(
-        out_ptr + offs_m[:, None] * N + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
+    store_tile(out_ptr, acc, offs_m, offs_n, mask_m, mask_n, N)
 
 
 def int4_gemm(
@@ -149,11 +130,9 @@ def int4_gemm(
         if name != "x":
             check_contiguous(fn, name, t)
     check_same_device(fn, tensors)
-    check_dot_dims(fn, {"BLOCK_M": BLOCK_M, "BLOCK_N": BLOCK_N, "BLOCK_K": BLOCK_K})
-    out = torch.empty(num_m, num_n, dtype=x.dtype, device=x.device)
+    out, grid = tile_output(fn, num_m, num_n, x.dtype, x.device)
     if num_m == 0:
         return out
-    grid = (cdiv(num_m, BLOCK_M), cdiv(num_n, BLOCK_N))
     _int4_gemm_kernel[grid](
         x,
         qweight,
@@ -170,8 +149,6 @@ def int4_gemm(
         HAS_ZEROS=qzeros is not None,
         HAS_G_IDX=g_idx is not None,
         UPCAST=x.dtype == torch.float32 or upcast_to_fp32(x.dtype),
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=BLOCK_N,
-        BLOCK_K=BLOCK_K,
+        **TILE,
     )
     return out

@@ -626,7 +626,9 @@ def _apply_children(rt: Runtime, body: dict[str, Any], planned: PlanOutcome) -> 
             meta["name"], meta["namespace"], planned.spec, rt.config.engine_image
         )
     else:
-        _retire_router(rt, meta["namespace"], meta["name"])
+        # A router turned off keeps its objects, at 0 replicas.
+        router = router_manifests.router_name(meta["name"])
+        _retire(rt, "apps/v1", "Deployment", meta["namespace"], router)
     _retire_other_workload(rt, meta["namespace"], meta["name"], planned.plan)
     for child in objects:
         where = f"{child['kind']} {child['metadata']['name']}"
@@ -680,11 +682,6 @@ def _retire(rt: Runtime, api_version: str, kind: str, namespace: str, name: str)
     if live is not None and (live.get("spec") or {}).get("replicas") != 0:
         ref = {"apiVersion": api_version, "kind": kind, "metadata": live["metadata"]}
         rt.client.patch(ref, {"spec": {"replicas": 0}})
-
-
-def _retire_router(rt: Runtime, namespace: str, name: str) -> None:
-    """A router turned off keeps its objects, at 0 replicas."""
-    _retire(rt, "apps/v1", "Deployment", namespace, router_manifests.router_name(name))
 
 
 def _retire_other_workload(rt: Runtime, namespace: str, name: str, plan: Plan) -> None:

@@ -39,7 +39,11 @@ from kvpilot.engine.distributed import (
     tensor_model_parallel_all_reduce,
 )
 from kvpilot.engine.layers.cpu_gemm import linear, prepack
-from kvpilot.engine.layers.quantization.base_config import LinearMethodBase
+from kvpilot.engine.layers.quantization.base_config import (
+    LinearMethodBase,
+    LinearWeightShape,
+    new_parameter,
+)
 from kvpilot.engine.layers.weight_loading import (
     CheckpointTensor,
     copy_weight,
@@ -80,21 +84,11 @@ def _elements(features: int, div: int, what: str, strict: bool) -> int:
 class UnquantizedLinearMethod(LinearMethodBase):
     """The dense weight: ``weight`` ``[out_features, in_features]`` in the compute dtype."""
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-    ) -> None:
+    def create_layer_weights(self, layer: nn.Module, shape: LinearWeightShape) -> None:
         """Register ``layer.weight`` (this rank's rows or columns)."""
-        layer.weight = nn.Parameter(
-            torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
-            requires_grad=False,
+        layer.weight = new_parameter(
+            (shape.rows, shape.cols), shape.params_dtype, output_dim=0, input_dim=1
         )
-        layer.weight.output_dim, layer.weight.input_dim = 0, 1
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Nothing to convert."""

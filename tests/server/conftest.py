@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
+import pathlib
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 
@@ -18,63 +15,33 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME as MODEL
 from kvpilot.engine.model_loader import load_tokenizer
 
+# The process runner the routing benchmarks use (benchmarks/local_servers.py). The folder is
+# appended, not prepended, so its scripts' names shadow no installed module.
+sys.path.append(str(pathlib.Path(__file__).parents[2] / "benchmarks"))
+from local_servers import LocalProcess, free_port  # noqa: E402, F401 - free_port: for tests/router
+
 API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 120
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class LiveServer:
-    """A ``kvpilot serve`` subprocess; ``url`` is its base address."""
+class LiveServer(LocalProcess):
+    """A ``kvpilot serve <args>`` subprocess with the test key and one OpenMP thread; ``url`` is
+    its base address (see ``benchmarks/local_servers.py``)."""
 
     def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "KVPILOT_API_KEY": API_KEY}
-        self.log = tempfile.TemporaryFile("w+")  # noqa: SIM115 - closed in stop()
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvpilot", "serve", "--port", str(self.port), *args],
-            env=env,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-        )
+        super().__init__(["serve", *args], env={"OMP_NUM_THREADS": "1", "KVPILOT_API_KEY": API_KEY})
 
     def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(
-                    f"kvpilot serve exited with {self.process.returncode}:\n{self.output()}"
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"kvpilot serve not ready after {STARTUP_TIMEOUT_S} s:\n{self.output()}")
+        """Wait for ``/health`` (see ``LocalProcess.wait_healthy``).
+
+        Raises:
+            RuntimeError: the server exited, or was not ready after ``STARTUP_TIMEOUT_S``.
+        """
+        self.wait_healthy(STARTUP_TIMEOUT_S, request_timeout_s=2)
 
     def openai_client(self) -> openai.OpenAI:
         """The official client on this server's ``/v1``, with the test key and no retries."""
         return openai.OpenAI(base_url=f"{self.url}/v1", api_key=API_KEY, max_retries=0)
-
-    def output(self, limit: int = 4000) -> str:
-        """The end of the server's stdout and stderr."""
-        self.log.seek(0)
-        return self.log.read()[-limit:]
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self.log.close()
 
     def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
         """``/metrics`` parsed with prometheus_client: ``{(sample name, labels): value}``."""

@@ -18,6 +18,7 @@ from torch import nn
 
 from kvpilot.engine.layers.quantization.base_config import (
     LinearMethodBase,
+    LinearWeightShape,
     QuantizationConfig,
     is_layer_skipped,
     new_parameter,
@@ -87,30 +88,17 @@ class AWQConfig(QuantizationConfig):
 class AWQLinearMethod(Int4LinearMethod):
     """Creates, converts and applies one layer's AWQ weights (see the module docstring)."""
 
+    format_name = "awq"
+
     def __init__(self, config: AWQConfig) -> None:
         self.config = config
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-    ) -> None:
+    def create_layer_weights(self, layer: nn.Module, shape: LinearWeightShape) -> None:
         group = self.config.group_size
-        rows, cols = sum(output_partition_sizes), input_size_per_partition
+        rows, cols = shape.rows, shape.cols
         if cols % group:
-            raise ValueError(
-                f"awq: {layer.prefix} has {cols} input features per rank, not a multiple of the "
-                f"group size {group}"
-            )
-        if any(size % PACK_FACTOR for size in output_partition_sizes):
-            raise ValueError(
-                f"awq: {layer.prefix} has {output_partition_sizes} output features per "
-                f"projection and rank, not multiples of {PACK_FACTOR}"
-            )
+            raise self.input_features_error(layer, shape, f"the group size {group}")
+        self.check_output_multiple(layer, shape, PACK_FACTOR, str(PACK_FACTOR))
         packed = {"output_dim": 1, "output_div": PACK_FACTOR}
         grouped = {"input_dim": 0, "input_div": group}
         layer.qweight = new_parameter(
@@ -119,7 +107,9 @@ class AWQLinearMethod(Int4LinearMethod):
         layer.qzeros = new_parameter(
             (cols // group, rows // PACK_FACTOR), torch.int32, **grouped, **packed
         )
-        layer.scales = new_parameter((cols // group, rows), params_dtype, output_dim=1, **grouped)
+        layer.scales = new_parameter(
+            (cols // group, rows), shape.params_dtype, output_dim=1, **grouped
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         values = unpack_int4(layer.qweight.data, 1, AWQ_PACK_ORDER).t()

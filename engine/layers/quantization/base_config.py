@@ -15,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -111,10 +112,52 @@ class QuantizeMethodBase(ABC):
         """Convert the loaded parameters into the layout :meth:`apply` uses (default: keep)."""
 
 
-class LinearMethodBase(QuantizeMethodBase):
-    """How a linear layer holds its weight and computes ``x W^T + b``."""
+@dataclass(frozen=True)
+class LinearWeightShape:
+    """The sizes a linear method creates one layer's parameters for (the arguments of
+    :meth:`LinearMethodBase.create_weights`).
 
-    @abstractmethod
+    Attributes:
+        output_partition_sizes: this rank's output features of each stacked projection.
+        cols: this rank's input features (``input_size_per_partition``).
+        input_size, output_size: features of the whole layer.
+        params_dtype: the compute dtype.
+    """
+
+    output_partition_sizes: tuple[int, ...]
+    cols: int
+    input_size: int
+    output_size: int
+    params_dtype: torch.dtype
+
+    @property
+    def rows(self) -> int:
+        """This rank's output features, all stacked projections together."""
+        return sum(self.output_partition_sizes)
+
+    @property
+    def num_shards(self) -> int:
+        """How many projections are stacked (1 for an unstacked layer)."""
+        return len(self.output_partition_sizes)
+
+    @property
+    def row_split(self) -> bool:
+        """Whether the input features are split over the ranks (a row-parallel layer)."""
+        return self.cols != self.input_size
+
+
+class LinearMethodBase(QuantizeMethodBase):
+    """How a linear layer holds its weight and computes ``x W^T + b``.
+
+    Subclasses implement :meth:`create_layer_weights` (called by :meth:`create_weights` with
+    the sizes gathered in a :class:`LinearWeightShape`), and check the sizes their format can
+    hold with :meth:`check_output_multiple` and :meth:`input_features_error`, whose messages
+    start with :attr:`format_name`.
+    """
+
+    #: The format's name in error messages (its ``quant_method``).
+    format_name = ""
+
     def create_weights(
         self,
         layer: nn.Module,
@@ -124,7 +167,8 @@ class LinearMethodBase(QuantizeMethodBase):
         output_size: int,
         params_dtype: torch.dtype,
     ) -> None:
-        """Register the weight's parameters on ``layer`` (checkpoint names and layout).
+        """Register the weight's parameters on ``layer`` (checkpoint names and layout): see
+        :meth:`create_layer_weights`.
 
         Args:
             layer: the linear layer.
@@ -137,6 +181,47 @@ class LinearMethodBase(QuantizeMethodBase):
             ValueError: sizes the format cannot hold (e.g. not a multiple of its group size),
                 naming the size and the format.
         """
+        shape = LinearWeightShape(
+            tuple(output_partition_sizes),
+            input_size_per_partition,
+            input_size,
+            output_size,
+            params_dtype,
+        )
+        self.create_layer_weights(layer, shape)
+
+    @abstractmethod
+    def create_layer_weights(self, layer: nn.Module, shape: LinearWeightShape) -> None:
+        """Register the weight's parameters on ``layer`` for this rank's ``shape``.
+
+        Raises:
+            ValueError: sizes the format cannot hold, naming the size and the format.
+        """
+
+    def check_output_multiple(
+        self, layer: nn.Module, shape: LinearWeightShape, multiple: int, what: str
+    ) -> None:
+        """Raise unless each stacked projection's output features on this rank are a multiple
+        of ``multiple`` (``what`` names it in the message, e.g. ``"the block 128"``).
+
+        Raises:
+            ValueError: naming the format, the layer and the sizes.
+        """
+        if any(size % multiple for size in shape.output_partition_sizes):
+            raise ValueError(
+                f"{self.format_name}: {layer.prefix} has {list(shape.output_partition_sizes)} "
+                f"output features per projection and rank, not multiples of {what}"
+            )
+
+    def input_features_error(
+        self, layer: nn.Module, shape: LinearWeightShape, what: str
+    ) -> ValueError:
+        """The error for this rank's input features not being a multiple of ``what`` (e.g.
+        ``"the group size 128"``), naming the format and the layer."""
+        return ValueError(
+            f"{self.format_name}: {layer.prefix} has {shape.cols} input features per rank, not "
+            f"a multiple of {what}"
+        )
 
     @abstractmethod
     def apply(

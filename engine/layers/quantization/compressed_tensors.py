@@ -31,6 +31,7 @@ from torch import nn
 from kvpilot.engine.layers.quantization.base_config import (
     STACKED_MODULES,
     LinearMethodBase,
+    LinearWeightShape,
     QuantizationConfig,
     _matches,
     is_layer_skipped,
@@ -39,7 +40,9 @@ from kvpilot.engine.layers.quantization.base_config import (
 from kvpilot.engine.layers.quantization.fp8_utils import (
     ActivationScheme,
     Fp8LinearMethodBase,
+    block_scale,
     per_row_scales,
+    per_shard_scale,
     set_fp8_layout,
 )
 from kvpilot.engine.layers.quantization.int4_utils import (
@@ -48,7 +51,6 @@ from kvpilot.engine.layers.quantization.int4_utils import (
     set_int4_layout,
     unpack_int4,
 )
-from kvpilot.kernels.quant_reference import FP8_DTYPE
 
 SUPPORTED_FORMATS = ("float-quantized", "pack-quantized")
 
@@ -216,47 +218,23 @@ class CompressedTensorsConfig(QuantizationConfig):
 class CompressedTensorsW8A8Fp8(Fp8LinearMethodBase):
     """FP8 weights with per-tensor, per-channel or block scales (see the module docstring)."""
 
+    format_name = "compressed-tensors"
+
     def __init__(self, scheme: Fp8Scheme) -> None:
         self.scheme = scheme
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-    ) -> None:
-        rows, cols = sum(output_partition_sizes), input_size_per_partition
-        layer.weight = new_parameter((rows, cols), FP8_DTYPE, output_dim=0, input_dim=1)
+    def create_layer_weights(self, layer: nn.Module, shape: LinearWeightShape) -> None:
+        self.create_fp8_weight(layer, shape)
         scheme = self.scheme
         if scheme.strategy == "tensor":
-            layer.weight_scale = new_parameter(
-                (len(output_partition_sizes),), torch.float32, per_shard=True
-            )
+            layer.weight_scale = per_shard_scale(shape)
         elif scheme.strategy == "channel":
-            layer.weight_scale = new_parameter((rows, 1), torch.float32, output_dim=0)
+            layer.weight_scale = new_parameter((shape.rows, 1), torch.float32, output_dim=0)
         else:
-            bn, bk = scheme.block
-            split = len(output_partition_sizes) > 1 or layer.tp_size > 1
-            if split and any(size % bn for size in output_partition_sizes):
-                raise ValueError(
-                    f"compressed-tensors: {layer.prefix} has {output_partition_sizes} output "
-                    f"features per projection and rank, not multiples of the block {bn}"
-                )
-            layer.weight_scale = new_parameter(
-                (-(-rows // bn), -(-cols // bk)),
-                torch.float32,
-                output_dim=0,
-                input_dim=1,
-                output_div=bn,
-                input_div=bk,
-            )
+            self.check_block_rows(layer, shape, scheme.block[0], "the block")
+            layer.weight_scale = block_scale(shape, scheme.block)
         if scheme.activations is ActivationScheme.STATIC:
-            layer.input_scale = new_parameter(
-                (len(output_partition_sizes),), torch.float32, per_shard=True
-            )
+            layer.input_scale = per_shard_scale(shape)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         scheme = self.scheme
@@ -274,49 +252,34 @@ class CompressedTensorsW8A8Fp8(Fp8LinearMethodBase):
 class CompressedTensorsWNA16(Int4LinearMethod):
     """int4 weight-only ``pack-quantized`` weights (see the module docstring)."""
 
+    format_name = "compressed-tensors"
+
     def __init__(self, scheme: WNA16Scheme) -> None:
         self.scheme = scheme
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-    ) -> None:
-        rows, cols = sum(output_partition_sizes), input_size_per_partition
+    def create_layer_weights(self, layer: nn.Module, shape: LinearWeightShape) -> None:
+        rows, cols, dtype = shape.rows, shape.cols, shape.params_dtype
         group = self.scheme.group_size
-        if cols % PACK_FACTOR or (group is not None and cols % group):
-            raise ValueError(
-                f"compressed-tensors: {layer.prefix} has {cols} input features per rank, not a "
-                f"multiple of the group size {group} and of {PACK_FACTOR}"
-            )
+        self.check_packed_input(layer, shape, group)
         act_order = self.scheme.actorder == "group"
-        row_split = cols != input_size
         layer.weight_packed = new_parameter(
             (rows, cols // PACK_FACTOR), torch.int32, output_dim=0, input_dim=1, input_div=8
         )
         layer.weight_shape = new_parameter((2,), torch.int64)
         if group is None:
             # One scale per output channel serves every input feature: replicated.
-            layer.weight_scale = new_parameter((rows, 1), params_dtype, output_dim=0)
-        elif act_order and row_split:
+            layer.weight_scale = new_parameter((rows, 1), dtype, output_dim=0)
+        elif act_order and shape.row_split:
             # Act-order groups are scattered over the input: every rank keeps all of them.
             layer.weight_scale = new_parameter(
-                (rows, input_size // group), params_dtype, output_dim=0
+                (rows, shape.input_size // group), dtype, output_dim=0
             )
         else:
             layer.weight_scale = new_parameter(
-                (rows, cols // group), params_dtype, output_dim=0, input_dim=1, input_div=group
+                (rows, cols // group), dtype, output_dim=0, input_dim=1, input_div=group
             )
         if not self.scheme.symmetric:
-            if any(size % PACK_FACTOR for size in output_partition_sizes):
-                raise ValueError(
-                    f"compressed-tensors: {layer.prefix} has {output_partition_sizes} output "
-                    f"features per projection and rank, not multiples of {PACK_FACTOR}"
-                )
+            self.check_output_multiple(layer, shape, PACK_FACTOR, str(PACK_FACTOR))
             num_groups = layer.weight_scale.shape[1]
             sharded = getattr(layer.weight_scale, "input_dim", None) is not None
             dims = {"input_dim": 1, "input_div": group} if sharded else {}

@@ -19,11 +19,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch import nn
 
 from kvpilot.engine.layers.quantization.base_config import (
     LinearMethodBase,
+    LinearWeightShape,
     QuantizationConfig,
     is_layer_skipped,
     new_parameter,
@@ -31,11 +31,12 @@ from kvpilot.engine.layers.quantization.base_config import (
 from kvpilot.engine.layers.quantization.fp8_utils import (
     ActivationScheme,
     Fp8LinearMethodBase,
+    block_scale,
     per_row_scales,
+    per_shard_scale,
     quantize_weight_per_tensor,
     set_fp8_layout,
 )
-from kvpilot.kernels.quant_reference import FP8_DTYPE
 
 
 class Fp8Config(QuantizationConfig):
@@ -106,55 +107,29 @@ class Fp8Config(QuantizationConfig):
 class Fp8LinearMethod(Fp8LinearMethodBase):
     """Creates, converts and applies one layer's ``fp8`` weights (see the module docstring)."""
 
+    format_name = "fp8"
+
     def __init__(self, config: Fp8Config) -> None:
         self.config = config
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-    ) -> None:
-        rows = sum(output_partition_sizes)
+    def create_layer_weights(self, layer: nn.Module, shape: LinearWeightShape) -> None:
         if not self.config.is_checkpoint_fp8_serialized:
             layer.weight = new_parameter(
-                (rows, input_size_per_partition), params_dtype, output_dim=0, input_dim=1
+                (shape.rows, shape.cols), shape.params_dtype, output_dim=0, input_dim=1
             )
             return
-        layer.weight = new_parameter(
-            (rows, input_size_per_partition), FP8_DTYPE, output_dim=0, input_dim=1
-        )
+        self.create_fp8_weight(layer, shape)
         block = self.config.weight_block_size
         if block is not None:
             bn, bk = block
-            # A partial last block is possible only where the layer is one unsplit tensor.
-            split = len(output_partition_sizes) > 1 or layer.tp_size > 1
-            if split and any(size % bn for size in output_partition_sizes):
-                raise ValueError(
-                    f"fp8: {layer.prefix} has {output_partition_sizes} output features per "
-                    f"projection and rank, not multiples of the weight block {bn}"
-                )
-            if input_size_per_partition != input_size and input_size_per_partition % bk:
-                raise ValueError(
-                    f"fp8: {layer.prefix} has {input_size_per_partition} input features per "
-                    f"rank, not a multiple of the weight block {bk}"
-                )
-            layer.weight_scale_inv = new_parameter(
-                (-(-rows // bn), -(-input_size_per_partition // bk)),
-                torch.float32,
-                output_dim=0,
-                input_dim=1,
-                output_div=bn,
-                input_div=bk,
-            )
+            self.check_block_rows(layer, shape, bn, "the weight block")
+            if shape.row_split and shape.cols % bk:
+                raise self.input_features_error(layer, shape, f"the weight block {bk}")
+            layer.weight_scale_inv = block_scale(shape, block)
             return
-        shards = len(output_partition_sizes)
-        layer.weight_scale = new_parameter((shards,), torch.float32, per_shard=True)
+        layer.weight_scale = per_shard_scale(shape)
         if self.config.activation_scheme == "static":
-            layer.input_scale = new_parameter((shards,), torch.float32, per_shard=True)
+            layer.input_scale = per_shard_scale(shape)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         block = self.config.weight_block_size

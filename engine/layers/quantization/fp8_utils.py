@@ -17,7 +17,12 @@ import enum
 import torch
 from torch import nn
 
-from kvpilot.engine.layers.quantization.base_config import LinearMethodBase, replace_parameter
+from kvpilot.engine.layers.quantization.base_config import (
+    LinearMethodBase,
+    LinearWeightShape,
+    new_parameter,
+    replace_parameter,
+)
 from kvpilot.kernels.quant_reference import FP8_DTYPE, FP8_MAX, quantize_fp8_dynamic
 
 
@@ -135,9 +140,48 @@ def apply_fp8(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> t
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
+def per_shard_scale(shape: LinearWeightShape) -> nn.Parameter:
+    """One float32 scale per stacked projection (``[num_shards]``; per-tensor weight or input
+    scales)."""
+    return new_parameter((shape.num_shards,), torch.float32, per_shard=True)
+
+
+def block_scale(shape: LinearWeightShape, block: tuple[int, int]) -> nn.Parameter:
+    """Block-wise weight scales ``[ceil(rows / bn), ceil(cols / bk)]`` float32 for
+    ``block = (bn, bk)``, sharded along both dimensions by blocks."""
+    bn, bk = block
+    return new_parameter(
+        (-(-shape.rows // bn), -(-shape.cols // bk)),
+        torch.float32,
+        output_dim=0,
+        input_dim=1,
+        output_div=bn,
+        input_div=bk,
+    )
+
+
 class Fp8LinearMethodBase(LinearMethodBase):
     """A linear method whose weights end in the common fp8 layout (vLLM ``fp8``,
     compressed-tensors FP8)."""
+
+    @staticmethod
+    def create_fp8_weight(layer: nn.Module, shape: LinearWeightShape) -> None:
+        """Register ``layer.weight`` ``[rows, cols]`` float8_e4m3fn."""
+        layer.weight = new_parameter((shape.rows, shape.cols), FP8_DTYPE, output_dim=0, input_dim=1)
+
+    def check_block_rows(
+        self, layer: nn.Module, shape: LinearWeightShape, bn: int, what: str
+    ) -> None:
+        """Raise unless the output features of each projection on this rank are a multiple
+        of the scale block's ``bn`` (``what`` names the block in the message, followed by
+        ``bn``). A partial last block is possible only where the layer is one unsplit tensor,
+        so an unstacked layer on one rank passes.
+
+        Raises:
+            ValueError: naming the format, the layer and the sizes.
+        """
+        if shape.num_shards > 1 or layer.tp_size > 1:
+            self.check_output_multiple(layer, shape, bn, f"{what} {bn}")
 
     def apply(
         self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None

@@ -23,6 +23,7 @@ from torch import nn
 
 from kvpilot.engine.layers.quantization.base_config import (
     LinearMethodBase,
+    LinearWeightShape,
     QuantizationConfig,
     is_layer_skipped,
     new_parameter,
@@ -99,40 +100,25 @@ class GPTQConfig(QuantizationConfig):
 class GPTQLinearMethod(Int4LinearMethod):
     """Creates, converts and applies one layer's GPTQ weights (see the module docstring)."""
 
+    format_name = "gptq"
+
     def __init__(self, config: GPTQConfig) -> None:
         self.config = config
 
-    def create_weights(
-        self,
-        layer: nn.Module,
-        input_size_per_partition: int,
-        output_partition_sizes: list[int],
-        input_size: int,
-        output_size: int,
-        params_dtype: torch.dtype,
-    ) -> None:
-        rows, cols = sum(output_partition_sizes), input_size_per_partition
+    def create_layer_weights(self, layer: nn.Module, shape: LinearWeightShape) -> None:
+        rows, cols = shape.rows, shape.cols
         group = self.config.group_size
-        if cols % PACK_FACTOR or (group != -1 and cols % group):
-            raise ValueError(
-                f"gptq: {layer.prefix} has {cols} input features per rank, not a multiple of "
-                f"the group size {group} and of {PACK_FACTOR}"
-            )
-        if any(size % PACK_FACTOR for size in output_partition_sizes):
-            raise ValueError(
-                f"gptq: {layer.prefix} has {output_partition_sizes} output features per "
-                f"projection and rank, not multiples of {PACK_FACTOR}"
-            )
-        row_split = cols != input_size
+        self.check_packed_input(layer, shape, group)
+        self.check_output_multiple(layer, shape, PACK_FACTOR, str(PACK_FACTOR))
         packed_out = {"output_dim": 1, "output_div": PACK_FACTOR}
         layer.qweight = new_parameter(
             (cols // PACK_FACTOR, rows), torch.int32, input_dim=0, input_div=8, output_dim=1
         )
         layer.g_idx = new_parameter((cols,), torch.int32, input_dim=0, same_in_shards=True)
-        if group == -1 or (self.config.desc_act and row_split):
+        if group == -1 or (self.config.desc_act and shape.row_split):
             # One group per channel, or act-order groups scattered over the whole input:
             # every rank keeps all groups.
-            num_groups = 1 if group == -1 else input_size // group
+            num_groups = 1 if group == -1 else shape.input_size // group
             grouped = {}
         else:
             num_groups = cols // group
@@ -140,7 +126,9 @@ class GPTQLinearMethod(Int4LinearMethod):
         layer.qzeros = new_parameter(
             (num_groups, rows // PACK_FACTOR), torch.int32, **grouped, **packed_out
         )
-        layer.scales = new_parameter((num_groups, rows), params_dtype, output_dim=1, **grouped)
+        layer.scales = new_parameter(
+            (num_groups, rows), shape.params_dtype, output_dim=1, **grouped
+        )
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         values = unpack_int4(layer.qweight.data, 0).t()

@@ -13,7 +13,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kvpilot.engine.layers.quantization.base_config import LinearMethodBase, replace_parameter
+from kvpilot.engine.layers.quantization.base_config import (
+    LinearMethodBase,
+    LinearWeightShape,
+    replace_parameter,
+)
 
 PACK_FACTOR = 8  # int4 values per int32 word
 # AWQ's GEMM packing: the value in bits [4i, 4i + 4) of a word is column ``8 * word + ORDER[i]``.
@@ -113,7 +117,7 @@ def apply_int4(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> 
 
 class Int4LinearMethod(LinearMethodBase):
     """A linear method whose weights end in the common int4 layout (AWQ, GPTQ,
-    compressed-tensors W4A16): they differ in ``create_weights`` and
+    compressed-tensors W4A16): they differ in ``create_layer_weights`` and
     ``process_weights_after_loading`` only."""
 
     def apply(
@@ -121,3 +125,19 @@ class Int4LinearMethod(LinearMethodBase):
     ) -> torch.Tensor:
         """See :func:`apply_int4`."""
         return apply_int4(layer, x, bias)
+
+    def check_packed_input(
+        self, layer: nn.Module, shape: LinearWeightShape, group: int | None
+    ) -> None:
+        """Raise unless this rank's input features are a multiple of :data:`PACK_FACTOR` (the
+        values are packed along the input) and of the group size ``group`` (None or -1: one
+        group per output channel, nothing more to divide).
+
+        Raises:
+            ValueError: naming the format, the layer and the sizes.
+        """
+        grouped = group is not None and group != -1
+        if shape.cols % PACK_FACTOR or (grouped and shape.cols % group):
+            raise self.input_features_error(
+                layer, shape, f"the group size {group} and of {PACK_FACTOR}"
+            )
