@@ -114,6 +114,9 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> O
         # loc is ("body", <character position>): not a parameter.
         position = first.get("loc", (None, None))[-1]
         reason = first.get("ctx", {}).get("error", "JSON decode error")
+        # json's messages that end in "at" ("Unterminated string starting at") take the
+        # position as their object: "... starting at character 9", not "... at at ...".
+        reason = reason.removesuffix(" at")
         return OpenAIError(
             HTTPStatus.BAD_REQUEST,
             f"the request body is not valid JSON: {reason} at character {position}",

@@ -138,6 +138,13 @@ def test_bad_bodies_and_keys_get_the_replicas_own_4xx(router) -> None:
         ),
         (
             "/v1/completions",
+            b'{"model": "tiny", "prompt": "Hi',
+            "application/json",
+            "the request body is not valid JSON: Unterminated string starting at character 28",
+            None,
+        ),
+        (
+            "/v1/completions",
             b'["tiny", "Hi"]',
             "application/json",
             "Input should be a valid dictionary or object to extract fields from",
@@ -166,7 +173,14 @@ def test_bad_bodies_and_keys_get_the_replicas_own_4xx(router) -> None:
             None,
         ),
     ],
-    ids=["not-json", "not-an-object", "model-not-a-string", "text-plain", "empty"],
+    ids=[
+        "not-json",
+        "unterminated-string",
+        "not-an-object",
+        "model-not-a-string",
+        "text-plain",
+        "empty",
+    ],
 )
 def test_debug_route_refuses_what_the_engine_refuses_with_its_400(
     router, replicas, path, content, content_type, message, param
