@@ -118,10 +118,12 @@ class RouterConfig:
                 f"--routing-policy must be one of {', '.join(ROUTING_POLICIES)}, "
                 f"got {self.routing_policy!r}"
             )
+        for name in ("prefix_weight", "load_weight", "waiting_weight", "kv_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{FLAGS[name]} must be >= 0, got {getattr(self, name)}")
         for name in ("refresh_s", "connect_timeout_s", "wake_timeout_s", "wake_poll_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{FLAGS[name]} must be > 0, got {getattr(self, name)}")
-        self.weights  # noqa: B018 - validates the weights
 
     @property
     def weights(self) -> Weights:

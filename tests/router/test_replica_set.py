@@ -45,7 +45,7 @@ def test_wait_changed_returns_on_set_urls() -> None:
     ("settings", "message"),
     [
         ({"routing_policy": "random"}, "--routing-policy must be one of kvpilot"),
-        ({"kv_weight": -0.1}, "the kv weight must be >= 0"),
+        ({"kv_weight": -0.1}, "^--kv-weight must be >= 0, got -0.1$"),
         ({"load_factor": 0.5}, "--load-factor must be >= 1"),
         ({"wake_timeout_s": 0}, "^--wake-timeout must be > 0, got 0$"),
         ({"refresh_s": -1.0}, "^--refresh-interval must be > 0, got -1.0$"),
