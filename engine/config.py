@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -60,6 +61,29 @@ def parse_bytes(text: str | int) -> int:
     if not match or match.group(2).lower() not in _SIZE_UNITS:
         raise ValueError(f"not a memory size: {text!r} (examples: 1073741824, 1GiB, 512MB)")
     return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+def _memory_size(text: str) -> int:
+    """``parse_bytes`` as an argparse type: its own message, not argparse's "invalid
+    parse_bytes value"."""
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def name_flags(message: str, flags: Mapping[str, str]) -> str:
+    """``message`` with each argument name of ``flags`` it holds as a whole word (``max_model_len``)
+    spelled as the flag a command-line user wrote (``--max-model-len``).
+
+    Args:
+        message: an error message that names arguments as Python does.
+        flags: ``{argument name: flag}``.
+    """
+    if not flags:
+        return message
+    names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
+    return re.sub(rf"(?<![\w\-./])({names})(?![\w\-/]|\.\w)", lambda m: flags[m.group(1)], message)
 
 
 def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:
@@ -165,8 +189,9 @@ class EngineArgs:
             ValueError: naming the first bad argument and its value.
         """
 
-        def bad(name: str, msg: str) -> None:
-            raise ValueError(f"{name} {msg}, got {getattr(self, name)!r}")
+        def bad(name: str, msg: str, show_value: bool = True) -> None:
+            got = f", got {getattr(self, name)!r}" if show_value else ""
+            raise ValueError(f"{name} {msg}{got}")
 
         def positive_int(name: str, optional: bool = True) -> None:
             value = getattr(self, name)
@@ -182,7 +207,11 @@ class EngineArgs:
         if not isinstance(self.calculate_kv_scales, bool):
             bad("calculate_kv_scales", "must be a boolean")
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
-            bad("calculate_kv_scales", "needs an fp8 kv_cache_dtype (--kv-cache-dtype fp8)")
+            bad(
+                "calculate_kv_scales",
+                "needs an fp8 KV cache: set kv_cache_dtype to fp8 (it is 'auto')",
+                show_value=False,
+            )
         if self.device not in DEVICES:
             bad("device", f"must be one of {', '.join(DEVICES)}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -213,11 +242,11 @@ class EngineArgs:
                 bad("lora_modules", "must be a list of name=path entries")
             parse_lora_modules(self.lora_modules)
             if self.lora_modules and not self.enable_lora:
-                bad("lora_modules", "needs enable_lora (--enable-lora)")
+                bad("lora_modules", "needs enable_lora")
         if self.enable_lora and self.tensor_parallel_size > 1:
-            bad("enable_lora", "is not supported with tensor_parallel_size > 1 yet")
+            bad("enable_lora", "is not supported with tensor_parallel_size > 1 yet", False)
         if self.enable_lora and self.pipeline_parallel_size > 1:
-            bad("enable_lora", "is not supported with pipeline_parallel_size > 1 yet")
+            bad("enable_lora", "is not supported with pipeline_parallel_size > 1 yet", False)
         if not isinstance(self.gpu_memory_utilization, int | float) or not (
             0.0 < self.gpu_memory_utilization <= 1.0
         ):
@@ -325,7 +354,7 @@ class EngineArgs:
         )
         group.add_argument(
             "--kv-cache-memory",
-            type=parse_bytes,
+            type=_memory_size,
             default=None,
             help="KV cache size in bytes on CPU, e.g. 2GiB (default: enough for max-num-seqs full-length sequences, at most 2 GiB)",
         )
@@ -440,8 +469,26 @@ class EngineArgs:
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        """Build from a namespace parsed with ``add_cli_args``; other attributes are ignored."""
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        """Build from a namespace parsed with ``add_cli_args``; other attributes are ignored.
+
+        Raises:
+            ValueError: from ``validate()``, naming each argument by its flag
+                (``--max-model-len``, ``name_flags``).
+        """
+        try:
+            return cls(
+                **{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)}
+            )
+        except ValueError as exc:
+            raise ValueError(name_flags(str(exc), ENGINE_FLAGS)) from None
+
+
+ENGINE_FLAGS = {
+    f.name: "--" + f.name.replace("_", "-") for f in fields(EngineArgs) if "_" in f.name
+}
+"""``{EngineArgs field: its flag}`` for the fields whose name is no English word
+(``max_model_len``: ``--max-model-len``), for ``name_flags``; every flag is vLLM's spelling of
+the field."""
 
 
 @dataclass(frozen=True)

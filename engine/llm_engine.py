@@ -76,55 +76,54 @@ class LLMEngine:
 
         args.validate()
         self.args = args
-        progress = tqdm(total=4, desc="Loading", disable=not show_progress, unit="stage")
+        # What the arguments decide without loading weights is checked first, before the
+        # progress bar starts: a bad argument is one line of error, with no bar before it.
+        self.model_dir = resolve_model(args.model, args.revision)
+        # config.json is read once: the shape for sizing, the transformers config for the
+        # dtype and the model classes (handed to the workers).
+        config_dict, self.model_config = read_model_config(self.model_dir)
+        self.model_shape = ModelShape.from_hf_config(config_dict)
+        # The planner's divisor rule, checked before anything is loaded.
+        check_tensor_parallel_size(self.model_shape, args.tensor_parallel_size)
+        check_pipeline_parallel_size(self.model_shape, args.pipeline_parallel_size)
+        self.device = _resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
+        self.scheduler_config = self._scheduler_config()
+        backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
+        if (
+            backend == "triton"
+            and self.device.type != "cuda"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
+            raise ValueError(
+                "--attention-backend triton needs a CUDA device (on the CPU the Triton "
+                "kernels run only under the interpreter, TRITON_INTERPRET=1); use torch"
+            )
+        self.kv_cache_dtype = resolve_kv_cache_dtype(
+            args.kv_cache_dtype, self.dtype, self.device, backend
+        )
+        self.default_sampling = read_sampling_defaults(self.model_dir, args.generation_config)
+        self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
+        self.eos_token_ids = frozenset(get_eos_token_ids(self.model_dir))
+        # Its own tokenizer, loaded on the first constrained request.
+        self.structured_output_manager = StructuredOutputManager(
+            functools.partial(load_tokenizer, args.tokenizer or self.model_dir),
+            self.model_shape.vocab_size,
+            self.eos_token_ids,
+        )
+        self.speculative_config = args.speculative_config
+        self.draft_dir = (
+            proposers.resolve_draft_model(
+                self.speculative_config, self.model_dir, args.tensor_parallel_size
+            )
+            if self.speculative_config is not None
+            else None
+        )
+        # On the CPU the KV budget is arithmetic (on a GPU it needs the profiled peak).
+        on_cpu_cache = None if self.device.type == "cuda" else self._cache_config()
+        progress = tqdm(total=2, desc="Loading", disable=not show_progress, unit="stage")
         with progress:
-            progress.set_postfix_str("resolving model")
-            self.model_dir = resolve_model(args.model, args.revision)
-            # config.json is read once: the shape for sizing, the transformers config for the
-            # dtype and the model classes (handed to the workers).
-            config_dict, self.model_config = read_model_config(self.model_dir)
-            self.model_shape = ModelShape.from_hf_config(config_dict)
-            # The planner's divisor rule, checked before anything is loaded.
-            check_tensor_parallel_size(self.model_shape, args.tensor_parallel_size)
-            check_pipeline_parallel_size(self.model_shape, args.pipeline_parallel_size)
-            progress.update()
-            progress.set_postfix_str("tokenizer")
-            self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
-            self.eos_token_ids = frozenset(get_eos_token_ids(self.model_dir))
-            # Its own tokenizer, loaded on the first constrained request.
-            self.structured_output_manager = StructuredOutputManager(
-                functools.partial(load_tokenizer, args.tokenizer or self.model_dir),
-                self.model_shape.vocab_size,
-                self.eos_token_ids,
-            )
-            self.speculative_config = args.speculative_config
-            self.draft_dir = (
-                proposers.resolve_draft_model(
-                    self.speculative_config, self.model_dir, args.tensor_parallel_size
-                )
-                if self.speculative_config is not None
-                else None
-            )
-            progress.update()
             progress.set_postfix_str("weights")
-            self.device = _resolve_device(args.device)
-            self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
-            self.scheduler_config = self._scheduler_config()
-            backend = args.attention_backend or (
-                "triton" if self.device.type == "cuda" else "torch"
-            )
-            if (
-                backend == "triton"
-                and self.device.type != "cuda"
-                and os.environ.get("TRITON_INTERPRET") != "1"
-            ):
-                raise ValueError(
-                    "--attention-backend triton needs a CUDA device (on the CPU the Triton "
-                    "kernels run only under the interpreter, TRITON_INTERPRET=1); use torch"
-                )
-            self.kv_cache_dtype = resolve_kv_cache_dtype(
-                args.kv_cache_dtype, self.dtype, self.device, backend
-            )
             # One rank in this process, or one worker process (or Ray actor) per rank.
             self.executor = create_executor(
                 WorkerConfig(
@@ -150,7 +149,7 @@ class LLMEngine:
             )
             progress.update()
             progress.set_postfix_str("KV cache")
-            self.cache_config = self._cache_config()
+            self.cache_config = on_cpu_cache or self._cache_config()
             self.executor.initialize_cache(self.cache_config.num_blocks)
             # In-process runner (None under tensor parallelism: each rank's is in its process).
             self.model_runner = getattr(self.executor, "model_runner", None)
@@ -172,7 +171,6 @@ class LLMEngine:
             )
             progress.update()
         self.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
-        self.default_sampling = read_sampling_defaults(self.model_dir, args.generation_config)
         self.kv_cache_manager = KVCacheManager(
             self.cache_config.num_blocks,
             args.block_size,

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvpilot.engine.layers.quantization import normalize_quantization_config
 from kvpilot.engine.weight_quantization import (
     UnsupportedQuantizationError,
     WeightQuantization,
@@ -154,11 +155,12 @@ class ModelShape:
         mlp_bias: gate/up/down projections have biases (Llama ``mlp_bias``).
         qk_norm: per-head RMSNorm on queries and keys (Qwen3).
         torch_dtype: the checkpoint's dtype name (``torch_dtype`` or ``dtype``), if stated.
-        quantization_method: ``quantization_config.quant_method`` (e.g. ``"awq"``), if any.
+        quantization_method: ``quantization_config.quant_method``, lower-cased (e.g.
+            ``"awq"``), if any.
         quantization: how the checkpoint stores its linear weights, if quantized in a format
             ``weight_quantization`` sizes; None when unquantized or unsizable.
         quantization_error: why a quantized checkpoint cannot be sized (names the method or
-            scheme), else None.
+            scheme, or says it is missing), else None.
     """
 
     num_layers: int
@@ -246,11 +248,17 @@ class ModelShape:
         attention_bias = bool(text.get("attention_bias", False))
         is_qwen2 = model_type in _QKV_BIAS_MODEL_TYPES
         quantization = text.get("quantization_config") or config.get("quantization_config")
-        method = str(quantization.get("quant_method")) if isinstance(quantization, dict) else None
         try:
-            parsed, error = parse_quantization_config(quantization), None
-        except UnsupportedQuantizationError as exc:
-            parsed, error = None, str(exc)
+            quantization = normalize_quantization_config(quantization)
+        except ValueError as exc:
+            quantization, parsed, error = None, None, str(exc)
+        else:
+            try:
+                parsed, error = parse_quantization_config(quantization), None
+            except UnsupportedQuantizationError as exc:
+                parsed, error = None, str(exc)
+        method = quantization.get("quant_method") if quantization else None
+        method = None if method is None else str(method)
         architectures = config.get("architectures") or text.get("architectures") or ()
         max_position_embeddings = _positive_int(text, "max_position_embeddings")
         return cls(
@@ -311,7 +319,7 @@ class ModelShape:
     def engine_support_error(self) -> str | None:
         """Why the kvpilot engine cannot serve this model (naming the architecture or the
         quantization method and what is supported), or None if it can."""
-        if self.quantization_method is not None and self.quantization is None:
+        if self.quantization_error is not None:
             return self.quantization_error
         if self.architectures:
             # The engine builds the first listed architecture, as transformers does.
@@ -471,7 +479,7 @@ class ModelShape:
                 sized (``quantization_error``).
         """
         _check_dtype_bytes(dtype_bytes)
-        if self.quantization_method is not None and self.quantization is None:
+        if self.quantization_error is not None:
             raise UnsupportedQuantizationError(self.quantization_error or "unknown quantization")
         stages = self.pipeline_stage_layers(pipeline_parallel_size)
         return self._stage_weights(

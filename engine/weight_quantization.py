@@ -29,7 +29,11 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvpilot.engine.layers.quantization import QUANTIZATION_METHODS
+from kvpilot.engine.layers.quantization import (
+    QUANTIZATION_METHODS,
+    missing_method_message,
+    normalize_quantization_config,
+)
 
 SUPPORTED_QUANTIZATION_METHODS: tuple[str, ...] = QUANTIZATION_METHODS
 """The engine's own list (``engine/layers/quantization``): sizing covers exactly what loads."""
@@ -144,17 +148,24 @@ class WeightQuantization:
 def parse_quantization_config(config: Any) -> WeightQuantization | None:
     """The storage a ``config.json``'s ``quantization_config`` describes (None without one).
 
+    The config is read as the engine reads it (``normalize_quantization_config``): a method
+    name or JSON text given as a string, the method's name in any case.
+
     Raises:
-        UnsupportedQuantizationError: a method outside ``SUPPORTED_QUANTIZATION_METHODS`` (named),
-            or a scheme of a supported method that this module does not size (named).
+        UnsupportedQuantizationError: no ``quant_method``, a method outside
+            ``SUPPORTED_QUANTIZATION_METHODS`` (named), a scheme of a supported method that this
+            module does not size (named), or a config that is not an object, a method name or
+            an object's JSON text.
     """
+    try:
+        config = normalize_quantization_config(config)
+    except ValueError as exc:
+        raise UnsupportedQuantizationError(str(exc)) from None
     if config is None:
         return None
-    if not isinstance(config, dict):
-        raise UnsupportedQuantizationError(
-            f"quantization_config must be an object, got {type(config).__name__}"
-        )
-    method = str(config.get("quant_method") or "")
+    if config.get("quant_method") is None:
+        raise UnsupportedQuantizationError(missing_method_message())
+    method = str(config["quant_method"])
     if method == "fp8":
         return _fp8(config)
     if method == "compressed-tensors":
@@ -162,7 +173,7 @@ def parse_quantization_config(config: Any) -> WeightQuantization | None:
     if method in ("awq", "gptq"):
         return _awq_gptq(method, config)
     raise UnsupportedQuantizationError(
-        f"quantization method {method or '(none)'!r} is not supported; the kvpilot engine loads "
+        f"quantization method {method!r} is not supported; the kvpilot engine loads "
         f"{', '.join(SUPPORTED_QUANTIZATION_METHODS)}"
     )
 

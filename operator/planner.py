@@ -583,11 +583,11 @@ def _check_arguments(
 
 
 def _check_model(model: ModelShape) -> None:
-    if model.quantization_method is not None and model.quantization is None:
+    if model.quantization_error is not None:
+        named = f" ({model.quantization_method})" if model.quantization_method else ""
         raise PlanError(
             "UnsupportedQuantization",
-            f"the checkpoint is quantized ({model.quantization_method}): "
-            f"{model.quantization_error}",
+            f"the checkpoint is quantized{named}: {model.quantization_error}",
         )
     error = model.engine_support_error()
     if error is not None:

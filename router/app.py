@@ -15,10 +15,11 @@ least loaded replica, so that the engine answers it with its own 400.
 
 ``POST /debug/route``: the same body as a completions or chat request (chat when it has
 ``messages``); answers the decision the router would take now, with every replica's score terms,
-and forwards nothing. ``GET /v1/models``: the union of the replicas' lists, asked with the
-client's own credentials (a replica's refusal, e.g. a 401, comes back unchanged when none
-accepts). ``GET /health``: 200 while some replica is up and has reported its models. ``GET
-/metrics``: the router's metrics.
+and forwards nothing; a body the engine refuses (not JSON, not an object, a parameter of the
+wrong type or out of range) gets the 400 the engine answers for it, as the routed paths do.
+``GET /v1/models``: the union of the replicas' lists, asked with the client's own credentials
+(a replica's refusal, e.g. a 401, comes back unchanged when none accepts). ``GET /health``: 200
+while some replica is up and has reported its models. ``GET /metrics``: the router's metrics.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from kvpilot.engine.server.errors import error_response
+from kvpilot.engine.server.errors import OpenAIError, error_response, read_body
+from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.engine.tokenization import max_prompt_chars
 from kvpilot.router import proxy
 from kvpilot.router.config import RouterConfig
@@ -298,9 +300,15 @@ class Router:
             return proxy.UpstreamResponse(upstream, on_done)
 
     async def debug_route(self, raw: Request) -> Response:
-        """``POST /debug/route``: the decision for a request body, forwarding nothing."""
-        body = _json_object(await raw.body())
-        path = CHAT_PATH if "messages" in body else ROUTED_PATHS[0]
+        """``POST /debug/route``: the decision for a request body, forwarding nothing; a body
+        the engine would refuse gets the engine's own 400 (``errors.read_body``)."""
+        payload = await raw.body()
+        try:
+            request = read_body(payload, raw.headers.get("content-type"), _request_type)
+        except OpenAIError as exc:
+            return exc.response()
+        body = _json_object(payload)
+        path = CHAT_PATH if isinstance(request, ChatCompletionRequest) else ROUTED_PATHS[0]
         plan = await self.plan(path, body)
         model = plan.model
         decision = self.decide(plan, set(), advance=False)
@@ -520,6 +528,15 @@ def _json_object(payload: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError):
         return {}
     return body if isinstance(body, dict) else {}
+
+
+def _request_type(body: Any) -> type[CompletionRequest | ChatCompletionRequest]:
+    """The request a body is: chat when it has ``messages``."""
+    return (
+        ChatCompletionRequest
+        if isinstance(body, dict) and "messages" in body
+        else CompletionRequest
+    )
 
 
 def _decision_json(decision: Decision) -> dict[str, Any]:

@@ -15,64 +15,55 @@ import logging
 import os
 
 from kvpilot.engine.server.cli import API_KEY_ENV_VARS, UVICORN_LOG_LEVELS
-from kvpilot.router.config import RouterConfig
+from kvpilot.router.config import FLAGS, ROUTING_POLICIES, RouterConfig
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(RouterConfig)}
 
-# flag -> (RouterConfig field, type, help)
+# RouterConfig field -> (type, help); its flag is config.FLAGS[field]
 _TUNING = {
-    "--tokenizer": (
-        "tokenizer",
+    "tokenizer": (
         str,
         "the served model's tokenizer (folder, Hub id, or SmolLM2-135M-Instruct for the "
         "built-in model) for prefix-aware routing; without it, consistent hashing on the "
         "prompt's first characters",
     ),
-    "--routing-policy": (
-        "routing_policy",
+    "routing_policy": (
         str,
         "kvpilot (prefix affinity and load), consistent-hash (KubeAI's: consistent hashing with "
         "bounded loads on the prompt's first characters) or round-robin; the last two for "
         "comparison",
     ),
-    "--load-factor": (
-        "load_factor",
+    "load_factor": (
         float,
         "bounded load (>= 1): no replica gets more than this factor of the mean in-flight "
         "requests, rounded up, counting the new one",
     ),
-    "--prefix-weight": ("prefix_weight", float, "score per fraction of the prompt cached"),
-    "--load-weight": ("load_weight", float, "score taken off per fraction of the bound used"),
-    "--waiting-weight": (
-        "waiting_weight",
+    "prefix_weight": (float, "score per fraction of the prompt cached"),
+    "load_weight": (float, "score taken off per fraction of the bound used"),
+    "waiting_weight": (
         float,
         "score taken off per fraction of the bound in the engine's waiting queue",
     ),
-    "--kv-weight": ("kv_weight", float, "score taken off per unit of the engine's KV usage"),
-    "--down-seconds": (
-        "down_s",
+    "kv_weight": (float, "score taken off per unit of the engine's KV usage"),
+    "down_s": (
         float,
         "how long a replica that refused a connection is routed around",
     ),
-    "--refresh-interval": (
-        "refresh_s",
+    "refresh_s": (
         float,
         "seconds between polls of the replicas' /metrics, /v1/models and /kv_events",
     ),
-    "--wake-timeout": (
-        "wake_timeout_s",
+    "wake_timeout_s": (
         float,
         "seconds a request for a model with no ready replica is held while it wakes, before "
         "a 503 with Retry-After",
     ),
-    "--wake-poll-interval": (
-        "wake_poll_s",
+    "wake_poll_s": (
         float,
         "seconds between polls of the replicas while requests are held",
     ),
-    "--connect-timeout": ("connect_timeout_s", float, "seconds to connect to a replica"),
-    "--api-key": (
-        "api_key",
+    "connect_timeout_s": (float, "seconds to connect to a replica"),
+    "api_key": (
         str,
         "the replicas' API key, for the router's own /v1/models polls (LoRA adapter names); "
         "default: $KVPILOT_API_KEY or $VLLM_API_KEY. Clients' keys pass through as sent",
@@ -111,16 +102,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --kubernetes: an LLMDeployment to serve (repeat; default: every one in the "
         "namespace)",
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8080, help="port to listen on")
-    for flag, (dest, kind, text) in _TUNING.items():
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--port", type=int, default=8080, help="port to listen on (default: %(default)s)"
+    )
+    for dest, (kind, text) in _TUNING.items():
+        flag = FLAGS[dest]
         default = _DEFAULTS[dest]
         suffix = "" if default is None else " (default: %(default)s)"
-        metavar = flag.removeprefix("--").upper().replace("-", "_")
+        options = {"metavar": flag.removeprefix("--").upper().replace("-", "_")}
+        if dest == "routing_policy":
+            options = {"choices": ROUTING_POLICIES}
         parser.add_argument(
-            flag, dest=dest, type=kind, default=default, metavar=metavar, help=text + suffix
+            flag, dest=dest, type=kind, default=default, help=text + suffix, **options
         )
-    parser.add_argument("--log-level", choices=UVICORN_LOG_LEVELS[:-1], default="info")
+    parser.add_argument(
+        "--log-level",
+        choices=UVICORN_LOG_LEVELS[:-1],
+        default="info",
+        help="the router's and uvicorn's log level (default: %(default)s)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

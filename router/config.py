@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit
 
 from kvpilot.router.scoring import (
     DEFAULT_LOAD_FACTOR,
@@ -20,6 +21,23 @@ ROUTING_POLICIES = ("kvpilot", "consistent-hash", "round-robin")
 consistent hashing with bounded loads on the prompt's first characters (KubeAI's method, and
 the ``kvpilot`` policy's own fallback); ``round-robin``: each replica in turn (a plain
 Service). The last two are there to compare against."""
+
+FLAGS = {
+    "tokenizer": "--tokenizer",
+    "routing_policy": "--routing-policy",
+    "load_factor": "--load-factor",
+    "prefix_weight": "--prefix-weight",
+    "load_weight": "--load-weight",
+    "waiting_weight": "--waiting-weight",
+    "kv_weight": "--kv-weight",
+    "down_s": "--down-seconds",
+    "refresh_s": "--refresh-interval",
+    "wake_timeout_s": "--wake-timeout",
+    "wake_poll_s": "--wake-poll-interval",
+    "connect_timeout_s": "--connect-timeout",
+    "api_key": "--api-key",
+}
+"""``kvpilot router``'s flag for each tuned ``RouterConfig`` field (what its errors name)."""
 
 
 @dataclass
@@ -49,8 +67,9 @@ class RouterConfig:
         llmdeployments: the LLMDeployments to serve; empty: every one in ``namespace``.
 
     Raises:
-        ValueError: ``load_factor`` < 1, a negative weight, an unknown policy, or a
-            non-positive interval or timeout.
+        ValueError: an endpoint that is not an http(s) URL with a host, ``load_factor`` < 1, a
+            negative weight, an unknown policy, or a non-positive interval or timeout (each
+            named by its flag).
     """
 
     endpoints: list[str] = field(default_factory=list)
@@ -74,6 +93,8 @@ class RouterConfig:
     def __post_init__(self) -> None:
         if self.kubernetes and self.endpoints:
             raise ValueError("--endpoint and --kubernetes exclude each other")
+        for url in self.endpoints:
+            check_endpoint(url)
         for name in (
             "load_factor",
             "prefix_weight",
@@ -87,7 +108,9 @@ class RouterConfig:
             "wake_poll_s",
         ):
             if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+                raise ValueError(
+                    f"{FLAGS[name]} must be a finite number, got {getattr(self, name)}"
+                )
         if self.load_factor < 1:
             raise ValueError(f"--load-factor must be >= 1, got {self.load_factor}")
         if self.routing_policy not in ROUTING_POLICIES:
@@ -95,10 +118,12 @@ class RouterConfig:
                 f"--routing-policy must be one of {', '.join(ROUTING_POLICIES)}, "
                 f"got {self.routing_policy!r}"
             )
+        for name in ("prefix_weight", "load_weight", "waiting_weight", "kv_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{FLAGS[name]} must be >= 0, got {getattr(self, name)}")
         for name in ("refresh_s", "connect_timeout_s", "wake_timeout_s", "wake_poll_s"):
             if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        self.weights  # noqa: B018 - validates the weights
+                raise ValueError(f"{FLAGS[name]} must be > 0, got {getattr(self, name)}")
 
     @property
     def weights(self) -> Weights:
@@ -108,3 +133,23 @@ class RouterConfig:
             ValueError: a negative weight.
         """
         return Weights(self.prefix_weight, self.load_weight, self.waiting_weight, self.kv_weight)
+
+
+def check_endpoint(url: str) -> None:
+    """Refuse an ``--endpoint`` that is not an http(s) URL with a host (and a valid port).
+
+    Raises:
+        ValueError: naming the flag and the value.
+    """
+    parts = urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - a port that is not a number in 0-65535 raises
+    except ValueError:
+        port_ok = False
+    else:
+        port_ok = True
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port_ok:
+        raise ValueError(
+            "--endpoint must be an http(s) URL with a host, e.g. http://127.0.0.1:8001; "
+            f"got {url!r}"
+        )

@@ -16,7 +16,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.config import ENGINE_FLAGS, EngineArgs, name_flags
+
+SAMPLING_FLAGS = {
+    "temperature": "--temperature",
+    "top_p": "--top-p",
+    "top_k": "--top-k",
+    "min_p": "--min-p",
+    "n": "--n",
+    "seed": "--sampling-seed",
+    "max_tokens": "--max-tokens",
+    "stop": "--stop",
+}
+"""The flag of each ``SamplingParams`` field this command sets (what its errors name)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,8 +74,9 @@ def run(args: argparse.Namespace) -> int:
     """Load the engine (with a progress bar), generate, print each completion.
 
     Returns:
-        0 on success, 2 when an argument is refused or the model cannot be found (the message
-        says which, on stderr).
+        0 on success, 2 when an argument is refused or the model cannot be found (one line on
+        stderr, naming the flag; every argument that can be checked without loading the
+        weights is checked before the progress bar starts).
     """
     import dataclasses
     import logging
@@ -72,20 +85,26 @@ def run(args: argparse.Namespace) -> int:
     from kvpilot.engine.sampling_params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    given = {
+        name: getattr(args, name)
+        for name in ("temperature", "top_p", "top_k", "min_p")
+        if getattr(args, name) is not None
+    }
+    requested = dict(
+        n=args.n,
+        seed=args.sampling_seed,
+        max_tokens=args.max_tokens,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
     try:
-        given = {
-            name: getattr(args, name)
-            for name in ("temperature", "top_p", "top_k", "min_p")
-            if getattr(args, name) is not None
-        }
-        requested = dict(
-            n=args.n,
-            seed=args.sampling_seed,
-            max_tokens=args.max_tokens,
-            stop=args.stop,
-            ignore_eos=args.ignore_eos,
-        )
         SamplingParams(**given, **requested)  # a bad value is refused before the model loads
+    except ValueError as exc:
+        print(f"kvpilot generate: error: {name_flags(str(exc), SAMPLING_FLAGS)}", file=sys.stderr)
+        return 2
+    # Both spellings' underscored names (max_model_len, max_tokens) in the engine's errors.
+    flags = {**ENGINE_FLAGS, **{k: v for k, v in SAMPLING_FLAGS.items() if "_" in k}}
+    try:
         engine_args = EngineArgs.from_cli_args(args)
         llm = LLM(show_progress=True, **vars(engine_args))
         params = dataclasses.replace(llm.get_default_sampling_params(), **given, **requested)
@@ -95,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             outputs = llm.generate(args.prompt, params)
     except (ValueError, FileNotFoundError) as exc:  # bad arguments; a model that cannot be found
-        print(f"kvpilot generate: error: {exc}", file=sys.stderr)
+        print(f"kvpilot generate: error: {name_flags(str(exc), flags)}", file=sys.stderr)
         return 2
     for prompt, output in zip(args.prompt, outputs, strict=True):
         print(f"\n### Prompt: {prompt}")

@@ -6,13 +6,18 @@ reported with the same body (never an HTML page or a bare string).
 
 from __future__ import annotations
 
+import email.message
+import json
 import logging
 import re
+from collections.abc import Callable
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse
@@ -57,6 +62,10 @@ class OpenAIError(Exception):
         self.param = param
         self.headers = headers or {}
 
+    def response(self) -> JSONResponse:
+        """The JSON response that reports this error."""
+        return error_response(self.status, self.message, self.param, self.headers)
+
 
 def bad_request(exc: ValueError | str, param: str | None = None) -> OpenAIError:
     """A 400 from a ``ValueError`` whose message starts with the parameter name (if any)."""
@@ -85,48 +94,104 @@ def error_response(
     return JSONResponse(body.model_dump(), status_code=int(status), headers=headers)
 
 
+def validation_error(exc: RequestValidationError, content_type: str | None) -> OpenAIError:
+    """The 400 for a body FastAPI (or ``read_body``) could not read or validate.
+
+    Args:
+        exc: the validation failure; ``exc.body`` is bytes when the body was not parsed as JSON.
+        content_type: the request's ``Content-Type`` header, if any.
+    """
+    if isinstance(exc.body, bytes):
+        # FastAPI parses a body as JSON only under a JSON content type (no sniffing, as a
+        # guard against cross-site requests); it hands the other bodies over unparsed.
+        got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
+        return OpenAIError(
+            HTTPStatus.BAD_REQUEST,
+            f"the request body must be JSON sent with 'Content-Type: application/json' (got {got})",
+        )
+    first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        # loc is ("body", <character position>): not a parameter.
+        position = first.get("loc", (None, None))[-1]
+        reason = first.get("ctx", {}).get("error", "JSON decode error")
+        # json's messages that end in "at" ("Unterminated string starting at") take the
+        # position as their object: "... starting at character 9", not "... at at ...".
+        reason = reason.removesuffix(" at")
+        return OpenAIError(
+            HTTPStatus.BAD_REQUEST,
+            f"the request body is not valid JSON: {reason} at character {position}",
+        )
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    if not loc and first.get("type") == "missing":
+        return OpenAIError(
+            HTTPStatus.BAD_REQUEST, "the request body is missing: send a JSON object"
+        )
+    param = loc[0] if loc else None
+    message = first.get("msg", "invalid request")
+    if message.startswith("Value error, "):
+        message = message.removeprefix("Value error, ")
+        param = _PARAM_PREFIX.match(message).group(1) if _PARAM_PREFIX.match(message) else param
+    where = ".".join(loc)
+    text = f"{where}: {message}" if where and not message.startswith(f"{param}:") else message
+    return OpenAIError(HTTPStatus.BAD_REQUEST, text, param)
+
+
+def read_body(
+    payload: bytes,
+    content_type: str | None,
+    request_type: Callable[[Any], type[BaseModel]],
+) -> BaseModel:
+    """A POST body read and validated as FastAPI reads a route's one body parameter, for a
+    handler that takes the raw request (the router's ``/debug/route``): JSON only under a JSON
+    content type (``application/json``, ``application/*+json``).
+
+    Args:
+        payload: the body's bytes.
+        content_type: the request's ``Content-Type`` header, if any.
+        request_type: the model to validate with, given the parsed body (e.g.
+            ``ChatCompletionRequest`` when it has ``messages``).
+
+    Raises:
+        OpenAIError: the 400 the engine's routes answer for the same body (``validation_error``).
+    """
+    body: Any = payload
+    subtype = None
+    if content_type:
+        header = email.message.Message()
+        header["content-type"] = content_type
+        if header.get_content_maintype() == "application":
+            subtype = header.get_content_subtype()
+    if not payload:
+        missing = {"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}
+        raise validation_error(RequestValidationError([missing]), content_type)
+    if subtype == "json" or (subtype or "").endswith("+json"):
+        try:
+            body = json.loads(payload)
+        except json.JSONDecodeError as exc:
+            invalid = {"type": "json_invalid", "loc": ("body", exc.pos), "ctx": {"error": exc.msg}}
+            error = RequestValidationError([invalid], body=exc.doc)
+            raise validation_error(error, content_type) from None
+        except UnicodeDecodeError:  # FastAPI's own answer for it
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST, "There was an error parsing the body"
+            ) from None
+    try:
+        return request_type(body).model_validate(body, from_attributes=True)
+    except ValidationError as exc:
+        errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+        raise validation_error(RequestValidationError(errors, body=body), content_type) from None
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Make every error path of ``app`` answer with OpenAI's error body."""
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return error_response(exc.status, exc.message, exc.param, exc.headers)
+        return exc.response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        # OpenAI answers 400 for invalid parameters, not FastAPI's default 422.
-        if isinstance(exc.body, bytes):
-            # FastAPI parses a body as JSON only under a JSON content type (no sniffing, as a
-            # guard against cross-site requests); it hands the other bodies over unparsed.
-            content_type = request.headers.get("content-type")
-            got = f"Content-Type: {content_type}" if content_type else "no Content-Type"
-            return error_response(
-                HTTPStatus.BAD_REQUEST,
-                "the request body must be JSON sent with 'Content-Type: application/json' "
-                f"(got {got})",
-            )
-        first = exc.errors()[0] if exc.errors() else {}
-        if first.get("type") == "json_invalid":
-            # loc is ("body", <character position>): not a parameter.
-            position = first.get("loc", (None, None))[-1]
-            reason = first.get("ctx", {}).get("error", "JSON decode error")
-            return error_response(
-                HTTPStatus.BAD_REQUEST,
-                f"the request body is not valid JSON: {reason} at character {position}",
-            )
-        loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-        if not loc and first.get("type") == "missing":
-            return error_response(
-                HTTPStatus.BAD_REQUEST, "the request body is missing: send a JSON object"
-            )
-        param = loc[0] if loc else None
-        message = first.get("msg", "invalid request")
-        if message.startswith("Value error, "):
-            message = message.removeprefix("Value error, ")
-            param = _PARAM_PREFIX.match(message).group(1) if _PARAM_PREFIX.match(message) else param
-        where = ".".join(loc)
-        text = f"{where}: {message}" if where and not message.startswith(f"{param}:") else message
-        return error_response(HTTPStatus.BAD_REQUEST, text, param)
+        return validation_error(exc, request.headers.get("content-type")).response()
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

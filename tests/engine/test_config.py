@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvpilot.cli import main
-from kvpilot.engine.config import EngineArgs, parse_bytes
+from kvpilot.engine.config import ENGINE_FLAGS, EngineArgs, name_flags, parse_bytes
 
 
 def parse(argv: list[str]) -> EngineArgs:
@@ -76,6 +76,57 @@ def test_bad_argument_is_named(kwargs, name):
         EngineArgs(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["-pp", "0"], "--pipeline-parallel-size must be a positive integer, got 0"),
+        (
+            ["--calculate-kv-scales"],
+            "--calculate-kv-scales needs an fp8 KV cache: set --kv-cache-dtype to fp8 "
+            "(it is 'auto')",
+        ),
+        (["--lora-modules", "a=b"], "--lora-modules needs --enable-lora, got ['a=b']"),
+        (
+            ["--enable-lora", "-tp", "2"],
+            "--enable-lora is not supported with --tensor-parallel-size > 1 yet",
+        ),
+    ],
+)
+def test_a_bad_flag_is_named_as_the_flag(argv, message):
+    with pytest.raises(ValueError) as refused:
+        parse(argv)
+    assert str(refused.value) == message
+
+
+def test_a_bad_argument_of_the_python_api_is_named_as_the_field():
+    with pytest.raises(ValueError) as refused:
+        EngineArgs(calculate_kv_scales=True)
+    assert str(refused.value) == (
+        "calculate_kv_scales needs an fp8 KV cache: set kv_cache_dtype to fp8 (it is 'auto')"
+    )
+
+
+def test_name_flags_rewrites_whole_argument_names_only():
+    message = (
+        "max_model_len 9 exceeds the model's max_position_embeddings; see generation_config.json"
+        " in /m/max_model_len; --max-model-len"
+    )
+    assert name_flags(message, ENGINE_FLAGS) == (
+        "--max-model-len 9 exceeds the model's max_position_embeddings; see "
+        "generation_config.json in /m/max_model_len; --max-model-len"
+    )
+
+
+def test_a_bad_memory_size_flag_says_what_a_size_is(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompt", "x", "--kv-cache-memory", "lots"])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "kvpilot generate: error: argument --kv-cache-memory: not a memory size: 'lots' "
+        "(examples: 1073741824, 1GiB, 512MB)"
+    )
+
+
 def test_parse_bytes():
     assert parse_bytes("1073741824") == 1024**3
     assert parse_bytes("512MiB") == 512 * 1024**2
@@ -113,7 +164,9 @@ def test_generate_cli_reports_a_bad_argument(tiny_model_dir, capsys):
             ]
         )
     assert exit_info.value.code == 2
-    assert "max_tokens must be at least 1" in capsys.readouterr().err
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "kvpilot generate: error: --max-tokens must be at least 1, got 0"
+    )
 
 
 def test_generate_cli_reports_a_model_it_cannot_find(tmp_path, capsys):
@@ -121,9 +174,50 @@ def test_generate_cli_reports_a_model_it_cannot_find(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", str(missing), "--prompt", "x"])
     assert exit_info.value.code == 2
-    err = capsys.readouterr().err  # the loading progress bar, then the error
+    err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith("kvpilot generate: error: model ")
     assert str(missing) in err and "Traceback" not in err
+    assert "Loading" not in err  # no progress bar before the error
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--max-model-len", "100000"],
+            "--max-model-len 100000 exceeds the model's max_position_embeddings ({max_len})",
+        ),
+        (
+            ["--generation-config", "{tmp}"],
+            "--generation-config: {tmp}/generation_config.json does not exist",
+        ),
+        (
+            ["--kv-cache-memory", "1"],
+            "no room for a single KV block ({block} bytes) with --kv-cache-memory 1 bytes; "
+            "raise --kv-cache-memory / --gpu-memory-utilization",
+        ),
+    ],
+    ids=["max-model-len", "generation-config", "kv-cache-memory"],
+)
+def test_generate_cli_refuses_what_the_model_config_rules_out_before_loading(
+    tiny_model_dir, tmp_path, capsys, argv, message
+):
+    """Checked against config.json before the progress bar and the weights: one line."""
+    import json
+
+    from kvpilot.engine.model_shape import ModelShape
+
+    model = tiny_model_dir("llama")
+    config = json.loads((model / "config.json").read_text())
+    block = ModelShape.from_hf_config(config).kv_bytes_per_token(4) * 16
+    argv = [a.format(tmp=tmp_path) for a in argv]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--model", str(model), "--prompt", "x", "--device", "cpu", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Loading" not in err
+    expected = message.format(max_len=config["max_position_embeddings"], tmp=tmp_path, block=block)
+    assert err.splitlines()[-1] == f"kvpilot generate: error: {expected}"
 
 
 def test_generate_cli_refuses_a_bad_sampling_value_before_loading(tmp_path, capsys):
@@ -134,4 +228,4 @@ def test_generate_cli_refuses_a_bad_sampling_value_before_loading(tmp_path, caps
         main(["generate", "--model", str(missing), "--prompt", "x", "--temperature", "-1"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.splitlines()[-1] == "kvpilot generate: error: temperature must be >= 0, got -1.0"
+    assert err.splitlines()[-1] == "kvpilot generate: error: --temperature must be >= 0, got -1.0"

@@ -251,7 +251,10 @@ def test_speculative_decoding(scaled_dir, prompts, fp8_reference, method):
 def test_bad_values_are_refused_with_their_name(monkeypatch):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3"):
         EngineArgs(kv_cache_dtype="int8")
-    with pytest.raises(ValueError, match="calculate_kv_scales needs an fp8 kv_cache_dtype"):
+    with pytest.raises(
+        ValueError,
+        match=r"^calculate_kv_scales needs an fp8 KV cache: set kv_cache_dtype to fp8 \(it is .auto.\)$",
+    ):
         EngineArgs(calculate_kv_scales=True)
     with pytest.raises(ValueError, match="unknown kv_cache_dtype 'fp4'"):
         resolve_kv_cache_dtype("fp4", torch.float16, torch.device("cpu"), "torch")

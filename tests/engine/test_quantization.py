@@ -237,6 +237,19 @@ def _with_quant_config(base: pathlib.Path, out: pathlib.Path, quant: dict) -> pa
     return out
 
 
+def test_a_quantization_config_string_or_upper_case_method_loads_as_the_method():
+    awq = {"quant_method": "AWQ", "bits": 4, "group_size": 128}
+    assert get_quantization_config(awq).get_name() == "awq"
+    assert get_quantization_config(json.dumps(awq), "AWQ").get_name() == "awq"
+    assert get_quantization_config("fp8").get_name() == "fp8"
+    with pytest.raises(ValueError) as refused:
+        get_quantization_config({"bits": 4})
+    assert str(refused.value) == (
+        "quantization_config has no quant_method: the quantization method is missing "
+        "(the kvpilot engine loads fp8, compressed-tensors, awq, gptq)"
+    )
+
+
 def test_unsupported_formats_are_refused_by_name(base_dir, tmp_path):
     folder = _with_quant_config(base_dir, tmp_path / "bnb", {"quant_method": "bitsandbytes"})
     with pytest.raises(ValueError, match="quantization method 'bitsandbytes' is not supported"):

@@ -222,6 +222,45 @@ def test_unsupported_models():
     assert caught.value.message.endswith("loads fp8, compressed-tensors, awq, gptq")
 
 
+@pytest.mark.parametrize(
+    ("quantization_config", "message"),
+    [
+        (
+            {"bits": 4},
+            "the checkpoint is quantized: quantization_config has no quant_method: the "
+            "quantization method is missing (the kvpilot engine loads fp8, compressed-tensors, "
+            "awq, gptq)",
+        ),
+        (
+            '{"quant_method": "awq", "bits": ',
+            "the checkpoint is quantized: quantization_config is a string that is not valid "
+            "JSON: Expecting value: line 1 column 32 (char 31)",
+        ),
+        (
+            7,
+            "the checkpoint is quantized: quantization_config must be an object (or a method "
+            "name, or an object's JSON text), got int",
+        ),
+    ],
+    ids=["no-method", "bad-json-string", "a-number"],
+)
+def test_a_quantization_config_that_names_no_method_is_refused_saying_so(
+    quantization_config, message
+):
+    with pytest.raises(PlanError) as caught:
+        plan(spec("Mistral-7B-v0.1", quantization_config=quantization_config), gpu=H100)
+    assert caught.value.reason == "UnsupportedQuantization"
+    assert caught.value.message == message
+
+
+def test_a_quantization_config_string_or_upper_case_method_plans_as_the_method():
+    fp8 = plan(spec("Mistral-7B-v0.1", quantization_config={"quant_method": "fp8"}), gpu=H100)
+    for given in ("fp8", "FP8", '{"quant_method": "fp8"}', {"quant_method": "FP8"}):
+        model = spec("Mistral-7B-v0.1", quantization_config=given)
+        assert model.quantization_method == "fp8"
+        assert plan(model, gpu=H100) == fp8
+
+
 def test_cpu_mode_is_one_process():
     with pytest.raises(PlanError) as caught:
         plan(spec("SmolLM2-135M-Instruct"), gpu=None, memory_bytes=4 * GiB, tensor_parallel_size=2)

@@ -69,7 +69,7 @@ def test_kubernetes_mode_and_endpoints_exclude_each_other():
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_non_finite_settings_are_refused(value):
-    with pytest.raises(ValueError, match="load_factor must be a finite number"):
+    with pytest.raises(ValueError, match="--load-factor must be a finite number"):
         RouterConfig(endpoints=["http://a:1"], load_factor=value)
-    with pytest.raises(ValueError, match="kv_weight must be a finite number"):
+    with pytest.raises(ValueError, match="--kv-weight must be a finite number"):
         RouterConfig(endpoints=["http://a:1"], kv_weight=value)

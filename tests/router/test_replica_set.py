@@ -45,14 +45,54 @@ def test_wait_changed_returns_on_set_urls() -> None:
     ("settings", "message"),
     [
         ({"routing_policy": "random"}, "--routing-policy must be one of kvpilot"),
-        ({"kv_weight": -0.1}, "the kv weight must be >= 0"),
+        ({"kv_weight": -0.1}, "^--kv-weight must be >= 0, got -0.1$"),
         ({"load_factor": 0.5}, "--load-factor must be >= 1"),
-        ({"wake_timeout_s": 0}, "wake_timeout_s must be > 0"),
+        ({"wake_timeout_s": 0}, "^--wake-timeout must be > 0, got 0$"),
+        ({"refresh_s": -1.0}, "^--refresh-interval must be > 0, got -1.0$"),
+        ({"down_s": float("nan")}, "^--down-seconds must be a finite number, got nan$"),
     ],
 )
 def test_bad_settings_are_refused_by_name(settings: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         RouterConfig(endpoints=["http://a"], **settings)
+
+
+@pytest.mark.parametrize(
+    "url", ["notaurl", "127.0.0.1:8001", "ftp://host", "http://", "http:///v1", "http://h:port"]
+)
+def test_an_endpoint_that_is_not_an_http_url_with_a_host_is_refused_at_start(url: str) -> None:
+    from kvpilot.cli import main
+
+    with pytest.raises(SystemExit) as refused:
+        main(["router", "--endpoint", "http://127.0.0.1:8001", "--endpoint", url])
+    assert str(refused.value) == (
+        "kvpilot router: --endpoint must be an http(s) URL with a host, e.g. "
+        f"http://127.0.0.1:8001; got {url!r}"
+    )
+    for good in ("http://a", "https://a.example:8443/", "http://[::1]:8001"):
+        assert RouterConfig(endpoints=[good]).endpoints == [good]
+
+
+def test_router_help_shows_choices_and_defaults(capsys) -> None:
+    from kvpilot.cli import main
+
+    with pytest.raises(SystemExit) as shown:
+        main(["router", "--help"])
+    assert shown.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert "--routing-policy {kvpilot,consistent-hash,round-robin}" in text
+    for shown_default in (
+        "address to listen on (default: 127.0.0.1)",
+        "port to listen on (default: 8080)",
+        "(default: kvpilot)",
+        "(default: 1.25)",
+        "log level (default: info)",
+    ):
+        assert shown_default in text
+    with pytest.raises(SystemExit) as refused:
+        main(["router", "--endpoint", "http://a", "--routing-policy", "random"])
+    assert refused.value.code == 2
+    assert "invalid choice: 'random'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("policy", ["round-robin", "consistent-hash"])

@@ -125,6 +125,76 @@ def test_bad_bodies_and_keys_get_the_replicas_own_4xx(router) -> None:
     assert wrong_key.status_code == 401
 
 
+@pytest.mark.parametrize(
+    ("path", "content", "content_type", "message", "param"),
+    [
+        (
+            "/v1/completions",
+            b"{oops",
+            "application/json",
+            "the request body is not valid JSON: Expecting property name enclosed in double "
+            "quotes at character 1",
+            None,
+        ),
+        (
+            "/v1/completions",
+            b'{"model": "tiny", "prompt": "Hi',
+            "application/json",
+            "the request body is not valid JSON: Unterminated string starting at character 28",
+            None,
+        ),
+        (
+            "/v1/completions",
+            b'["tiny", "Hi"]',
+            "application/json",
+            "Input should be a valid dictionary or object to extract fields from",
+            None,
+        ),
+        (
+            "/v1/chat/completions",
+            b'{"model": 3, "messages": [{"role": "user", "content": "Hi"}]}',
+            "application/json",
+            "model: Input should be a valid string",
+            "model",
+        ),
+        (
+            "/v1/completions",
+            b'{"model": "tiny", "prompt": "Hi"}',
+            "text/plain",
+            "the request body must be JSON sent with 'Content-Type: application/json' "
+            "(got Content-Type: text/plain)",
+            None,
+        ),
+        (
+            "/v1/completions",
+            b"",
+            "application/json",
+            "the request body is missing: send a JSON object",
+            None,
+        ),
+    ],
+    ids=[
+        "not-json",
+        "unterminated-string",
+        "not-an-object",
+        "model-not-a-string",
+        "text-plain",
+        "empty",
+    ],
+)
+def test_debug_route_refuses_what_the_engine_refuses_with_its_400(
+    router, replicas, path, content, content_type, message, param
+) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": content_type}
+    debug = httpx.post(f"{router.url}/debug/route", content=content, headers=headers)
+    engine = httpx.post(f"{replicas[0].url}{path}", content=content, headers=headers)
+    assert debug.status_code == engine.status_code == 400
+    assert debug.json() == engine.json()
+    assert debug.json() == {
+        "error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}
+    }
+
+
 def test_an_unknown_model_is_an_openai_404(client) -> None:
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="no-such-model", prompt="Hi", max_tokens=2)

@@ -111,3 +111,11 @@ def test_missing_model_exits_with_status_1_naming_it():
     )
     assert result.returncode == 1
     assert "/no/such/model" in result.stderr
+
+
+def test_a_bad_engine_flag_stops_serve_naming_the_flag():
+    with pytest.raises(SystemExit) as stopped:
+        cli.run(parse("-pp", "0"))
+    assert str(stopped.value) == (
+        "kvpilot serve: --pipeline-parallel-size must be a positive integer, got 0"
+    )

@@ -156,6 +156,12 @@ def test_malformed_json_is_a_400(http):
     # Not FastAPI's loc ("body", <character position>) as if the position were a parameter.
     assert error["param"] is None
     assert error["message"].startswith("the request body is not valid JSON")
+    unterminated = http.post(
+        COMPLETIONS, content=b'{"model": "x', headers={"Content-Type": "application/json"}
+    )
+    assert unterminated.json()["error"]["message"] == (
+        "the request body is not valid JSON: Unterminated string starting at character 10"
+    )
     empty = http.post(COMPLETIONS, content=b"", headers={"Content-Type": "application/json"})
     assert empty.status_code == 400
     assert empty.json()["error"]["message"] == "the request body is missing: send a JSON object"

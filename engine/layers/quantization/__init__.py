@@ -14,6 +14,7 @@ This module imports no torch until a format is built, so the CLI can list the na
 from __future__ import annotations
 
 import importlib
+import json
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -28,7 +29,67 @@ _METHODS: dict[str, str] = {
 }
 QUANTIZATION_METHODS: tuple[str, ...] = tuple(_METHODS)
 
-__all__ = ["QUANTIZATION_METHODS", "QuantizationConfig", "get_quantization_config"]
+__all__ = [
+    "QUANTIZATION_METHODS",
+    "QuantizationConfig",
+    "get_quantization_config",
+    "normalize_quantization_config",
+]
+
+
+def normalize_quantization_config(config: Any) -> dict[str, Any] | None:
+    """A checkpoint's ``quantization_config`` as an object with a lower-case ``quant_method``
+    (vLLM compares the names lower-cased: ``"FP8"`` is ``fp8``).
+
+    Some configs carry it as a string: a JSON object's text is parsed, any other string is the
+    method's name (``"fp8"`` is ``{"quant_method": "fp8"}``). Torch-free: the planner uses it.
+
+    Args:
+        config: ``config.json``'s ``quantization_config`` (an object, a string, or None).
+
+    Returns:
+        A new dict (the input is not changed), or None without a config (None, ``{}``, ``""``).
+
+    Raises:
+        ValueError: a string that starts as JSON but does not parse to an object, or a value
+            that is neither an object nor a string (its type named).
+    """
+    if isinstance(config, str):
+        text = config.strip()
+        if text.startswith(("{", "[", '"')):
+            try:
+                config = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise ValueError(
+                    f"quantization_config is a string that is not valid JSON: {exc}"
+                ) from None
+            if not isinstance(config, dict):
+                raise ValueError(
+                    "quantization_config is a JSON string that is not an object, got "
+                    f"{type(config).__name__}"
+                )
+        else:
+            config = {"quant_method": text} if text else None
+    if not config:
+        return None
+    if not isinstance(config, dict):
+        raise ValueError(
+            "quantization_config must be an object (or a method name, or an object's JSON "
+            f"text), got {type(config).__name__}"
+        )
+    config = dict(config)
+    method = config.get("quant_method")
+    if isinstance(method, str):
+        config["quant_method"] = method.strip().lower()
+    return config
+
+
+def missing_method_message() -> str:
+    """What a ``quantization_config`` without ``quant_method`` is told (engine and planner)."""
+    return (
+        "quantization_config has no quant_method: the quantization method is missing "
+        f"(the kvpilot engine loads {', '.join(QUANTIZATION_METHODS)})"
+    )
 
 
 def get_quantization_config(
@@ -51,15 +112,18 @@ def get_quantization_config(
             setting of the format this engine does not support.
     """
     supported = ", ".join(QUANTIZATION_METHODS)
+    if quantization is not None:
+        quantization = quantization.lower()
     if quantization is not None and quantization not in _METHODS:
         raise ValueError(
             f"quantization method {quantization!r} is not supported; supported: {supported}"
         )
     method = None
+    hf_quant_config = normalize_quantization_config(hf_quant_config)
     if hf_quant_config:
-        if not isinstance(hf_quant_config, dict):
-            raise ValueError("quantization_config must be a JSON object")
-        method = str(hf_quant_config.get("quant_method", "")).lower()
+        if hf_quant_config.get("quant_method") is None:
+            raise ValueError(missing_method_message())
+        method = str(hf_quant_config["quant_method"])
         if method not in _METHODS:
             raise ValueError(
                 f"the checkpoint's quantization method {method!r} is not supported; "
