@@ -1,0 +1,264 @@
+// Paged decode attention on the CPU: PagedAttention (Kwon et al. 2023), reading K/V in place.
+//
+// Every decode sequence has one query token attending to its whole context (or the last
+// `sliding_window` positions of it). Its keys and values stay where they are in the paged
+// cache, reached through its block table; nothing is gathered or padded, and no slot past a
+// sequence's end is ever read. The work is split over (sequence, KV head) pairs with
+// at::parallel_for (ATen's OpenMP pool, so torch.set_num_threads applies); each pair handles the
+// num_heads / num_kv_heads query heads that share its KV head (GQA) in one pass over the context:
+//
+//   scores[g, t] = scale * q[g] . k[t]            (float32 accumulation)
+//   p[g, t]      = exp(scores[g, t] - max_t scores[g, t]) / sum_t exp(...)
+//   out[g]       = sum_t p[g, t] * v[t]           (float32 accumulation, one division at the end)
+//
+// The hot loops are compiled for AVX-512, AVX2 and baseline x86-64 (GCC target_clones); the
+// loader picks the best one the CPU runs, so the built library may move between x86 machines.
+// The Python wrapper is kernels/cpu/paged_attention.py.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KVPILOT_TARGET_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define KVPILOT_TARGET_CLONES
+#endif
+
+inline float to_float(float x) { return x; }
+
+inline float to_float(c10::BFloat16 x) {
+  // bfloat16 is the upper half of a float32: a shift, which the compiler vectorizes.
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+inline void from_float(float x, float* out) { *out = x; }
+
+inline void from_float(float x, c10::BFloat16* out) { *out = c10::BFloat16(x); }
+
+// exp(x) for x <= 0 (a score minus the row's maximum), within 2 ulp of std::exp: Cephes' expf
+// (range reduction to x = n ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial), written as
+// plain arithmetic so the softmax loop vectorizes (std::exp does not without -ffast-math).
+// Below -87 (exp < 2^-125: nothing next to the maximum's 1) it returns 0; NaN stays NaN.
+inline float exp_nonpositive(float x) {
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float clamped_n = std::max(n, -126.f);
+  const float r = x - clamped_n * 0.693359375f + clamped_n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(clamped_n) + 127) << 23;
+  float two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  return x < -87.f ? 0.f : p * two_n;
+}
+
+// Sizes of one call, in elements.
+struct Shape {
+  int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq;
+};
+
+// One (sequence, KV head) pair: `group` query heads over positions [start, seq_len).
+// q: [group, head_dim] float32, already multiplied by the scale. scores: [group, span] scratch.
+// acc: [group, head_dim] scratch. out: [group, head_dim] rows of the output.
+template <typename scalar_t>
+__attribute__((always_inline)) inline void attend_one(const float* __restrict q, const scalar_t* __restrict k_cache,
+                                      const scalar_t* __restrict v_cache,
+                                      const int32_t* __restrict block_table, int64_t start,
+                                      int64_t seq_len, int64_t kv_head, int64_t group,
+                                      const Shape& s, float* __restrict scores,
+                                      float* __restrict acc, scalar_t* __restrict out) {
+  const int64_t head_dim = s.head_dim, block_size = s.block_size;
+  const int64_t row_stride = s.num_kv_heads * head_dim;  // between positions of one block
+  const int64_t span = seq_len - start;
+  const int64_t first_block = start / block_size, last_block = (seq_len - 1) / block_size;
+
+  // Pass 1: scores of every position, block by block.
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const int64_t block = block_table[b];
+    TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode_attention: block id ", block,
+                " out of range [0, ", s.num_blocks, ")");
+    const int64_t t0 = std::max(b * block_size, start);
+    const int64_t t1 = std::min((b + 1) * block_size, seq_len);
+    const scalar_t* k_block = k_cache + block * block_size * row_stride + kv_head * head_dim;
+    for (int64_t t = t0; t < t1; ++t) {
+      const scalar_t* k = k_block + (t - b * block_size) * row_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = q + g * head_dim;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k[d]);
+        scores[g * span + (t - start)] = dot;
+      }
+    }
+  }
+
+  // Numerically stable softmax numerators; the normalisation waits for the output.
+  std::vector<float> inv_sum(group);
+  for (int64_t g = 0; g < group; ++g) {
+    float* sg = scores + g * span;
+    float max_score = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : max_score)
+    for (int64_t t = 0; t < span; ++t) max_score = std::max(max_score, sg[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < span; ++t) {
+      sg[t] = exp_nonpositive(sg[t] - max_score);
+      sum += sg[t];
+    }
+    inv_sum[g] = 1.f / sum;
+  }
+
+  // Pass 2: weighted sum of the values.
+  std::fill(acc, acc + group * head_dim, 0.f);
+  for (int64_t b = first_block; b <= last_block; ++b) {
+    const int64_t block = block_table[b];
+    const int64_t t0 = std::max(b * block_size, start);
+    const int64_t t1 = std::min((b + 1) * block_size, seq_len);
+    const scalar_t* v_block = v_cache + block * block_size * row_stride + kv_head * head_dim;
+    for (int64_t t = t0; t < t1; ++t) {
+      const scalar_t* v = v_block + (t - b * block_size) * row_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        const float p = scores[g * span + (t - start)];
+        float* ag = acc + g * head_dim;
+#pragma omp simd
+        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(v[d]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t d = 0; d < head_dim; ++d)
+      from_float(acc[g * head_dim + d] * inv_sum[g], out + g * s.head_dim + d);
+}
+
+// The entry points that are compiled once per instruction set (GCC clones no templates).
+#define KVPILOT_ATTEND_ONE(name, scalar_t)                                                     \
+  KVPILOT_TARGET_CLONES void name(const float* q, const scalar_t* k_cache,                   \
+                                  const scalar_t* v_cache, const int32_t* block_table,         \
+                                  int64_t start, int64_t seq_len, int64_t kv_head,             \
+                                  int64_t group, const Shape& s, float* scores, float* acc,    \
+                                  scalar_t* out) {                                             \
+    attend_one<scalar_t>(q, k_cache, v_cache, block_table, start, seq_len, kv_head, group, s, \
+                         scores, acc, out);                                                    \
+  }
+KVPILOT_ATTEND_ONE(attend_one_float, float)
+KVPILOT_ATTEND_ONE(attend_one_bfloat16, c10::BFloat16)
+
+inline void attend_one_any(const float* q, const float* k, const float* v, const int32_t* table,
+                           int64_t start, int64_t seq_len, int64_t kv_head, int64_t group,
+                           const Shape& s, float* scores, float* acc, float* out) {
+  attend_one_float(q, k, v, table, start, seq_len, kv_head, group, s, scores, acc, out);
+}
+
+inline void attend_one_any(const float* q, const c10::BFloat16* k, const c10::BFloat16* v,
+                           const int32_t* table, int64_t start, int64_t seq_len,
+                           int64_t kv_head, int64_t group, const Shape& s, float* scores,
+                           float* acc, c10::BFloat16* out) {
+  attend_one_bfloat16(q, k, v, table, start, seq_len, kv_head, group, s, scores, acc, out);
+}
+
+template <typename scalar_t>
+void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
+         const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+         const torch::Tensor& seq_lens, double scale, int64_t sliding_window, const Shape& s) {
+  const int64_t num_seqs = query.size(0), head_dim = s.head_dim;
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const scalar_t* q_ptr = query.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const int64_t q_stride = query.stride(0), out_stride = out.stride(0);
+
+  at::parallel_for(0, num_seqs * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t seq = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
+      const int64_t seq_len = lens[seq];
+      scalar_t* o = out_ptr + seq * out_stride + kv_head * group * head_dim;
+      if (seq_len <= 0) {
+        for (int64_t i = 0; i < group * head_dim; ++i) from_float(0.f, o + i);
+        continue;
+      }
+      TORCH_CHECK(seq_len <= s.max_blocks_per_seq * s.block_size, "paged_decode_attention: ",
+                  "seq_lens[", seq, "] = ", seq_len, " exceeds its block table");
+      const int64_t start =
+          sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+      const scalar_t* qs = q_ptr + seq * q_stride + kv_head * group * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i)
+        q[i] = to_float(qs[i]) * static_cast<float>(scale);
+      scores.resize(group * (seq_len - start));
+      attend_one_any(q.data(), k_ptr, v_ptr, tables + seq * s.max_blocks_per_seq, start, seq_len,
+                     kv_head, group, s, scores.data(), acc.data(), o);
+    }
+  });
+}
+
+}  // namespace
+
+// See kernels/cpu/paged_attention.py (paged_decode_attention) for the contract.
+void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
+                            torch::Tensor v_cache, torch::Tensor block_tables,
+                            torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_decode_attention: CPU tensors only");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
+              "paged_decode_attention: query and out must be [num_seqs, num_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+              "paged_decode_attention: caches must be [num_blocks, block_size, num_kv_heads, "
+              "head_dim], both the same");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "paged_decode_attention: caches must be contiguous");
+  TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
+                  out.stride(1) == out.size(2),
+              "paged_decode_attention: query and out rows must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
+                  out.scalar_type() == query.scalar_type() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_decode_attention: query, out and caches must share one dtype");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 &&
+                  block_tables.is_contiguous(),
+              "paged_decode_attention: block_tables must be contiguous int32 [num_seqs, n]");
+  TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.dim() == 1 &&
+                  seq_lens.is_contiguous(),
+              "paged_decode_attention: seq_lens must be contiguous int32 [num_seqs]");
+  const int64_t num_seqs = query.size(0);
+  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs,
+              "paged_decode_attention: one block table row and one length per sequence");
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "paged_decode_attention: head_dim mismatch");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0,
+              "paged_decode_attention: num_heads must be a multiple of num_kv_heads");
+  const Shape s{query.size(1),  k_cache.size(2), query.size(2),
+                k_cache.size(1), k_cache.size(0), block_tables.size(1)};
+  if (query.scalar_type() == torch::kFloat32) {
+    run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, s);
+  } else if (query.scalar_type() == torch::kBFloat16) {
+    run<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                       sliding_window, s);
+  } else {
+    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ",
+                query.scalar_type());
+  }
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Paged decode attention over a block-table KV cache, in place (CPU).");
+}
