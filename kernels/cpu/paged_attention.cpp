@@ -69,6 +69,13 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
+// Asks for the cache lines of `count` elements at `p` (a K or V row needed soon).
+template <typename scalar_t>
+inline void prefetch_row(const scalar_t* p, int64_t count) {
+  constexpr int64_t kPerLine = 64 / sizeof(scalar_t);
+  for (int64_t i = 0; i < count; i += kPerLine) __builtin_prefetch(p + i, 0, 3);
+}
+
 // Sizes of one call, in elements.
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq;
@@ -77,28 +84,46 @@ struct Shape {
 // One (sequence, KV head) pair: `group` query heads over positions [start, seq_len).
 // q: [group, head_dim] float32, already multiplied by the scale. scores: [group, span] scratch.
 // acc: [group, head_dim] scratch. out: [group, head_dim] rows of the output.
-template <typename scalar_t>
+template <typename scalar_t, int64_t kHeadDim>
 __attribute__((always_inline)) inline void attend_one(const float* __restrict q, const scalar_t* __restrict k_cache,
                                       const scalar_t* __restrict v_cache,
                                       const int32_t* __restrict block_table, int64_t start,
                                       int64_t seq_len, int64_t kv_head, int64_t group,
                                       const Shape& s, float* __restrict scores,
                                       float* __restrict acc, scalar_t* __restrict out) {
-  const int64_t head_dim = s.head_dim, block_size = s.block_size;
+  const int64_t head_dim = kHeadDim > 0 ? kHeadDim : s.head_dim, block_size = s.block_size;
   const int64_t row_stride = s.num_kv_heads * head_dim;  // between positions of one block
   const int64_t span = seq_len - start;
   const int64_t first_block = start / block_size, last_block = (seq_len - 1) / block_size;
 
-  // Pass 1: scores of every position, block by block.
+  // The blocks are scattered, so the hardware prefetcher cannot guess the next one: while a
+  // block is read, the same row of the block kAhead blocks later is requested (in pass 1 past the
+  // last K block, the first V blocks).
+  constexpr int64_t kAhead = 2;
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t block = block_table[b];
     TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode_attention: block id ", block,
                 " out of range [0, ", s.num_blocks, ")");
+  }
+  const int64_t head_offset = kv_head * head_dim;
+  auto block_rows = [&](const scalar_t* cache, int64_t b) {
+    return cache + static_cast<int64_t>(block_table[b]) * block_size * row_stride + head_offset;
+  };
+
+  // Pass 1: scores of every position, block by block.
+  for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t t0 = std::max(b * block_size, start);
     const int64_t t1 = std::min((b + 1) * block_size, seq_len);
-    const scalar_t* k_block = k_cache + block * block_size * row_stride + kv_head * head_dim;
+    const scalar_t* k_block = block_rows(k_cache, b);
+    const int64_t ahead = b + kAhead;
+    const scalar_t* next =
+        ahead <= last_block
+            ? block_rows(k_cache, ahead)
+            : block_rows(v_cache, std::min(first_block + ahead - last_block - 1, last_block));
     for (int64_t t = t0; t < t1; ++t) {
-      const scalar_t* k = k_block + (t - b * block_size) * row_stride;
+      const int64_t row = (t - b * block_size) * row_stride;
+      prefetch_row(next + row, head_dim);
+      const scalar_t* k = k_block + row;
       for (int64_t g = 0; g < group; ++g) {
         const float* qg = q + g * head_dim;
         float dot = 0.f;
@@ -128,12 +153,14 @@ __attribute__((always_inline)) inline void attend_one(const float* __restrict q,
   // Pass 2: weighted sum of the values.
   std::fill(acc, acc + group * head_dim, 0.f);
   for (int64_t b = first_block; b <= last_block; ++b) {
-    const int64_t block = block_table[b];
     const int64_t t0 = std::max(b * block_size, start);
     const int64_t t1 = std::min((b + 1) * block_size, seq_len);
-    const scalar_t* v_block = v_cache + block * block_size * row_stride + kv_head * head_dim;
+    const scalar_t* v_block = block_rows(v_cache, b);
+    const scalar_t* next = block_rows(v_cache, std::min(b + kAhead, last_block));
     for (int64_t t = t0; t < t1; ++t) {
-      const scalar_t* v = v_block + (t - b * block_size) * row_stride;
+      const int64_t row = (t - b * block_size) * row_stride;
+      prefetch_row(next + row, head_dim);
+      const scalar_t* v = v_block + row;
       for (int64_t g = 0; g < group; ++g) {
         const float p = scores[g * span + (t - start)];
         float* ag = acc + g * head_dim;
@@ -147,30 +174,38 @@ __attribute__((always_inline)) inline void attend_one(const float* __restrict q,
       from_float(acc[g * head_dim + d] * inv_sum[g], out + g * s.head_dim + d);
 }
 
-// The entry points that are compiled once per instruction set (GCC clones no templates).
-#define KVPILOT_ATTEND_ONE(name, scalar_t)                                                     \
+// The entry points compiled once per instruction set (GCC clones no templates), for the common
+// head sizes as constants (loops the compiler unrolls) and for any other head size.
+#define KVPILOT_ATTEND_ONE(name, scalar_t, head_dim)                                           \
   KVPILOT_TARGET_CLONES void name(const float* q, const scalar_t* k_cache,                   \
                                   const scalar_t* v_cache, const int32_t* block_table,         \
                                   int64_t start, int64_t seq_len, int64_t kv_head,             \
                                   int64_t group, const Shape& s, float* scores, float* acc,    \
                                   scalar_t* out) {                                             \
-    attend_one<scalar_t>(q, k_cache, v_cache, block_table, start, seq_len, kv_head, group, s, \
-                         scores, acc, out);                                                    \
+    attend_one<scalar_t, head_dim>(q, k_cache, v_cache, block_table, start, seq_len, kv_head,  \
+                                   group, s, scores, acc, out);                                \
   }
-KVPILOT_ATTEND_ONE(attend_one_float, float)
-KVPILOT_ATTEND_ONE(attend_one_bfloat16, c10::BFloat16)
+KVPILOT_ATTEND_ONE(attend_one_float_64, float, 64)
+KVPILOT_ATTEND_ONE(attend_one_float_128, float, 128)
+KVPILOT_ATTEND_ONE(attend_one_float_any, float, 0)
+KVPILOT_ATTEND_ONE(attend_one_bfloat16_64, c10::BFloat16, 64)
+KVPILOT_ATTEND_ONE(attend_one_bfloat16_128, c10::BFloat16, 128)
+KVPILOT_ATTEND_ONE(attend_one_bfloat16_any, c10::BFloat16, 0)
 
-inline void attend_one_any(const float* q, const float* k, const float* v, const int32_t* table,
-                           int64_t start, int64_t seq_len, int64_t kv_head, int64_t group,
-                           const Shape& s, float* scores, float* acc, float* out) {
-  attend_one_float(q, k, v, table, start, seq_len, kv_head, group, s, scores, acc, out);
+template <typename scalar_t>
+using AttendOne = void (*)(const float*, const scalar_t*, const scalar_t*, const int32_t*, int64_t,
+                           int64_t, int64_t, int64_t, const Shape&, float*, float*, scalar_t*);
+
+inline AttendOne<float> pick_attend_one(const Shape& s, float*) {
+  return s.head_dim == 64    ? attend_one_float_64
+         : s.head_dim == 128 ? attend_one_float_128
+                             : attend_one_float_any;
 }
 
-inline void attend_one_any(const float* q, const c10::BFloat16* k, const c10::BFloat16* v,
-                           const int32_t* table, int64_t start, int64_t seq_len,
-                           int64_t kv_head, int64_t group, const Shape& s, float* scores,
-                           float* acc, c10::BFloat16* out) {
-  attend_one_bfloat16(q, k, v, table, start, seq_len, kv_head, group, s, scores, acc, out);
+inline AttendOne<c10::BFloat16> pick_attend_one(const Shape& s, c10::BFloat16*) {
+  return s.head_dim == 64    ? attend_one_bfloat16_64
+         : s.head_dim == 128 ? attend_one_bfloat16_128
+                             : attend_one_bfloat16_any;
 }
 
 template <typename scalar_t>
@@ -187,6 +222,7 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t q_stride = query.stride(0), out_stride = out.stride(0);
 
+  const AttendOne<scalar_t> attend = pick_attend_one(s, out_ptr);
   at::parallel_for(0, num_seqs * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
     for (int64_t item = begin; item < end; ++item) {
@@ -205,8 +241,8 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
       for (int64_t i = 0; i < group * head_dim; ++i)
         q[i] = to_float(qs[i]) * static_cast<float>(scale);
       scores.resize(group * (seq_len - start));
-      attend_one_any(q.data(), k_ptr, v_ptr, tables + seq * s.max_blocks_per_seq, start, seq_len,
-                     kv_head, group, s, scores.data(), acc.data(), o);
+      attend(q.data(), k_ptr, v_ptr, tables + seq * s.max_blocks_per_seq, start, seq_len,
+             kv_head, group, s, scores.data(), acc.data(), o);
     }
   });
 }
