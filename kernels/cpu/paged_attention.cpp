@@ -5,14 +5,19 @@
 // cache, reached through its block table; nothing is gathered or padded, and no slot past a
 // sequence's end is ever read. The work is split over (sequence, KV head) pairs with
 // at::parallel_for (ATen's OpenMP pool, so torch.set_num_threads applies); each pair handles the
-// num_heads / num_kv_heads query heads that share its KV head (GQA) in one pass over the context:
+// num_heads / num_kv_heads query heads that share its KV head (GQA), in a pass over its K blocks
+// and one over its V blocks:
 //
 //   scores[g, t] = scale * q[g] . k[t]            (float32 accumulation)
 //   p[g, t]      = exp(scores[g, t] - max_t scores[g, t]) / sum_t exp(...)
 //   out[g]       = sum_t p[g, t] * v[t]           (float32 accumulation, one division at the end)
 //
-// The hot loops are compiled for AVX-512, AVX2 and baseline x86-64 (GCC target_clones); the
-// loader picks the best one the CPU runs, so the built library may move between x86 machines.
+// Decode attention reads each K/V row once for little arithmetic, so it is bound by memory: the
+// rows of the block two ahead are prefetched while a block is read (the blocks are scattered, the
+// hardware prefetcher cannot follow). Whole blocks of 16 positions go through AVX-512 intrinsics
+// where the CPU has them (16 dot products reduced together; the V sums in registers); partial
+// blocks and other CPUs take plain loops compiled for AVX-512, AVX2 and baseline x86-64 (GCC
+// target_clones, picked at load time), so the built library may move between x86 machines.
 // The Python wrapper is kernels/cpu/paged_attention.py.
 
 #include <torch/extension.h>
@@ -29,8 +34,11 @@
 namespace {
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define KVPILOT_X86 1
 #define KVPILOT_TARGET_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#include <immintrin.h>
 #else
+#define KVPILOT_X86 0
 #define KVPILOT_TARGET_CLONES
 #endif
 
@@ -76,24 +84,129 @@ inline void prefetch_row(const scalar_t* p, int64_t count) {
   for (int64_t i = 0; i < count; i += kPerLine) __builtin_prefetch(p + i, 0, 3);
 }
 
-// Sizes of one call, in elements.
+// Sizes of one call, in elements, and whether the AVX-512 dot products apply (the CPU has
+// AVX-512F, head_dim and block_size are multiples of 16).
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq;
+  bool dot16;
 };
 
+#if KVPILOT_X86
+// 16 dot products at once with AVX-512. Reducing each position's 16-lane partial sums on its own
+// (a horizontal add per position and head) costs more than its four FMAs; here the 16
+// positions' partial sums are reduced together by a transpose-and-add tree (15 steps of two
+// shuffles and one add for 16 results).
+#define KVPILOT_AVX512 __attribute__((target("avx512f"), always_inline)) inline
+
+KVPILOT_AVX512 __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+
+KVPILOT_AVX512 __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// a, b hold partial sums of positions A, B (16 lanes each) -> per 128-bit lane [A B A B].
+KVPILOT_AVX512 __m512 add_pairs(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+}
+
+// Two [A B A B] vectors (positions A, B and C, D) -> per 128-bit lane [A B C D].
+KVPILOT_AVX512 __m512 add_quads(__m512 a, __m512 b) {
+  const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b);
+  return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(ad, bd)),
+                       _mm512_castpd_ps(_mm512_unpackhi_pd(ad, bd)));
+}
+
+// Adds adjacent 128-bit lanes: lanes [a0+a1, a2+a3, b0+b1, b2+b3].
+KVPILOT_AVX512 __m512 add_lanes(__m512 a, __m512 b) {
+  return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// scores[i] = q . k_i for the rows k_i = k + i * row_stride, i < 16; q: head_dim floats. The
+// same rows at `next` are prefetched along the way.
+template <typename scalar_t>
+__attribute__((target("avx512f"))) void dot16(const float* __restrict q,
+                                              const scalar_t* __restrict k,
+                                              const scalar_t* __restrict next, int64_t row_stride,
+                                              int64_t head_dim, float* __restrict scores) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < head_dim; c += 16) {
+    const __m512 qc = _mm512_loadu_ps(q + c);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T0);
+      acc[i] = _mm512_fmadd_ps(qc, load16(k + i * row_stride + c), acc[i]);
+    }
+  }
+  __m512 pairs[8], quads[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) pairs[i] = add_pairs(acc[2 * i], acc[2 * i + 1]);
+#pragma GCC unroll 4
+  for (int i = 0; i < 4; ++i) quads[i] = add_quads(pairs[2 * i], pairs[2 * i + 1]);
+  // Lane j of add_lanes(add_lanes(q0, q1), add_lanes(q2, q3)) sums quads[j]: positions 4j..4j+3.
+  _mm512_storeu_ps(scores, add_lanes(add_lanes(quads[0], quads[1]), add_lanes(quads[2], quads[3])));
+}
+
+// acc[0..head_dim) += sum_i p[i] * v_i for the rows v_i = v + i * row_stride, i < 16, with the
+// accumulators in registers across the 16 rows (four independent chains of 16 floats); the same
+// rows at `next` are prefetched along the way.
+template <typename scalar_t>
+__attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
+                                                     const float* __restrict p,
+                                                     const scalar_t* __restrict v,
+                                                     const scalar_t* __restrict next,
+                                                     int64_t row_stride, int64_t head_dim) {
+  int64_t c = 0;
+  for (; c + 64 <= head_dim; c += 64) {
+    __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
+    __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const __m512 pi = _mm512_set1_ps(p[i]);
+      const scalar_t* vi = v + i * row_stride + c;
+      prefetch_row(next + i * row_stride + c, 64);
+      a0 = _mm512_fmadd_ps(pi, load16(vi), a0);
+      a1 = _mm512_fmadd_ps(pi, load16(vi + 16), a1);
+      a2 = _mm512_fmadd_ps(pi, load16(vi + 32), a2);
+      a3 = _mm512_fmadd_ps(pi, load16(vi + 48), a3);
+    }
+    _mm512_storeu_ps(acc + c, a0);
+    _mm512_storeu_ps(acc + c + 16, a1);
+    _mm512_storeu_ps(acc + c + 32, a2);
+    _mm512_storeu_ps(acc + c + 48, a3);
+  }
+  for (; c < head_dim; c += 16) {
+    __m512 a = _mm512_loadu_ps(acc + c);
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T0);
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), load16(v + i * row_stride + c), a);
+    }
+    _mm512_storeu_ps(acc + c, a);
+  }
+}
+#endif
+
+// Scores are kept in rows of a multiple of 16 floats (the padding holds -inf, whose exp is 0),
+// so the softmax loops run whole vectors, without a scalar remainder.
+inline int64_t padded_span(int64_t span) { return (span + 15) / 16 * 16; }
+
 // One (sequence, KV head) pair: `group` query heads over positions [start, seq_len).
-// q: [group, head_dim] float32, already multiplied by the scale. scores: [group, span] scratch.
+// q: [group, head_dim] float32, already multiplied by the scale. scores: [group,
+// padded_span(seq_len - start)] scratch.
 // acc: [group, head_dim] scratch. out: [group, head_dim] rows of the output.
 template <typename scalar_t, int64_t kHeadDim>
-__attribute__((always_inline)) inline void attend_one(const float* __restrict q, const scalar_t* __restrict k_cache,
-                                      const scalar_t* __restrict v_cache,
-                                      const int32_t* __restrict block_table, int64_t start,
-                                      int64_t seq_len, int64_t kv_head, int64_t group,
-                                      const Shape& s, float* __restrict scores,
-                                      float* __restrict acc, scalar_t* __restrict out) {
+__attribute__((always_inline)) inline void attend_one(
+    const float* __restrict q, const scalar_t* __restrict k_cache,
+    const scalar_t* __restrict v_cache, const int32_t* __restrict block_table, int64_t start,
+    int64_t seq_len, int64_t kv_head, int64_t group, const Shape& s, float* __restrict scores,
+    float* __restrict acc, scalar_t* __restrict out) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : s.head_dim, block_size = s.block_size;
   const int64_t row_stride = s.num_kv_heads * head_dim;  // between positions of one block
-  const int64_t span = seq_len - start;
+  const int64_t span = seq_len - start, stride = padded_span(span);
   const int64_t first_block = start / block_size, last_block = (seq_len - 1) / block_size;
 
   // The blocks are scattered, so the hardware prefetcher cannot guess the next one: while a
@@ -120,6 +233,17 @@ __attribute__((always_inline)) inline void attend_one(const float* __restrict q,
         ahead <= last_block
             ? block_rows(k_cache, ahead)
             : block_rows(v_cache, std::min(first_block + ahead - last_block - 1, last_block));
+#if KVPILOT_X86
+    if (s.dot16 && t0 == b * block_size && t1 == t0 + block_size) {  // a whole block
+      for (int64_t t = t0; t < t1; t += 16) {
+        const int64_t row = (t - b * block_size) * row_stride;
+        for (int64_t g = 0; g < group; ++g)
+          dot16(q + g * head_dim, k_block + row, next + row, row_stride, head_dim,
+                scores + g * stride + (t - start));
+      }
+      continue;
+    }
+#endif
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t row = (t - b * block_size) * row_stride;
       prefetch_row(next + row, head_dim);
@@ -129,7 +253,7 @@ __attribute__((always_inline)) inline void attend_one(const float* __restrict q,
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k[d]);
-        scores[g * span + (t - start)] = dot;
+        scores[g * stride + (t - start)] = dot;
       }
     }
   }
@@ -137,13 +261,14 @@ __attribute__((always_inline)) inline void attend_one(const float* __restrict q,
   // Numerically stable softmax numerators; the normalisation waits for the output.
   std::vector<float> inv_sum(group);
   for (int64_t g = 0; g < group; ++g) {
-    float* sg = scores + g * span;
+    float* sg = scores + g * stride;
+    std::fill(sg + span, sg + stride, -std::numeric_limits<float>::infinity());
     float max_score = -std::numeric_limits<float>::infinity();
 #pragma omp simd reduction(max : max_score)
-    for (int64_t t = 0; t < span; ++t) max_score = std::max(max_score, sg[t]);
+    for (int64_t t = 0; t < stride; ++t) max_score = std::max(max_score, sg[t]);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < span; ++t) {
+    for (int64_t t = 0; t < stride; ++t) {
       sg[t] = exp_nonpositive(sg[t] - max_score);
       sum += sg[t];
     }
@@ -157,12 +282,23 @@ __attribute__((always_inline)) inline void attend_one(const float* __restrict q,
     const int64_t t1 = std::min((b + 1) * block_size, seq_len);
     const scalar_t* v_block = block_rows(v_cache, b);
     const scalar_t* next = block_rows(v_cache, std::min(b + kAhead, last_block));
+#if KVPILOT_X86
+    if (s.dot16 && t0 == b * block_size && t1 == t0 + block_size) {  // a whole block
+      for (int64_t t = t0; t < t1; t += 16) {
+        const int64_t row = (t - b * block_size) * row_stride;
+        for (int64_t g = 0; g < group; ++g)
+          accumulate16(acc + g * head_dim, scores + g * stride + (t - start), v_block + row,
+                       next + row, row_stride, head_dim);
+      }
+      continue;
+    }
+#endif
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t row = (t - b * block_size) * row_stride;
       prefetch_row(next + row, head_dim);
       const scalar_t* v = v_block + row;
       for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * span + (t - start)];
+        const float p = scores[g * stride + (t - start)];
         float* ag = acc + g * head_dim;
 #pragma omp simd
         for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(v[d]);
@@ -240,7 +376,7 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
       const scalar_t* qs = q_ptr + seq * q_stride + kv_head * group * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i)
         q[i] = to_float(qs[i]) * static_cast<float>(scale);
-      scores.resize(group * (seq_len - start));
+      scores.resize(group * padded_span(seq_len - start));
       attend(q.data(), k_ptr, v_ptr, tables + seq * s.max_blocks_per_seq, start, seq_len,
              kv_head, group, s, scores.data(), acc.data(), o);
     }
@@ -281,8 +417,14 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   TORCH_CHECK(k_cache.size(3) == query.size(2), "paged_decode_attention: head_dim mismatch");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0,
               "paged_decode_attention: num_heads must be a multiple of num_kv_heads");
-  const Shape s{query.size(1),  k_cache.size(2), query.size(2),
-                k_cache.size(1), k_cache.size(0), block_tables.size(1)};
+#if KVPILOT_X86
+  static const bool has_avx512 = __builtin_cpu_supports("avx512f");
+#else
+  constexpr bool has_avx512 = false;
+#endif
+  const bool dot16 = has_avx512 && query.size(2) % 16 == 0 && k_cache.size(1) % 16 == 0;
+  const Shape s{query.size(1),   k_cache.size(2), query.size(2),        k_cache.size(1),
+                k_cache.size(0), block_tables.size(1), dot16};
   if (query.scalar_type() == torch::kFloat32) {
     run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, s);
   } else if (query.scalar_type() == torch::kBFloat16) {
