@@ -221,18 +221,13 @@ def plan_step(
     if in_place_decode:
         paged = None
         if decode:
-            in_order = len(decode) == len(seq_lens) and starts[-1] == len(decode)
-            index = None if in_order else torch.tensor(decode, device=device)
+            lens, block_tables, rows = attn_metadata.seq_lens, attn_metadata.block_tables, None
+            if not (len(decode) == len(seq_lens) and starts[-1] == len(decode)):
+                index = torch.tensor(decode, device=device)
+                lens, block_tables = lens[index], block_tables[index]
+                rows = torch.tensor([starts[i] for i in decode], device=device)
             paged = PagedDecodePlan(
-                rows=None if in_order else torch.tensor([starts[i] for i in decode], device=device),
-                seq_lens=attn_metadata.seq_lens.to(torch.int32)
-                if in_order
-                else attn_metadata.seq_lens[index].to(torch.int32),
-                block_tables=(
-                    attn_metadata.block_tables if in_order else attn_metadata.block_tables[index]
-                )
-                .to(torch.int32)
-                .contiguous(),
+                rows, lens.to(torch.int32), block_tables.to(torch.int32).contiguous()
             )
         return StepPlan(write_rows, slot_mapping, [], prefills, paged)
     decode_plans = []
@@ -290,7 +285,7 @@ class TorchAttentionBackend:
         return (
             self.paged_decode_kernel
             and paged_attention.supports(query, k_cache)
-            and paged_attention.available()
+            and paged_attention.load_extension() is not None
         )
 
     def forward(

@@ -223,40 +223,54 @@ __attribute__((always_inline)) inline void attend_one(
     return cache + static_cast<int64_t>(block_table[b]) * block_size * row_stride + head_offset;
   };
 
-  // Pass 1: scores of every position, block by block.
-  for (int64_t b = first_block; b <= last_block; ++b) {
-    const int64_t t0 = std::max(b * block_size, start);
-    const int64_t t1 = std::min((b + 1) * block_size, seq_len);
-    const scalar_t* k_block = block_rows(k_cache, b);
-    const int64_t ahead = b + kAhead;
-    const scalar_t* next =
-        ahead <= last_block
-            ? block_rows(k_cache, ahead)
-            : block_rows(v_cache, std::min(first_block + ahead - last_block - 1, last_block));
-#if KVPILOT_X86
-    if (s.dot16 && t0 == b * block_size && t1 == t0 + block_size) {  // a whole block
-      for (int64_t t = t0; t < t1; t += 16) {
+  // Calls sixteen(rows, next_rows, i) for each 16 positions of a whole block when the AVX-512
+  // dot products apply, else one(row, i) for each position after prefetching its row in the
+  // block next_block(b); i is the position's index in the scores, rows point into `cache`.
+  auto walk = [&](const scalar_t* cache, auto next_block, auto sixteen, auto one)
+                  __attribute__((always_inline)) {
+    for (int64_t b = first_block; b <= last_block; ++b) {
+      const int64_t t0 = std::max(b * block_size, start);
+      const int64_t t1 = std::min((b + 1) * block_size, seq_len);
+      const scalar_t* rows = block_rows(cache, b);
+      const scalar_t* next = next_block(b);
+      const bool whole = s.dot16 && t0 == b * block_size && t1 == t0 + block_size;
+      for (int64_t t = t0; t < t1; t += whole ? 16 : 1) {
         const int64_t row = (t - b * block_size) * row_stride;
+        if (whole) {
+          sixteen(rows + row, next + row, t - start);
+        } else {
+          prefetch_row(next + row, head_dim);
+          one(rows + row, t - start);
+        }
+      }
+    }
+  };
+
+  // Pass 1: scores of every position, block by block.
+  walk(
+      k_cache,
+      [&](int64_t b) __attribute__((always_inline)) {
+        const int64_t ahead = b + kAhead;
+        return ahead <= last_block
+                   ? block_rows(k_cache, ahead)
+                   : block_rows(v_cache,
+                                std::min(first_block + ahead - last_block - 1, last_block));
+      },
+      [&](const scalar_t* k, const scalar_t* next, int64_t i) __attribute__((always_inline)) {
+#if KVPILOT_X86
         for (int64_t g = 0; g < group; ++g)
-          dot16(q + g * head_dim, k_block + row, next + row, row_stride, head_dim,
-                scores + g * stride + (t - start));
-      }
-      continue;
-    }
+          dot16(q + g * head_dim, k, next, row_stride, head_dim, scores + g * stride + i);
 #endif
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t row = (t - b * block_size) * row_stride;
-      prefetch_row(next + row, head_dim);
-      const scalar_t* k = k_block + row;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = q + g * head_dim;
-        float dot = 0.f;
+      },
+      [&](const scalar_t* k, int64_t i) __attribute__((always_inline)) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = q + g * head_dim;
+          float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k[d]);
-        scores[g * stride + (t - start)] = dot;
-      }
-    }
-  }
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(k[d]);
+          scores[g * stride + i] = dot;
+        }
+      });
 
   // Numerically stable softmax numerators; the normalisation waits for the output.
   std::vector<float> inv_sum(group);
@@ -277,34 +291,25 @@ __attribute__((always_inline)) inline void attend_one(
 
   // Pass 2: weighted sum of the values.
   std::fill(acc, acc + group * head_dim, 0.f);
-  for (int64_t b = first_block; b <= last_block; ++b) {
-    const int64_t t0 = std::max(b * block_size, start);
-    const int64_t t1 = std::min((b + 1) * block_size, seq_len);
-    const scalar_t* v_block = block_rows(v_cache, b);
-    const scalar_t* next = block_rows(v_cache, std::min(b + kAhead, last_block));
+  walk(
+      v_cache,
+      [&](int64_t b) __attribute__((always_inline)) {
+        return block_rows(v_cache, std::min(b + kAhead, last_block));
+      },
+      [&](const scalar_t* v, const scalar_t* next, int64_t i) __attribute__((always_inline)) {
 #if KVPILOT_X86
-    if (s.dot16 && t0 == b * block_size && t1 == t0 + block_size) {  // a whole block
-      for (int64_t t = t0; t < t1; t += 16) {
-        const int64_t row = (t - b * block_size) * row_stride;
         for (int64_t g = 0; g < group; ++g)
-          accumulate16(acc + g * head_dim, scores + g * stride + (t - start), v_block + row,
-                       next + row, row_stride, head_dim);
-      }
-      continue;
-    }
+          accumulate16(acc + g * head_dim, scores + g * stride + i, v, next, row_stride, head_dim);
 #endif
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t row = (t - b * block_size) * row_stride;
-      prefetch_row(next + row, head_dim);
-      const scalar_t* v = v_block + row;
-      for (int64_t g = 0; g < group; ++g) {
-        const float p = scores[g * stride + (t - start)];
-        float* ag = acc + g * head_dim;
+      },
+      [&](const scalar_t* v, int64_t i) __attribute__((always_inline)) {
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * stride + i];
+          float* ag = acc + g * head_dim;
 #pragma omp simd
-        for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(v[d]);
-      }
-    }
-  }
+          for (int64_t d = 0; d < head_dim; ++d) ag[d] += p * to_float(v[d]);
+        }
+      });
   for (int64_t g = 0; g < group; ++g)
     for (int64_t d = 0; d < head_dim; ++d)
       from_float(acc[g * head_dim + d] * inv_sum[g], out + g * s.head_dim + d);
