@@ -7,6 +7,10 @@ these tests need a C++ compiler, like the engine's default CPU path.
 from __future__ import annotations
 
 import logging
+import pathlib
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -207,3 +211,16 @@ def test_a_failed_build_warns_once_and_the_backend_keeps_the_torch_path(monkeypa
             )
     finally:
         paged_attention.load_extension.cache_clear()
+
+
+def test_the_benchmark_runs_and_both_paths_agree():
+    script = pathlib.Path(__file__).parents[2] / "benchmarks" / "cpu_attention.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--num-seqs", "3", "--layers", "2", "--min-len", "1",
+         "--max-len", "40", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    match = re.search(r"speedup: [\d.]+x; largest output difference: (\S+)", done.stdout)
+    assert match, done.stdout
+    assert float(match.group(1)) < 1e-5
