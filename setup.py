@@ -3,7 +3,9 @@
 ``engine/``, ``kernels/``, ``operator/`` and ``router/`` are installed as ``kvpilot.engine``,
 ``kvpilot.kernels``, ``kvpilot.operator`` and ``kvpilot.router``; they are never top-level import
 packages (``operator`` would shadow the standard library, ``kernels`` is a PyPI name transformers probes).
-Everything else about the distribution lives in pyproject.toml.
+``package_data`` ships the C++ sources the kernels compile on first use (``kernels/cpu/*.cpp``) in
+the wheel and the sdist; an editable install reads them from the source tree. Everything else
+about the distribution lives in pyproject.toml.
 """
 
 from setuptools import find_packages, setup
@@ -22,4 +24,9 @@ for name, folder in SUBPACKAGES.items():
     packages.append(f"kvpilot.{name}")
     packages += [f"kvpilot.{name}.{sub}" for sub in find_packages(folder)]
 
-setup(package_dir=package_dir, packages=packages, include_package_data=True)
+setup(
+    package_dir=package_dir,
+    packages=packages,
+    package_data={"kvpilot.kernels.cpu": ["*.cpp"]},
+    include_package_data=True,
+)

@@ -25,12 +25,14 @@ Workload (issue 2): ``--num-prompts`` random prompts with lengths spread evenly 
         --vllm-python "$(benchmarks/peers/install-vllm.sh | tail -1)"
 
 Prints the command, the machine, the thread count, each system's time and tokens/s, the ratios,
-the model FLOP utilisation and the KV waste. Numbers go to docs/benchmarks.md.
+the model FLOP utilisation, the KV waste and a hash of kvpilot's greedy tokens (equal across
+runs exactly when every token is). Numbers go to docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import pathlib
@@ -332,6 +334,9 @@ def main() -> None:
         f"{100 * achieved / peak:.1f}% of the fastest measured matmul"
     )
     print(f"kvpilot KV waste at peak allocation: {100 * waste:.2f}% (block size {args.block_size})")
+    # Equal across runs (and engine changes) exactly when every greedy token is.
+    digest = hashlib.sha256(json.dumps(kv_tokens).encode()).hexdigest()[:16]
+    print(f"kvpilot greedy tokens sha256: {digest}")
     print(f"load average at end: {os.getloadavg()[0]:.2f}")
 
 

@@ -13,6 +13,13 @@ values are quantized as they are written and dequantized to the activation dtype
 gathered (``reference.quantize_to_cache`` / ``dequantize_from_cache``), so attention itself
 runs as with a float cache.
 
+On the CPU, with a float32 or bfloat16 cache, decode sequences skip the gather and SDPA: the C++
+kernel ``kvpilot.kernels.cpu.paged_attention`` reads their blocks in place through the block
+tables, one call per layer for all of them, sliding windows included. The gather + SDPA path
+stays the reference and the fallback: for fp8 caches, when the kernel cannot be built (one
+warning), and when ``KVPILOT_CPU_PAGED_ATTENTION=0`` or ``TorchAttentionBackend(
+paged_decode_kernel=False)`` turns it off.
+
 Everything derived from the batch layout alone (which rows decode, the flat cache slots to read,
 the masks) is computed once per forward pass, in :func:`plan_step`, and reused by every layer:
 the same :class:`AttentionMetadata` object is passed to all of them.
@@ -26,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from kvpilot.engine.attention.metadata import AttentionMetadata
+from kvpilot.kernels.cpu import paged_attention
 from kvpilot.kernels.reference import dequantize_from_cache, quantize_to_cache, write_slots
 
 
@@ -65,6 +73,22 @@ class DecodePlan:
 
 
 @dataclass
+class PagedDecodePlan:
+    """Every decode sequence of a step, for the in-place kernel (no slots, no padding).
+
+    Attributes:
+        rows: ``[num_decodes]`` int64 token rows, or None when the decodes are every token of
+            the step, in order.
+        seq_lens: ``[num_decodes]`` int32 context lengths (tokens).
+        block_tables: ``[num_decodes, max_blocks_per_seq]`` int32, contiguous.
+    """
+
+    rows: torch.Tensor | None
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+@dataclass
 class PrefillPlan:
     """One sequence with several new tokens (a prompt, a prompt chunk, or draft tokens).
 
@@ -88,8 +112,11 @@ class StepPlan:
     Attributes:
         write_rows: ``[n]`` int64 rows whose K/V are cached, or None for all rows.
         write_slots: ``[n]`` int64 their flat slots.
-        decodes: the decode sequences, in groups of similar length.
+        decodes: the decode sequences, in groups of similar length (empty when
+            ``paged_decode`` holds them).
         prefills: the other sequences.
+        paged_decode: the decode sequences for the in-place kernel, or None (none, or the
+            gather path).
         masks: sliding window (None: full attention) -> (one ``[num_decodes, 1, 1, max_len]``
             bool mask per decode group, one ``[q_len, seq_len]`` bool mask per prefill, None
             for a whole prompt without a window: plain causal attention).
@@ -99,6 +126,7 @@ class StepPlan:
     write_slots: torch.Tensor
     decodes: list[DecodePlan]
     prefills: list[PrefillPlan]
+    paged_decode: PagedDecodePlan | None = None
     masks: dict[int | None, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = field(
         default_factory=dict
     )
@@ -158,12 +186,16 @@ def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -
     return groups[::-1]
 
 
-def plan_step(attn_metadata: AttentionMetadata, block_size: int) -> StepPlan:
+def plan_step(
+    attn_metadata: AttentionMetadata, block_size: int, in_place_decode: bool = False
+) -> StepPlan:
     """Derive the per-step tensors of :class:`StepPlan` from the batch layout (one host sync).
 
     Args:
         attn_metadata: the batch layout.
         block_size: tokens per cache block.
+        in_place_decode: plan the decode sequences for the in-place kernel
+            (``StepPlan.paged_decode``) instead of gathered groups (``StepPlan.decodes``).
     """
     device = attn_metadata.seq_lens.device
     starts = attn_metadata.query_start_loc.tolist()
@@ -181,6 +213,23 @@ def plan_step(attn_metadata: AttentionMetadata, block_size: int) -> StepPlan:
     all_slots = tables[:, positions // block_size] * block_size + positions % block_size
 
     decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    prefills = [
+        PrefillPlan(starts[i], starts[i + 1] - starts[i], n, all_slots[i, :n])
+        for i, n in enumerate(seq_lens)
+        if starts[i + 1] - starts[i] > 1
+    ]
+    if in_place_decode:
+        paged = None
+        if decode:
+            lens, block_tables, rows = attn_metadata.seq_lens, attn_metadata.block_tables, None
+            if not (len(decode) == len(seq_lens) and starts[-1] == len(decode)):
+                index = torch.tensor(decode, device=device)
+                lens, block_tables = lens[index], block_tables[index]
+                rows = torch.tensor([starts[i] for i in decode], device=device)
+            paged = PagedDecodePlan(
+                rows, lens.to(torch.int32), block_tables.to(torch.int32).contiguous()
+            )
+        return StepPlan(write_rows, slot_mapping, [], prefills, paged)
     decode_plans = []
     for group in group_by_length([seq_lens[i] for i in decode], GROUP_OVERHEAD_TOKENS):
         seqs = [decode[g] for g in group]
@@ -193,11 +242,6 @@ def plan_step(attn_metadata: AttentionMetadata, block_size: int) -> StepPlan:
         in_order = seqs == list(range(len(seq_lens))) and starts[-1] == len(seqs)
         rows = None if in_order else torch.tensor([starts[i] for i in seqs], device=device)
         decode_plans.append(DecodePlan(rows, lens, slots.flatten(), group_len))
-    prefills = [
-        PrefillPlan(starts[i], starts[i + 1] - starts[i], n, all_slots[i, :n])
-        for i, n in enumerate(seq_lens)
-        if starts[i + 1] - starts[i] > 1
-    ]
     return StepPlan(write_rows, slot_mapping, decode_plans, prefills)
 
 
@@ -206,18 +250,43 @@ class TorchAttentionBackend:
 
     Keeps the :class:`StepPlan` of the last metadata object it saw; a forward pass must not
     mutate its metadata between layers (the model runner builds a new one every step).
+
+    Args:
+        paged_decode_kernel: attend decode sequences with the in-place C++ kernel where it
+            applies (CPU, float32/bfloat16 cache, query of the cache's dtype) and builds; False
+            keeps the gather + SDPA path; None (default) follows
+            ``$KVPILOT_CPU_PAGED_ATTENTION`` (on unless ``0``).
     """
 
     name = "torch"
 
-    def __init__(self) -> None:
-        self._plan: tuple[AttentionMetadata, StepPlan] | None = None
+    def __init__(self, paged_decode_kernel: bool | None = None) -> None:
+        self._plan: tuple[AttentionMetadata, bool, StepPlan] | None = None
+        self.paged_decode_kernel = (
+            paged_attention.enabled() if paged_decode_kernel is None else paged_decode_kernel
+        )
 
-    def plan(self, attn_metadata: AttentionMetadata, block_size: int) -> StepPlan:
+    def plan(
+        self, attn_metadata: AttentionMetadata, block_size: int, in_place_decode: bool = False
+    ) -> StepPlan:
         """The step plan of ``attn_metadata``, computed on its first layer and then reused."""
-        if self._plan is None or self._plan[0] is not attn_metadata:
-            self._plan = (attn_metadata, plan_step(attn_metadata, block_size))
-        return self._plan[1]
+        if (
+            self._plan is None
+            or self._plan[0] is not attn_metadata
+            or self._plan[1] != in_place_decode
+        ):
+            plan = plan_step(attn_metadata, block_size, in_place_decode)
+            self._plan = (attn_metadata, in_place_decode, plan)
+        return self._plan[2]
+
+    def uses_kernel(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        """Whether decode sequences of this query and cache go to the in-place kernel (builds
+        it on the first call that could use it)."""
+        return (
+            self.paged_decode_kernel
+            and paged_attention.supports(query, k_cache)
+            and paged_attention.load_extension() is not None
+        )
 
     def forward(
         self,
@@ -235,7 +304,8 @@ class TorchAttentionBackend:
         """Cache the new K/V, then attend; shapes as in ``AttentionBackend.forward``."""
         k_cache, v_cache = kv_cache
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-        plan = self.plan(attn_metadata, k_cache.shape[1])
+        in_place = self.uses_kernel(query, k_cache)
+        plan = self.plan(attn_metadata, k_cache.shape[1], in_place)
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         if plan.write_rows is not None:
@@ -247,10 +317,25 @@ class TorchAttentionBackend:
             _Gather(v_flat, v_scale, query.dtype),
         )
 
+        paged = plan.paged_decode
+        if paged is not None and paged.rows is None:
+            return paged_attention.paged_decode_attention(
+                query, k_cache, v_cache, paged.block_tables, paged.seq_lens, scale, sliding_window
+            )
         decode_masks, prefill_masks = plan.masks_for(sliding_window)
         if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
             return self._decode(query, k_flat, v_flat, plan.decodes[0], decode_masks[0], scale)
         out = torch.empty_like(query)
+        if paged is not None:
+            out[paged.rows] = paged_attention.paged_decode_attention(
+                query[paged.rows],
+                k_cache,
+                v_cache,
+                paged.block_tables,
+                paged.seq_lens,
+                scale,
+                sliding_window,
+            )
         for d, mask in zip(plan.decodes, decode_masks, strict=True):
             out[d.rows] = self._decode(query[d.rows], k_flat, v_flat, d, mask, scale)
         for p, mask in zip(plan.prefills, prefill_masks, strict=True):

@@ -115,6 +115,18 @@ def test_decode_groups_are_padded_per_group_and_shortest_first():
     assert [(p.start, p.q_len, p.seq_len) for p in plan.prefills] == [(1, 6, 6), (7, 4, 9)]
 
 
+def test_in_place_plan_keeps_every_decode_in_one_call_without_slots():
+    md = make_batch(torch.float32)[-1]
+    plan = torch_backend.plan_step(md, BLOCK_SIZE, in_place_decode=True)
+    assert plan.decodes == []
+    paged = plan.paged_decode
+    assert paged.rows.tolist() == [0, 11, 12]  # sequences 0, 3 and 4, in batch order
+    assert paged.seq_lens.dtype == torch.int32 and paged.seq_lens.tolist() == [10, 2, 15]
+    assert paged.block_tables.dtype == torch.int32 and paged.block_tables.is_contiguous()
+    assert torch.equal(paged.block_tables, md.block_tables[[0, 3, 4]])
+    assert [(p.start, p.q_len, p.seq_len) for p in plan.prefills] == [(1, 6, 6), (7, 4, 9)]
+
+
 def brute_force_grouping_cost(lengths: list[int], overhead: int) -> int:
     ordered = sorted(lengths)
     best = None

@@ -1,0 +1,148 @@
+"""Paged decode attention on the CPU, reading K/V blocks in place (a C++ PyTorch extension).
+
+PagedAttention (Kwon et al. 2023, "Efficient Memory Management for Large Language Model
+Serving with PagedAttention"): each decode sequence (one query token) attends to its context
+through its block table, block by block, where the keys and values lie in the paged cache: no
+gather into a contiguous copy, no padding to the longest sequence, and no slot past a
+sequence's end is read (whatever it holds, NaN included, cannot reach an output). Per
+(sequence, KV head) pair, in parallel over ATen's OpenMP threads (``torch.set_num_threads``),
+the ``num_heads / num_kv_heads`` query heads that share the KV head (GQA) compute
+``softmax(scale * q . k) . v`` with float32 accumulation: scores of every position, their
+maximum subtracted before ``exp`` (numerically stable), then the weighted sum of the values.
+A sliding window limits the context to its last ``sliding_window`` positions.
+
+The source is ``paged_attention.cpp`` beside this file (package data); it is compiled on first
+use by :func:`torch.utils.cpp_extension.load` into torch's extension cache
+(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), which needs a C++ compiler
+and the ``ninja`` executable on ``PATH``; later processes load the cached build. When the build
+fails, :func:`load_extension` logs one warning and returns None, and callers keep their own
+path (the engine's torch attention backend: ``index_select`` gather plus SDPA).
+``KVPILOT_CPU_PAGED_ATTENTION=0`` turns the kernel off without trying to build it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import pathlib
+import platform
+from types import ModuleType
+
+import torch
+
+logger = logging.getLogger("kvpilot.kernels")
+
+ENV_VAR = "KVPILOT_CPU_PAGED_ATTENTION"
+# Cache dtypes the kernel reads; the query and output share the cache's dtype.
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
+SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
+EXTENSION_NAME = "kvpilot_cpu_paged_attention"
+# GCC keeps AVX-512 code at 256-bit vectors unless told otherwise; this applies only to the
+# source's AVX-512 clone (the others have no 512-bit registers).
+CFLAGS = ["-O3", "-fopenmp"] + (
+    ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
+)
+
+
+def enabled() -> bool:
+    """Whether ``$KVPILOT_CPU_PAGED_ATTENTION`` allows the kernel (unset or anything but
+    ``0``/``false``/``off``/``no``)."""
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+@functools.cache
+def load_extension() -> ModuleType | None:
+    """The compiled extension, built on the first call of the process (cached on disk after
+    that), or None after logging one warning when it cannot be built or loaded."""
+    try:
+        from torch.utils import cpp_extension
+
+        return cpp_extension.load(
+            name=EXTENSION_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as exc:  # a missing compiler or ninja, a failed build, a bad cached library
+        logger.warning(
+            "CPU paged attention kernel unavailable (%s: %s); decode attention keeps the torch "
+            "path (index_select gather + SDPA)",
+            type(exc).__name__,
+            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
+        )
+        return None
+
+
+def available() -> bool:
+    """Whether :func:`paged_decode_attention` can run: enabled and built (builds on first call)."""
+    return enabled() and load_extension() is not None
+
+
+def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether the kernel takes this query and cache: both on the CPU, one float32 or bfloat16
+    dtype, a contiguous cache (fp8 caches and mixed dtypes are left to the caller's own path)."""
+    return (
+        query.device.type == "cpu"
+        and k_cache.device.type == "cpu"
+        and k_cache.dtype in SUPPORTED_DTYPES
+        and query.dtype == k_cache.dtype
+        and k_cache.is_contiguous()
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context.
+
+    Args:
+        query: ``[num_seqs, num_heads, head_dim]`` float32 or bfloat16 on the CPU (copied
+            first unless each ``[num_heads, head_dim]`` row is contiguous).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous,
+            ``query``'s dtype; ``num_heads`` a multiple of ``num_kv_heads``.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids; only the
+            first ``ceil(seq_len / block_size)`` of a row are read.
+        seq_lens: ``[num_seqs]`` int32 context lengths (tokens, the query's own included); a
+            sequence attends to positions ``max(0, seq_len - sliding_window)..seq_len - 1``
+            (all of ``0..seq_len - 1`` without a window); a length of 0 gives zeros.
+        scale: softmax scale (usually ``head_dim ** -0.5``).
+        sliding_window: tokens a query attends to, its own included; None for all.
+        out: ``query``'s shape and dtype, rows contiguous, written in place; None allocates.
+
+    Returns:
+        ``out``: ``[num_seqs, num_heads, head_dim]``, ``query``'s dtype.
+
+    Raises:
+        RuntimeError: the extension could not be built (see :func:`available`), or a shape,
+            dtype, layout or block id the kernel does not take (the message names it).
+        ValueError: a ``sliding_window`` below 1.
+    """
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be at least 1, got {sliding_window}")
+    extension = load_extension()
+    if extension is None:
+        raise RuntimeError("the CPU paged attention extension could not be built")
+    if query.dim() == 3 and (query.stride(2) != 1 or query.stride(1) != query.shape[2]):
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    extension.paged_decode_attention(
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables.to(torch.int32).contiguous(),
+        seq_lens.to(torch.int32).contiguous(),
+        float(scale),
+        0 if sliding_window is None else int(sliding_window),
+    )
+    return out

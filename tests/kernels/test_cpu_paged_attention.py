@@ -1,0 +1,226 @@
+"""The C++ CPU paged decode-attention kernel against the torch backend's gather + SDPA path.
+
+The kernel builds on first use (about a minute the first time on a machine, cached after);
+these tests need a C++ compiler, like the engine's default CPU path.
+"""
+
+from __future__ import annotations
+
+import logging
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from kvpilot.engine.attention import AttentionMetadata
+from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+from kvpilot.kernels.cpu import paged_attention
+
+BLOCK_SIZE = 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_kernel():
+    assert paged_attention.load_extension() is not None, (
+        "the CPU paged attention kernel did not build"
+    )
+
+
+def paged_decode_batch(seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, spare=5):
+    """Caches with shuffled blocks, NaN in every slot no sequence owns up to its length, and
+    decode-only metadata (the new token of each sequence is its last position)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + spare
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    k_cache = torch.full(shape, float("nan"), dtype=dtype)
+    v_cache = torch.full(shape, float("nan"), dtype=dtype)
+    width = max(blocks_per_seq) + 1  # one padding column of block 0 in every row
+    tables, slots = [], []
+    for n, count in zip(seq_lens, blocks_per_seq, strict=True):
+        table = [free.pop() for _ in range(count)]
+        for p in range(n - 1):  # cached positions; the last one is written by the forward
+            block, offset = table[p // BLOCK_SIZE], p % BLOCK_SIZE
+            k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+            v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+        slots.append(table[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE)
+        tables.append(table + [0] * (width - count))
+    num = len(seq_lens)
+    metadata = AttentionMetadata(
+        slot_mapping=torch.tensor(slots),
+        query_start_loc=torch.arange(num + 1, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+    )
+    q = torch.randn(num, num_heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(num, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(num, num_kv_heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, k_cache, v_cache, metadata
+
+
+def both_paths(batch, scale, sliding_window=None):
+    q, k, v, k_cache, v_cache, md = batch
+    outs = []
+    for kernel in (False, True):
+        caches = (k_cache.clone(), v_cache.clone())
+        backend = TorchAttentionBackend(paged_decode_kernel=kernel)
+        assert backend.uses_kernel(q, caches[0]) is kernel
+        outs.append(
+            backend.forward(q, k, v, caches, md, scale=scale, sliding_window=sliding_window)
+        )
+    return outs
+
+
+# Lengths 1, multiples of the block size, one past one, and ragged ones in between.
+RAGGED = [1, 16, 17, 5, 48, 33, 2, 64, 31, 100]
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim",
+    [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80)],
+    ids=["smollm2", "gqa4-d128", "mha-d32", "mqa-d80"],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_gather_and_sdpa_path(num_heads, num_kv_heads, head_dim, dtype):
+    batch = paged_decode_batch(RAGGED, num_heads, num_kv_heads, head_dim, dtype)
+    reference, out = both_paths(batch, scale=head_dim**-0.5)
+    assert out.dtype == dtype and out.shape == batch[0].shape
+    assert torch.isfinite(out).all(), "a NaN slot past some sequence's end leaked into an output"
+    tolerance = 2e-6 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out, reference, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("window", [1, 7, 16, 40])
+def test_sliding_window_matches_the_gather_and_sdpa_path(window):
+    batch = paged_decode_batch(RAGGED, 9, 3, 64, torch.float32, seed=1)
+    reference, out = both_paths(batch, scale=0.125, sliding_window=window)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference, atol=2e-6, rtol=2e-6)
+    if window == 1:  # only its own value: the new token's v, whatever the scores
+        q, k, v, *_ = batch
+        torch.testing.assert_close(out, v.repeat_interleave(3, dim=1), atol=0, rtol=0)
+
+
+def test_decodes_beside_a_prefill_and_a_length_one_sequence():
+    # A prefill between decodes: the kernel gets the decode rows, SDPA the prefill.
+    q, k, v, k_cache, v_cache, md = paged_decode_batch([20, 1, 37], 9, 3, 64, torch.float32)
+    prompt_len = 5
+    owned = {
+        b
+        for row, n in zip(md.block_tables.tolist(), [20, 1, 37], strict=True)
+        for b in row[: -(-n // BLOCK_SIZE)]
+    }
+    prompt_table = [min(set(range(k_cache.shape[0])) - owned)]  # a spare block (NaN)
+    md.block_tables = torch.cat(
+        [
+            md.block_tables[:1],
+            torch.tensor([prompt_table + [0] * 3], dtype=torch.int32),
+            md.block_tables[1:],
+        ]
+    )
+    md.seq_lens = torch.tensor([20, prompt_len, 1, 37], dtype=torch.int32)
+    md.query_start_loc = torch.tensor([0, 1, 1 + prompt_len, 2 + prompt_len, 3 + prompt_len])
+    md.query_start_loc = md.query_start_loc.to(torch.int32)
+    prompt_slots = torch.arange(prompt_len) + prompt_table[0] * BLOCK_SIZE
+    md.slot_mapping = torch.cat([md.slot_mapping[:1], prompt_slots, md.slot_mapping[1:]])
+    md.max_query_len, md.max_seq_len = prompt_len, 37
+    gen = torch.Generator().manual_seed(3)
+
+    def with_prompt(x):
+        return torch.cat([x[:1], torch.randn(prompt_len, *x.shape[1:], generator=gen), x[1:]])
+
+    batch = (with_prompt(q), with_prompt(k), with_prompt(v), k_cache, v_cache, md)
+    reference, out = both_paths(batch, scale=0.125)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, reference, atol=2e-6, rtol=2e-6)
+
+
+def test_direct_call_reads_only_its_blocks_and_checks_its_inputs():
+    q, k, v, k_cache, v_cache, md = paged_decode_batch([1, 16], 4, 2, 64, torch.float32)
+    # Write each sequence's new token as the forward would, then call the kernel directly.
+    k_cache.view(-1, 2, 64)[md.slot_mapping] = k
+    v_cache.view(-1, 2, 64)[md.slot_mapping] = v
+    out = paged_attention.paged_decode_attention(
+        q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125
+    )
+    # Length 1: the output is that token's own value, for every head of its group.
+    torch.testing.assert_close(out[0], v[0].repeat_interleave(2, dim=0), atol=0, rtol=0)
+    assert torch.isfinite(out).all()
+    with pytest.raises(RuntimeError, match="out of range"):
+        bad = md.block_tables.clone()
+        bad[1, 0] = k_cache.shape[0]
+        paged_attention.paged_decode_attention(q, k_cache, v_cache, bad, md.seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        too_long = torch.tensor([1, 16 * md.block_tables.shape[1] + 1], dtype=torch.int32)
+        paged_attention.paged_decode_attention(q, k_cache, v_cache, md.block_tables, too_long, 0.1)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        paged_attention.paged_decode_attention(
+            q.double(), k_cache, v_cache, md.block_tables, md.seq_lens, 0.125
+        )
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention.paged_decode_attention(
+            q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125, sliding_window=0
+        )
+
+
+def test_fp8_caches_and_the_switch_keep_the_torch_path(monkeypatch):
+    q = torch.randn(2, 4, 64)
+    assert TorchAttentionBackend().uses_kernel(q, torch.zeros(3, 16, 2, 64))
+    assert not TorchAttentionBackend().uses_kernel(
+        q, torch.zeros(3, 16, 2, 64, dtype=torch.float8_e4m3fn)
+    )
+    assert not TorchAttentionBackend().uses_kernel(
+        q, torch.zeros(3, 16, 2, 64, dtype=torch.bfloat16)
+    )
+    monkeypatch.setenv(paged_attention.ENV_VAR, "0")
+    assert not TorchAttentionBackend().uses_kernel(q, torch.zeros(3, 16, 2, 64))
+
+
+def test_a_failed_build_warns_once_and_the_backend_keeps_the_torch_path(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    calls = []
+
+    def failing_load(**kwargs):
+        calls.append(kwargs["name"])
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(cpp_extension, "load", failing_load)
+    paged_attention.load_extension.cache_clear()
+    try:
+        batch = paged_decode_batch([3, 20], 9, 3, 64, torch.float32)
+        q, k, v, k_cache, v_cache, md = batch
+        backend = TorchAttentionBackend()
+        with caplog.at_level(logging.WARNING, logger="kvpilot.kernels"):
+            assert not backend.uses_kernel(q, k_cache)
+            out = backend.forward(q, k, v, (k_cache, v_cache), md, scale=0.125)
+            backend.forward(q, k, v, (k_cache, v_cache), md, scale=0.125)
+        assert torch.isfinite(out).all()
+        assert calls == [paged_attention.EXTENSION_NAME]
+        warnings = [r for r in caplog.records if "paged attention kernel unavailable" in r.message]
+        assert len(warnings) == 1 and "Ninja is required" in warnings[0].message
+        with pytest.raises(RuntimeError, match="could not be built"):
+            paged_attention.paged_decode_attention(
+                q, k_cache, v_cache, md.block_tables, md.seq_lens, 1.0
+            )
+    finally:
+        paged_attention.load_extension.cache_clear()
+
+
+def test_the_benchmark_runs_and_both_paths_agree():
+    script = pathlib.Path(__file__).parents[2] / "benchmarks" / "cpu_attention.py"
+    done = subprocess.run(
+        [sys.executable, str(script), "--num-seqs", "3", "--layers", "2", "--min-len", "1",
+         "--max-len", "40", "--repeats", "1"],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    match = re.search(r"speedup: [\d.]+x; largest output difference: (\S+)", done.stdout)
+    assert match, done.stdout
+    assert float(match.group(1)) < 1e-5
