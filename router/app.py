@@ -118,9 +118,8 @@ class Router:
         self._max_chars: dict[int, int] = {}  # max_model_len -> tokenization.max_prompt_chars
         self._next_round_robin = 0
         self._held: dict[str, int] = {}  # model -> requests held for it
-        self._reporting: set[str] = set()  # models whose held count is being reported
         self._held_to_report: dict[str, int] = {}  # model -> count to report next
-        self._background: set[asyncio.Future] = set()  # those reports, kept from the GC
+        self._reporters: dict[str, asyncio.Future] = {}  # model -> the task reporting it
         self._poll_soon = asyncio.Event()
         self._published: set[str] = set()  # replicas with a replica_up series
 
@@ -433,9 +432,8 @@ class Router:
         never lost behind an earlier report). A failure is logged and counted; the next poll
         reports again while requests are held."""
         self._held_to_report[model] = held
-        if model in self._reporting:
+        if model in self._reporters:
             return
-        self._reporting.add(model)
 
         async def report() -> None:
             try:
@@ -449,11 +447,9 @@ class Router:
                         logger.warning("reporting %d held for %s failed: %r", count, model, exc)
                         self.metrics.errors.labels(model, "", "wake").inc()
             finally:
-                self._reporting.discard(model)
+                del self._reporters[model]
 
-        task = asyncio.ensure_future(report())
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self._reporters[model] = asyncio.ensure_future(report())
 
     async def _request_wake(self, model: str) -> None:
         """Call the wake hook (bounded by ``wake_timeout_s``); count and log its failures."""

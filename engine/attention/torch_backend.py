@@ -206,29 +206,22 @@ def plan_step(
         write_rows = torch.nonzero(slot_mapping >= 0).flatten()
         slot_mapping = slot_mapping[write_rows]
 
+    decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    if in_place_decode and len(decode) == len(seq_lens):
+        # Decodes only, for the kernel: no slot of any position is needed (most steps).
+        return StepPlan(write_rows, slot_mapping, [], [], _paged_decode(attn_metadata, decode))
     max_len = max(seq_lens)
     positions = torch.arange(max_len, device=device)
     tables = attn_metadata.block_tables[:, : -(-max_len // block_size)].long()
     # [num_seqs, max_len]: slot of every position of every sequence (garbage past the end).
     all_slots = tables[:, positions // block_size] * block_size + positions % block_size
-
-    decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
     prefills = [
         PrefillPlan(starts[i], starts[i + 1] - starts[i], n, all_slots[i, :n])
         for i, n in enumerate(seq_lens)
         if starts[i + 1] - starts[i] > 1
     ]
     if in_place_decode:
-        paged = None
-        if decode:
-            lens, block_tables, rows = attn_metadata.seq_lens, attn_metadata.block_tables, None
-            if not (len(decode) == len(seq_lens) and starts[-1] == len(decode)):
-                index = torch.tensor(decode, device=device)
-                lens, block_tables = lens[index], block_tables[index]
-                rows = torch.tensor([starts[i] for i in decode], device=device)
-            paged = PagedDecodePlan(
-                rows, lens.to(torch.int32), block_tables.to(torch.int32).contiguous()
-            )
+        paged = _paged_decode(attn_metadata, decode) if decode else None
         return StepPlan(write_rows, slot_mapping, [], prefills, paged)
     decode_plans = []
     for group in group_by_length([seq_lens[i] for i in decode], GROUP_OVERHEAD_TOKENS):
@@ -243,6 +236,16 @@ def plan_step(
         rows = None if in_order else torch.tensor([starts[i] for i in seqs], device=device)
         decode_plans.append(DecodePlan(rows, lens, slots.flatten(), group_len))
     return StepPlan(write_rows, slot_mapping, decode_plans, prefills)
+
+
+def _paged_decode(attn_metadata: AttentionMetadata, decode: list[int]) -> PagedDecodePlan:
+    """The kernel's plan for the decode sequences ``decode`` (indices, at least one)."""
+    starts = attn_metadata.query_start_loc
+    lens, block_tables, rows = attn_metadata.seq_lens, attn_metadata.block_tables, None
+    if len(decode) != len(lens):  # some rows are prefills: pick the decodes out
+        index = torch.tensor(decode, device=lens.device)
+        lens, block_tables, rows = lens[index], block_tables[index], starts[index].long()
+    return PagedDecodePlan(rows, lens.to(torch.int32), block_tables.to(torch.int32).contiguous())
 
 
 class TorchAttentionBackend:
