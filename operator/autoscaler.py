@@ -52,6 +52,9 @@ How it decides, in order (docs/autoscaling.md explains each rule):
    forecast. A forecast burst that does not come (the load stays at or below half the
    forecast) is a miss: the history before it stops counting for the forecast, so a changed
    period is learned again from the new bursts. Without a period: rules 1-8 unchanged.
+10. **Unscraped pods**: no scale-down, nor scale to zero, in a decision where a Ready pod's
+    metrics could not be read (its load is missing from the window: a busy engine can miss
+    the scrape timeout); the replicas stay (``Unscraped``) until every Ready pod answers.
 """
 
 from __future__ import annotations
@@ -236,6 +239,8 @@ class FleetState:
         wake_requested_at: time (seconds) of the newest wake request, or None.
         held_requests: requests a router holds for the deployment (no replica ready to take
             them), as reported with that wake request; 0 when none or the report is stale.
+        unscraped_replicas: ready pods whose metrics could not be read this time (a scrape
+            timed out or failed): the window lacks their load, so no scale-down follows it.
     """
 
     replicas: int
@@ -250,6 +255,7 @@ class FleetState:
     startup_seconds: float = 0.0
     wake_requested_at: float | None = None
     held_requests: int = 0
+    unscraped_replicas: int = 0
 
 
 @dataclass(frozen=True)
@@ -293,7 +299,8 @@ class Decision:
         reason: CamelCase reason for status and the Event (``ScaleUp``, ``ScaleDown``,
             ``Panic``, ``Stable``, ``PendingPods``, ``StartingPods``, ``ScaleToZero``,
             ``WakeFromZero``, ``HeldRequests``, ``Idle``, ``NoMetrics``, ``BelowMinimum``,
-            ``AboveMaximum``, ``GPUBudget``, ``LongContext``, ``PredictedBurst``, ``BurstEndsFirst``).
+            ``AboveMaximum``, ``GPUBudget``, ``LongContext``, ``PredictedBurst``, ``BurstEndsFirst``,
+            ``Unscraped``).
         message: one human sentence with the numbers behind the reason.
         signals: the stable window's signals, or None without metrics.
         replan: the larger shape to roll out instead of adding replicas, or None.
@@ -715,6 +722,18 @@ def _long_context(moment: _Moment, verdict: _Verdict) -> _Verdict:
     return _Verdict(desired, reason, message, memory, replan)
 
 
+def _hold_for_unscraped(moment: _Moment, verdict: _Verdict) -> _Verdict:
+    """Rule 10: no scale-down (nor to zero) while a ready pod's metrics are missing: its load
+    is not in the window (a busy engine can miss a scrape timeout), so the window
+    understates the fleet's load."""
+    fleet = moment.fleet
+    if fleet.unscraped_replicas == 0 or verdict.desired >= fleet.replicas:
+        return verdict
+    why = f"{fleet.unscraped_replicas} ready pods not scraped"
+    message = verdict.message + f"; holding at {fleet.replicas}: {why}"
+    return replace(verdict, desired=fleet.replicas, reason="Unscraped", message=message)
+
+
 RULES = (
     _rate_limits,
     _burst_ends_first,
@@ -723,6 +742,7 @@ RULES = (
     _hold_for_pods,
     _scale_to_zero,
     _long_context,
+    _hold_for_unscraped,
 )
 """The rules after the reactive recommendation, in the order they apply (docs/autoscaling.md)."""
 

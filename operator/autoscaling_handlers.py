@@ -355,6 +355,7 @@ class Observation:
         gpus_elsewhere: GPUs the namespace's other LLMDeployments hold.
         larger_shape: the next larger replica shape, or None.
         now: when the samples were taken (Unix seconds).
+        unscraped: ready pods whose scrape failed this tick.
     """
 
     body: dict[str, Any]
@@ -365,6 +366,7 @@ class Observation:
     gpus_elsewhere: int
     larger_shape: Shape | None
     now: float
+    unscraped: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +420,7 @@ def plan_writes(
         startup_seconds=startup,
         wake_requested_at=wake_time(annotations),
         held_requests=held_requests(annotations, t),
+        unscraped_replicas=observation.unscraped,
     )
     decision = decide(window, policy, fleet, memory, t)
     tuning = tuning_step(
@@ -570,6 +573,7 @@ class AutoscalingLoop:
             gpus_elsewhere=await asyncio.to_thread(self._gpus_elsewhere, namespace, name),
             larger_shape=shape,
             now=now,
+            unscraped=len(result.errors),
         )
 
     def execute(self, body: dict[str, Any], writes: Writes) -> None:

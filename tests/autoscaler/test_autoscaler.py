@@ -277,6 +277,29 @@ async def test_scale_to_zero_after_idle_then_wake():
     assert starting.desired_replicas == 1
 
 
+def test_a_ready_pod_not_scraped_holds_a_scale_down_and_the_scale_to_zero():
+    idle = pod_samples(0.0, 0.1, 1)  # the one pod that answered; its busy peer did not
+    memory = AutoscalerMemory(first_decision=-1000.0, replica_tokens_per_second=1000.0)
+    fleet = FleetState(2, 2, unscraped_replicas=1)
+    held = decide(idle, POLICY, fleet, memory, now=0.0)
+    assert (held.desired_replicas, held.reason) == (2, "Unscraped")
+    assert held.message.endswith("; holding at 2: 1 ready pods not scraped")
+    assert decide(idle, POLICY, replace(fleet, unscraped_replicas=0), memory, now=0.0).reason == (
+        "ScaleDown"
+    )
+    policy = AutoscalingPolicy(min_replicas=0, max_replicas=4, idle_seconds=60)
+    quiet = pod_samples(0.0, 0.0, 1) + pod_samples(100.0, 0.0, 1)
+    asleep = replace(memory, last_active=-500.0)
+    one = FleetState(1, 1, unscraped_replicas=1)
+    assert decide(quiet, policy, one, asleep, now=100.0).desired_replicas == 1
+    assert decide(quiet, policy, replace(one, unscraped_replicas=0), asleep, now=100.0).reason == (
+        "ScaleToZero"
+    )
+    # It never holds a scale-up.
+    up = decide(OVERLOADED, POLICY, replace(fleet, unscraped_replicas=1), AutoscalerMemory(), 0.0)
+    assert up.desired_replicas > 2
+
+
 def test_held_requests_size_the_wake_and_keep_it_awake():
     policy = AutoscalingPolicy(min_replicas=0, max_replicas=5, idle_seconds=60)
     asleep = AutoscalerMemory(last_active=0.0, last_scale_time=100.0, first_decision=0.0)
@@ -616,7 +639,7 @@ def test_the_rules_are_applied_in_the_documented_order():
 
     assert [rule.__name__ for rule in autoscaler.RULES] == [
         "_rate_limits", "_burst_ends_first", "_predicted_burst", "_keep_one",
-        "_hold_for_pods", "_scale_to_zero", "_long_context",
+        "_hold_for_pods", "_scale_to_zero", "_long_context", "_hold_for_unscraped",
     ]  # fmt: skip
 
 
