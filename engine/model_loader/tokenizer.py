@@ -24,10 +24,12 @@ def load_tokenizer(model_dir: pathlib.Path | str) -> PreTrainedTokenizerBase:
 
         model_dir = resolve_model(None)
     model_dir = pathlib.Path(model_dir)
+    if not model_dir.exists() and str(model_dir).startswith(("/", ".", "~")):
+        raise FileNotFoundError(f"tokenizer folder {model_dir} does not exist")
     try:
         return AutoTokenizer.from_pretrained(model_dir)
     except (OSError, ValueError) as exc:
-        raise FileNotFoundError(f"no usable tokenizer in model folder {model_dir}: {exc}") from exc
+        raise FileNotFoundError(f"no usable tokenizer in {model_dir}: {exc}") from exc
 
 
 def get_eos_token_ids(model_dir: pathlib.Path | str) -> set[int]:

@@ -124,7 +124,12 @@ def create_app(
             engine = await asyncio.to_thread(load_engine)
             _install_engine(state, engine, config)
         except Exception as exc:
-            logger.exception("loading the model failed")
+            if isinstance(exc, (FileNotFoundError, ValueError)):
+                # What the user named cannot be served (no such model, a bad setting): the
+                # message says why, a traceback would bury it.
+                logger.error("loading the model failed: %s", exc)
+            else:
+                logger.exception("loading the model failed")
             state.load_error = exc
             if on_load_error is not None:
                 on_load_error(exc)

@@ -140,4 +140,6 @@ def run(args: argparse.Namespace) -> int:
         )
     )
     server.run()
-    return 1 if failed else 0
+    if failed:
+        raise SystemExit(f"kvpilot serve: loading the model failed: {failed[0]}")
+    return 0

@@ -110,7 +110,19 @@ def test_missing_model_exits_with_status_1_naming_it():
         timeout=120,
     )
     assert result.returncode == 1
-    assert "/no/such/model" in result.stderr
+    assert result.stderr.splitlines()[-1] == (
+        "kvpilot serve: loading the model failed: model '/no/such/model' is neither a model "
+        "folder nor a .gguf file, and not a Hub id"
+    )
+    assert "Traceback" not in result.stderr
+
+
+def test_a_missing_tokenizer_folder_is_named_as_the_tokenizer():
+    from kvpilot.engine.model_loader.tokenizer import load_tokenizer
+
+    with pytest.raises(FileNotFoundError) as missing:
+        load_tokenizer("/no/such/tokenizer")
+    assert str(missing.value) == "tokenizer folder /no/such/tokenizer does not exist"
 
 
 def test_a_bad_engine_flag_stops_serve_naming_the_flag():
