@@ -53,8 +53,10 @@ How it decides, in order (docs/autoscaling.md explains each rule):
    forecast) is a miss: the history before it stops counting for the forecast, so a changed
    period is learned again from the new bursts. Without a period: rules 1-8 unchanged.
 10. **Unscraped pods**: no scale-down, nor scale to zero, in a decision where a Ready pod's
-    metrics could not be read (its load is missing from the window: a busy engine can miss
-    the scrape timeout); the replicas stay (``Unscraped``) until every Ready pod answers.
+    metrics could not be read, or a pod that was Ready stopped answering its readiness probe
+    (:func:`~kvpilot.operator.pods.stalled`): its load is missing from the window (a busy
+    engine can miss the scrape or probe timeout, and its clients keep waiting on it); the
+    replicas stay (``Unscraped``) until every such pod answers again, or restarts.
 """
 
 from __future__ import annotations
@@ -239,8 +241,9 @@ class FleetState:
         wake_requested_at: time (seconds) of the newest wake request, or None.
         held_requests: requests a router holds for the deployment (no replica ready to take
             them), as reported with that wake request; 0 when none or the report is stale.
-        unscraped_replicas: ready pods whose metrics could not be read this time (a scrape
-            timed out or failed): the window lacks their load, so no scale-down follows it.
+        unscraped_replicas: pods whose load the window lacks, so no scale-down follows it:
+            ready pods whose metrics could not be read this time (a scrape timed out or
+            failed), and pods that were Ready and stopped answering their readiness probe.
     """
 
     replicas: int
@@ -729,7 +732,7 @@ def _hold_for_unscraped(moment: _Moment, verdict: _Verdict) -> _Verdict:
     fleet = moment.fleet
     if fleet.unscraped_replicas == 0 or verdict.desired >= fleet.replicas:
         return verdict
-    why = f"{fleet.unscraped_replicas} ready pods not scraped"
+    why = f"{fleet.unscraped_replicas} serving pods not scraped"
     message = verdict.message + f"; holding at {fleet.replicas}: {why}"
     return replace(verdict, desired=fleet.replicas, reason="Unscraped", message=message)
 

@@ -70,7 +70,7 @@ from kvpilot.operator.handlers import (
     plan_deployment,
 )
 from kvpilot.operator.planner import Plan, PlanError, plan_for_spec
-from kvpilot.operator.pods import starting_pods, startup_seconds, unschedulable
+from kvpilot.operator.pods import stalled, starting_pods, startup_seconds, unschedulable
 from kvpilot.operator.scraper import (
     AddressMap,
     PodTarget,
@@ -355,7 +355,7 @@ class Observation:
         gpus_elsewhere: GPUs the namespace's other LLMDeployments hold.
         larger_shape: the next larger replica shape, or None.
         now: when the samples were taken (Unix seconds).
-        unscraped: ready pods whose scrape failed this tick.
+        unscraped: ready pods whose scrape failed this tick (stalled pods are counted apart).
     """
 
     body: dict[str, Any]
@@ -420,7 +420,7 @@ def plan_writes(
         startup_seconds=startup,
         wake_requested_at=wake_time(annotations),
         held_requests=held_requests(annotations, t),
-        unscraped_replicas=observation.unscraped,
+        unscraped_replicas=observation.unscraped + sum(1 for pod in pods if stalled(pod)),
     )
     decision = decide(window, policy, fleet, memory, t)
     tuning = tuning_step(

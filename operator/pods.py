@@ -47,11 +47,28 @@ def parse_time(value: str) -> float:
     return datetime.datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
 
 
+def stalled(pod: dict[str, Any]) -> bool:
+    """Whether ``pod`` served and then stopped answering its readiness probe: not being
+    deleted, ``Ready`` False, and every container running since before ``Ready`` last turned
+    False (so it was Ready in this run of its containers: an engine too busy to answer its
+    probe in time, or hung). Its load is missing from the metrics window, as a Ready pod's is
+    when its scrape fails. A container that restarted runs since after: that pod is starting
+    again, not stalled."""
+    metadata = pod.get("metadata") or {}
+    ready = condition(pod, "Ready")
+    turned = ready.get("lastTransitionTime")
+    if metadata.get("deletionTimestamp") or ready.get("status") != "False" or not turned:
+        return False
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
+    started = [((s.get("state") or {}).get("running") or {}).get("startedAt") for s in statuses]
+    return bool(started) and all(at and parse_time(at) < parse_time(turned) for at in started)
+
+
 def starting_pods(pods: list[dict[str, Any]], now: float, hold_seconds: float) -> int:
     """How many of ``pods`` are starting: placed (``PodScheduled`` True), not ``Ready``, not
-    being deleted, and created less than ``hold_seconds`` before ``now`` (Unix seconds). An older
-    one is stuck (crash loop, failed model load) and counts no more; one without a creation
-    time neither."""
+    :func:`stalled`, not being deleted, and created less than ``hold_seconds`` before ``now``
+    (Unix seconds). An older one is stuck (crash loop, failed model load) and counts no more;
+    one without a creation time neither."""
     count = 0
     for pod in pods:
         metadata = pod.get("metadata") or {}
@@ -59,6 +76,7 @@ def starting_pods(pods: list[dict[str, Any]], now: float, hold_seconds: float) -
         if (
             created
             and not metadata.get("deletionTimestamp")
+            and not stalled(pod)
             and condition(pod, "PodScheduled").get("status") == "True"
             and condition(pod, "Ready").get("status") != "True"
             and now - parse_time(created) < hold_seconds

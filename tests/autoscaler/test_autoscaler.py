@@ -283,7 +283,7 @@ def test_a_ready_pod_not_scraped_holds_a_scale_down_and_the_scale_to_zero():
     fleet = FleetState(2, 2, unscraped_replicas=1)
     held = decide(idle, POLICY, fleet, memory, now=0.0)
     assert (held.desired_replicas, held.reason) == (2, "Unscraped")
-    assert held.message.endswith("; holding at 2: 1 ready pods not scraped")
+    assert held.message.endswith("; holding at 2: 1 serving pods not scraped")
     assert decide(idle, POLICY, replace(fleet, unscraped_replicas=0), memory, now=0.0).reason == (
         "ScaleDown"
     )

@@ -32,7 +32,7 @@ from kvpilot.operator.autoscaling_handlers import (
     without_nulls,
 )
 from kvpilot.operator.planner import plan_for_spec
-from kvpilot.operator.pods import starting_pods, startup_seconds, unschedulable
+from kvpilot.operator.pods import stalled, starting_pods, startup_seconds, unschedulable
 from kvpilot.operator.signals import MetricSample, summarize
 from kvpilot.operator.spec import SpecError, parse_spec
 
@@ -144,6 +144,41 @@ def test_starting_pods_are_placed_not_ready_and_younger_than_the_bound():
     # The bound: twice the start-up time, never under the floor (5 minutes).
     assert starting_hold_seconds(0.0) == starting_hold_seconds(150.0) == 300.0
     assert starting_hold_seconds(200.0) == 400.0
+
+
+def stamp(seconds_ago: float) -> str:
+    return (
+        datetime.datetime.fromtimestamp(NOW - seconds_ago, UTC).isoformat().replace("+00:00", "Z")
+    )
+
+
+def engine_pod(started: float | None, ready: str, turned: float, **metadata):
+    """A placed pod whose container runs since ``started`` seconds ago (None: waiting), with
+    ``Ready`` ``ready`` since ``turned`` seconds ago."""
+    pod = pod_at(600, ready=ready, **metadata)
+    pod["status"]["conditions"][1]["lastTransitionTime"] = stamp(turned)
+    state = (
+        {"running": {"startedAt": stamp(started)}}
+        if started is not None
+        else {"waiting": {"reason": "ContainerCreating"}}
+    )
+    pod["status"]["containerStatuses"] = [{"name": "engine", "state": state}]
+    return pod
+
+
+def test_a_pod_that_was_ready_and_stopped_answering_its_probe_is_stalled_not_starting():
+    overloaded = engine_pod(started=120, ready="False", turned=20)  # Ready at ~110 s, then not
+    fresh = engine_pod(started=30, ready="False", turned=40)  # not Ready since it was placed
+    creating = engine_pod(started=None, ready="False", turned=40)
+    restarted = engine_pod(started=5, ready="False", turned=20)  # crashed and runs again
+    serving = engine_pod(started=120, ready="True", turned=110)
+    leaving = engine_pod(started=120, ready="False", turned=20,
+                         deletionTimestamp="2027-01-15T08:00:00Z")  # fmt: skip
+    assert [stalled(p) for p in (overloaded, fresh, creating, restarted, serving, leaving)] == [
+        True, False, False, False, False, False,
+    ]  # fmt: skip
+    # Young as it is, the stalled pod is not capacity on its way: it holds no scale-up.
+    assert starting_pods([overloaded, fresh, creating, restarted], NOW, 3600.0) == 3
 
 
 def test_a_pod_stuck_starting_past_the_bound_stops_holding_scale_ups():

@@ -21,9 +21,13 @@ test machines); tests that rely on it say so. What it does, as a kubelet would:
 - GPUs: a container that asks for ``nvidia.com/gpu`` runs its engine on the CPU
   (``--device cpu``, float32, a small KV cache, ``--tensor-parallel-size 1``): the nodes' GPUs
   are simulated, the engine process is real.
-- Probes: the readiness probe (HTTP GET) is polled about every second while the process runs;
-  ``Ready``/``ContainersReady`` follow it. A container without one is ready once started.
-  Liveness and startup probes are not run.
+- Probes: the readiness probe (HTTP GET) runs in a thread of its own per container process,
+  as the kubelet's prober workers do, about every second (sooner than its ``periodSeconds``, so
+  that tests do not wait) with the probe's ``timeoutSeconds``; the container turns ready after
+  ``successThreshold`` successes in a row and unready after ``failureThreshold`` failures in
+  a row (the kubelet's defaults 1 s, 1 and 3), so one slow answer on a loaded machine does not
+  take a serving pod out. ``Ready``/``ContainersReady`` follow it. A container without one is
+  ready once started. Liveness and startup probes are not run.
 - Restarts: a process that exits is restarted with the kubelet's doubling back-off (1 s,
   doubling, at most 30 s here), ``restartCount`` and ``lastState`` reported.
 - Deletion: a pod with a deletion timestamp has each container stopped at once, in parallel,
@@ -155,6 +159,28 @@ def asks_for_gpus(container: dict[str, Any]) -> bool:
 
 
 @dataclasses.dataclass
+class ProbeResults:
+    """A probe's verdict from its results in a row, as the kubelet's prober worker keeps it: the
+    verdict changes only after ``success_threshold`` successes or ``failure_threshold``
+    failures in a row, and starts as a failure (a container is not ready before its first
+    successful readiness probe)."""
+
+    success_threshold: int = 1
+    failure_threshold: int = 3
+    ok: bool = False
+    last: bool | None = None
+    run: int = 0
+
+    def record(self, ok: bool) -> bool:
+        """Add one probe's result (True: it succeeded); returns the verdict after it."""
+        self.run = self.run + 1 if ok == self.last else 1
+        self.last = ok
+        if self.run >= (self.success_threshold if ok else self.failure_threshold):
+            self.ok = ok
+        return self.ok
+
+
+@dataclasses.dataclass
 class ContainerRun:
     """One container of a pod: its process and what is reported about it."""
 
@@ -169,7 +195,8 @@ class ContainerRun:
     waiting_message: str = ""
     last_exit: dict[str, Any] | None = None
     next_start: float = 0.0
-    last_probe: float = 0.0
+    prober: subprocess.Popen[bytes] | None = None
+    """The process whose readiness probe thread runs (one per run of the container)."""
 
     @property
     def name(self) -> str:
@@ -497,27 +524,53 @@ class KubeletStandIn:
             container.waiting_message = str(exc)
 
     def _probe(self, run: PodRun, container: ContainerRun) -> None:
-        if container.argv is None or container.process is None:
+        if container.argv is None:
+            return
+        process = container.process
+        if process is None:
+            container.ready = False
             return
         probe = container.spec.get("readinessProbe")
-        if probe is None:
-            container.ready = True
-            return
-        if time.monotonic() - container.last_probe < PROBE_SECONDS:
-            return
-        container.last_probe = time.monotonic()
-        http = probe.get("httpGet")
+        http = (probe or {}).get("httpGet")
         if http is None:
-            container.ready = True  # exec/tcp probes are not run: ready once started
+            container.ready = True  # no probe, or an exec/tcp one (not run): ready once started
             return
-        port = self._named_port(container, http.get("port"))
-        host = f"[{run.ip}]" if ":" in run.ip else run.ip
-        url = f"http://{host}:{port}{http.get('path', '/')}"
-        try:
-            with urllib.request.urlopen(url, timeout=1) as answer:
-                container.ready = 200 <= answer.status < 400
-        except (urllib.error.URLError, OSError, ValueError):
-            container.ready = False
+        if container.prober is not process:
+            container.prober = process
+            port = self._named_port(container, http.get("port"))
+            host = f"[{run.ip}]" if ":" in run.ip else run.ip
+            url = f"http://{host}:{port}{http.get('path', '/')}"
+            threading.Thread(
+                target=self._run_probe,
+                args=(container, process, url, probe),
+                name=f"probe-{run.name}-{container.name}",
+                daemon=True,
+            ).start()
+
+    def _run_probe(
+        self,
+        container: ContainerRun,
+        process: subprocess.Popen[bytes],
+        url: str,
+        probe: dict[str, Any],
+    ) -> None:
+        """The readiness probe of one run of a container, until that process ends."""
+        timeout = float(probe.get("timeoutSeconds", 1))
+        results = ProbeResults(
+            success_threshold=int(probe.get("successThreshold", 1)),
+            failure_threshold=int(probe.get("failureThreshold", 3)),
+        )
+        while not self._stop.is_set() and process.poll() is None:
+            try:
+                with urllib.request.urlopen(url, timeout=timeout) as answer:
+                    ok = 200 <= answer.status < 400
+            except (urllib.error.URLError, OSError, ValueError):
+                ok = False
+            ready = results.record(ok)
+            if container.process is not process:
+                return
+            container.ready = ready
+            self._stop.wait(PROBE_SECONDS)
 
     @staticmethod
     def _named_port(container: ContainerRun, port: Any) -> Any:

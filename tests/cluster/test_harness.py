@@ -91,3 +91,15 @@ def test_a_gpu_engine_runs_on_the_cpu():
     ]  # fmt: skip
     assert kubelet.asks_for_gpus({"resources": {"limits": {"nvidia.com/gpu": "1"}}})
     assert not kubelet.asks_for_gpus({"resources": {"limits": {"cpu": "1"}}})
+
+
+def test_readiness_follows_the_probe_thresholds_as_the_kubelet_does():
+    results = kubelet.ProbeResults(success_threshold=1, failure_threshold=3)
+    assert [results.record(ok) for ok in (False, True, False, False, True)] == [
+        False, True, True, True, True,
+    ]  # fmt: skip
+    assert [results.record(False) for _ in range(3)] == [True, True, False]
+    strict = kubelet.ProbeResults(success_threshold=2, failure_threshold=1)
+    assert [strict.record(ok) for ok in (True, False, True, True, False)] == [
+        False, False, False, True, False,
+    ]  # fmt: skip

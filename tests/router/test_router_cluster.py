@@ -169,8 +169,12 @@ def test_a_scale_down_during_20_streams_drains_the_removed_replica(
 ):
     model = tiny_model_source.removeprefix("file://")
     url = router_url(kube, routed, "chat")
-    before = {p["metadata"]["name"]: p for p in engine_pods(kube, routed, "chat")}
-    assert len(before) == 2, "the discovery test leaves two engines"
+
+    def two_ready() -> dict[str, dict] | None:
+        engines = {p["metadata"]["name"]: p for p in engine_pods(kube, routed, "chat")}
+        return engines if len(engines) == 2 else None
+
+    before = wait_for(two_ready, "the two engines the discovery test leaves, both Ready")
     streams = [Stream(url, model, i) for i in range(STREAMS)]
     for stream in streams:
         stream.start()
