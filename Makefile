@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install tools control-plane cluster crd e2e serve generate test test-engine test-cluster test-fast test-kernels lint format bench bench-vllm bench-vllm-serve bench-serve bench-kernels bench-autoscaling bench-lora clean
+.PHONY: install tools control-plane cluster crd e2e serve generate test test-engine test-cluster test-fast test-kernels lint format bench bench-vllm bench-vllm-serve bench-serve bench-kernels bench-autoscaling bench-lora bench-soak clean
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -101,6 +101,11 @@ bench-lora: install
 ## Serving load test against a running `make serve` (vLLM `bench serve` definitions).
 bench-serve: install
 	$(BIN)/python benchmarks/serve.py --base-url http://$(HOST):$(PORT) --num-prompts 16 --random-input-len 128 --random-output-len 32
+
+## Soak: one server under 30 minutes of mixed load (streams, aborts, disconnects, n>1, structured
+## outputs, bad requests); checks flat memory, no leaked KV block, no 5xx (benchmarks/soak.py).
+bench-soak: install
+	$(BIN)/python benchmarks/soak.py --duration-minutes 30 --concurrency 8 --threads 2 --out soak.json
 
 ## Kernel benchmark: needs a CUDA machine.
 bench-kernels: install
