@@ -184,7 +184,8 @@ class RotaryEmbedding(CustomOp):
             and _rows_contiguous(key)
             and elementwise.supports(rope.cos, rope.sin)
             and query.dtype == key.dtype == rope.cos.dtype
-            and query.device.type == key.device.type == "cpu"
+            and query.is_cpu
+            and key.is_cpu
         ):
             return elementwise.rotary_neox(query, key, rope.cos, rope.sin)
         return apply_rotary_emb(query, rope.cos, rope.sin), apply_rotary_emb(

@@ -29,10 +29,15 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVPILOT_X86 1
+// The row loops compiled for AVX-512, AVX2 and baseline x86-64, picked at load time (GCC
+// target_clones); without -ffp-contract's fused multiply-adds every target rounds alike.
+#define KVPILOT_TARGET_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #include <immintrin.h>
 // SLEEF's vector expf, as ATen's Vectorized<float>::exp() calls it (exported by libtorch_cpu).
 #pragma GCC push_options
@@ -45,6 +50,7 @@ extern "C" __m256 Sleef_expf8_u10(__m256);
 #pragma GCC pop_options
 #else
 #define KVPILOT_X86 0
+#define KVPILOT_TARGET_CLONES
 #endif
 
 namespace {
@@ -80,7 +86,7 @@ inline int64_t ceil_log2(int64_t x) {
 
 // Lane sums of h[v * W + w]^2 over vectors v < num_vectors.
 template <int W>
-void cascade_squares(const float* h, int64_t num_vectors, float out[W]) {
+inline __attribute__((always_inline)) void cascade_squares(const float* h, int64_t num_vectors, float out[W]) {
   float acc[kLevels][kIlp][W] = {};
   const int64_t groups = num_vectors / kIlp;
   const int64_t level_power = std::max<int64_t>(4, ceil_log2(groups) / kLevels);
@@ -119,7 +125,7 @@ void cascade_squares(const float* h, int64_t num_vectors, float out[W]) {
   for (int w = 0; w < W; ++w) out[w] = acc[0][0][w];
 }
 
-float sum_of_squares(const float* h, int64_t n) {
+inline __attribute__((always_inline)) float sum_of_squares(const float* h, int64_t n) {
   if (n < kSumLanes) {
     float total;
     cascade_squares<1>(h, n, &total);
@@ -134,6 +140,52 @@ float sum_of_squares(const float* h, int64_t n) {
   return total;
 }
 
+// One row: residual_out = x + residual (when given), out = the normalised row; h: n floats.
+template <typename scalar_t>
+inline void rms_norm_row(scalar_t* out, scalar_t* residual_out, const scalar_t* x,
+                         const scalar_t* residual, const scalar_t* weight, int64_t n, float eps,
+                         float weight_offset, float* h) {
+  if (residual != nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      residual_out[i] = round_to<scalar_t>(to_float(x[i]) + to_float(residual[i]));
+      h[i] = to_float(residual_out[i]);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) h[i] = to_float(x[i]);
+  }
+  const float mean_square = sum_of_squares(h, n) / static_cast<float>(n);
+  const float r = 1.f / std::sqrt(mean_square + eps);
+  if (weight_offset != 0.f) {
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = round_to<scalar_t>(h[i] * r * (weight_offset + to_float(weight[i])));
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      out[i] = round_to<scalar_t>(to_float(weight[i]) * to_float(round_to<scalar_t>(h[i] * r)));
+    }
+  }
+}
+
+// The per-row entry points, compiled once per instruction set (GCC clones no templates).
+#define KVPILOT_RMS_NORM_ROW(name, scalar_t)                                                   \
+  KVPILOT_TARGET_CLONES void name(scalar_t* out, scalar_t* residual_out, const scalar_t* x,    \
+                                  const scalar_t* residual, const scalar_t* weight, int64_t n, \
+                                  float eps, float weight_offset, float* h) {                  \
+    rms_norm_row<scalar_t>(out, residual_out, x, residual, weight, n, eps, weight_offset, h);  \
+  }
+KVPILOT_RMS_NORM_ROW(rms_norm_row_float, float)
+KVPILOT_RMS_NORM_ROW(rms_norm_row_bfloat16, c10::BFloat16)
+
+inline void rms_norm_row_any(float* out, float* ro, const float* x, const float* r,
+                             const float* w, int64_t n, float eps, float off, float* h) {
+  rms_norm_row_float(out, ro, x, r, w, n, eps, off, h);
+}
+inline void rms_norm_row_any(c10::BFloat16* out, c10::BFloat16* ro, const c10::BFloat16* x,
+                             const c10::BFloat16* r, const c10::BFloat16* w, int64_t n, float eps,
+                             float off, float* h) {
+  rms_norm_row_bfloat16(out, ro, x, r, w, n, eps, off, h);
+}
+
 template <typename scalar_t>
 void rms_norm_rows(scalar_t* out, scalar_t* residual_out, const scalar_t* x,
                    const scalar_t* residual, const scalar_t* weight, int64_t rows, int64_t n,
@@ -141,30 +193,10 @@ void rms_norm_rows(scalar_t* out, scalar_t* residual_out, const scalar_t* x,
   at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
     std::vector<float> h(n);
     for (int64_t row = begin; row < end; ++row) {
-      const scalar_t* xr = x + row * n;
-      if (residual != nullptr) {
-        const scalar_t* rr = residual + row * n;
-        scalar_t* sr = residual_out + row * n;
-        for (int64_t i = 0; i < n; ++i) {
-          sr[i] = round_to<scalar_t>(to_float(xr[i]) + to_float(rr[i]));
-          h[i] = to_float(sr[i]);
-        }
-      } else {
-        for (int64_t i = 0; i < n; ++i) h[i] = to_float(xr[i]);
-      }
-      const float mean_square = sum_of_squares(h.data(), n) / static_cast<float>(n);
-      const float r = 1.f / std::sqrt(mean_square + eps);
-      scalar_t* orow = out + row * n;
-      if (weight_offset != 0.f) {
-        for (int64_t i = 0; i < n; ++i) {
-          orow[i] = round_to<scalar_t>(h[i] * r * (weight_offset + to_float(weight[i])));
-        }
-      } else {
-        for (int64_t i = 0; i < n; ++i) {
-          orow[i] = round_to<scalar_t>(to_float(weight[i]) *
-                                       to_float(round_to<scalar_t>(h[i] * r)));
-        }
-      }
+      const int64_t at = row * n;
+      rms_norm_row_any(out + at, residual ? residual_out + at : nullptr, x + at,
+                       residual ? residual + at : nullptr, weight, n, eps, weight_offset,
+                       h.data());
     }
   });
 }
@@ -191,38 +223,63 @@ Vector torch_vector() {
 }
 
 #if KVPILOT_X86
-__attribute__((target("avx512f"))) void silu16(const float* g, float* out, int64_t count) {
+// out[i] = silu(g[i]) * (up ? up[i] : 1) for i < count (a multiple of the vector's lanes).
+__attribute__((target("avx512f"))) void silu16(const float* g, const float* up, float* out,
+                                               int64_t count) {
   const __m512 one = _mm512_set1_ps(1.f);
-  const __m512 sign = _mm512_set1_ps(-0.f);
+  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
   for (int64_t i = 0; i < count; i += 16) {
     const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 e = Sleef_expf16_u10(_mm512_castsi512_ps(
-        _mm512_xor_si512(_mm512_castps_si512(x), _mm512_castps_si512(sign))));
-    _mm512_storeu_ps(out + i, _mm512_div_ps(x, _mm512_add_ps(one, e)));
+    const __m512 e = Sleef_expf16_u10(
+        _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign)));
+    __m512 y = _mm512_div_ps(x, _mm512_add_ps(one, e));
+    if (up != nullptr) y = _mm512_mul_ps(y, _mm512_loadu_ps(up + i));
+    _mm512_storeu_ps(out + i, y);
   }
 }
 
-__attribute__((target("avx2"))) void silu8(const float* g, float* out, int64_t count) {
+__attribute__((target("avx2"))) void silu8(const float* g, const float* up, float* out,
+                                           int64_t count) {
   const __m256 one = _mm256_set1_ps(1.f);
   const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t i = 0; i < count; i += 8) {
     const __m256 x = _mm256_loadu_ps(g + i);
     const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(x, sign));
-    _mm256_storeu_ps(out + i, _mm256_div_ps(x, _mm256_add_ps(one, e)));
+    __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, e));
+    if (up != nullptr) y = _mm256_mul_ps(y, _mm256_loadu_ps(up + i));
+    _mm256_storeu_ps(out + i, y);
   }
 }
 #endif
 
-// silu of `count` floats; whole_vectors of them (a multiple of the vector's lanes) the vector way.
-void silu_floats(const float* g, float* out, int64_t count, int64_t vectorized, Vector v) {
+// silu(g) (times up when given) of `count` floats, the first `vectorized` the vector way.
+void silu_floats(const float* g, const float* up, float* out, int64_t count, int64_t vectorized,
+                 Vector v) {
 #if KVPILOT_X86
   if (v == Vector::kAvx512) {
-    silu16(g, out, vectorized);
+    silu16(g, up, out, vectorized);
   } else if (v == Vector::kAvx2) {
-    silu8(g, out, vectorized);
+    silu8(g, up, out, vectorized);
   }
+#else
+  vectorized = 0;
 #endif
-  for (int64_t i = vectorized; i < count; ++i) out[i] = g[i] / (1.f + std::exp(-g[i]));
+  for (int64_t i = vectorized; i < count; ++i) {
+    const float y = g[i] / (1.f + std::exp(-g[i]));
+    out[i] = up != nullptr ? y * up[i] : y;
+  }
+}
+
+KVPILOT_TARGET_CLONES void bfloat16_to_float(const c10::BFloat16* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] = to_float(x[i]);
+}
+
+// out = bfloat16(bfloat16(s) * up), the rounding of silu's output and of the product.
+KVPILOT_TARGET_CLONES void bfloat16_mul(const float* s, const c10::BFloat16* up,
+                                        c10::BFloat16* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    out[i] = round_to<c10::BFloat16>(to_float(round_to<c10::BFloat16>(s[i])) * to_float(up[i]));
+  }
 }
 
 template <typename scalar_t>
@@ -232,15 +289,17 @@ void silu_and_mul_rows(scalar_t* out, const scalar_t* x, int64_t rows, int64_t d
   const int64_t chunk = 2 * vector_bytes / static_cast<int64_t>(sizeof(scalar_t));
   const int64_t vectorized = chunk == 0 ? 0 : d / chunk * chunk;
   at::parallel_for(0, rows, grain_rows(2 * d), [&](int64_t begin, int64_t end) {
-    std::vector<float> g(d), s(d);
+    std::vector<float> g, s;
+    if constexpr (!std::is_same_v<scalar_t, float>) g.resize(d), s.resize(d);
     for (int64_t row = begin; row < end; ++row) {
       const scalar_t* gate = x + row * 2 * d;
-      const scalar_t* up = gate + d;
-      for (int64_t i = 0; i < d; ++i) g[i] = to_float(gate[i]);
-      silu_floats(g.data(), s.data(), d, vectorized, v);
-      scalar_t* orow = out + row * d;
-      for (int64_t i = 0; i < d; ++i) {
-        orow[i] = round_to<scalar_t>(to_float(round_to<scalar_t>(s[i])) * to_float(up[i]));
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        // float32 rounds silu's output and the product each once: one pass, in registers.
+        silu_floats(gate, gate + d, out + row * d, d, vectorized, v);
+      } else {
+        bfloat16_to_float(gate, g.data(), d);
+        silu_floats(g.data(), nullptr, s.data(), d, vectorized, v);
+        bfloat16_mul(s.data(), gate + d, out + row * d, d);
       }
     }
   });
@@ -249,29 +308,54 @@ void silu_and_mul_rows(scalar_t* out, const scalar_t* x, int64_t rows, int64_t d
 // ---------------------------------------------------------------------------------------------
 // GPT-NeoX rotary embedding: x * cos + rotate_half(x) * sin, each product and the sum rounded.
 
+// One token's heads: x [heads, head_dim] (rows contiguous) -> out, cos/sin [rotary_dim].
+template <typename scalar_t>
+inline void rotary_token(scalar_t* out, const scalar_t* x, const scalar_t* c, const scalar_t* s,
+                         int64_t heads, int64_t head_dim, int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    const scalar_t* xh = x + h * head_dim;
+    scalar_t* oh = out + h * head_dim;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_float(xh[i]), x2 = to_float(xh[i + half]);
+      const float a = to_float(round_to<scalar_t>(x1 * to_float(c[i])));
+      const float b = to_float(round_to<scalar_t>(x2 * to_float(s[i])));
+      oh[i] = round_to<scalar_t>(a - b);
+      const float e = to_float(round_to<scalar_t>(x2 * to_float(c[i + half])));
+      const float f = to_float(round_to<scalar_t>(x1 * to_float(s[i + half])));
+      oh[i + half] = round_to<scalar_t>(e + f);
+    }
+    for (int64_t i = rotary_dim; i < head_dim; ++i) oh[i] = xh[i];
+  }
+}
+
+#define KVPILOT_ROTARY_TOKEN(name, scalar_t)                                                   \
+  KVPILOT_TARGET_CLONES void name(scalar_t* out, const scalar_t* x, const scalar_t* c,         \
+                                  const scalar_t* s, int64_t heads, int64_t head_dim,          \
+                                  int64_t rotary_dim) {                                        \
+    rotary_token<scalar_t>(out, x, c, s, heads, head_dim, rotary_dim);                         \
+  }
+KVPILOT_ROTARY_TOKEN(rotary_token_float, float)
+KVPILOT_ROTARY_TOKEN(rotary_token_bfloat16, c10::BFloat16)
+
+inline void rotary_token_any(float* out, const float* x, const float* c, const float* s,
+                             int64_t heads, int64_t head_dim, int64_t rotary_dim) {
+  rotary_token_float(out, x, c, s, heads, head_dim, rotary_dim);
+}
+inline void rotary_token_any(c10::BFloat16* out, const c10::BFloat16* x, const c10::BFloat16* c,
+                             const c10::BFloat16* s, int64_t heads, int64_t head_dim,
+                             int64_t rotary_dim) {
+  rotary_token_bfloat16(out, x, c, s, heads, head_dim, rotary_dim);
+}
+
 template <typename scalar_t>
 void rotary_rows(scalar_t* out, const scalar_t* x, int64_t token_stride, const scalar_t* cos,
                  const scalar_t* sin, int64_t tokens, int64_t heads, int64_t head_dim,
                  int64_t rotary_dim) {
-  const int64_t half = rotary_dim / 2;
   at::parallel_for(0, tokens, grain_rows(heads * head_dim), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
-      const scalar_t* c = cos + t * rotary_dim;
-      const scalar_t* s = sin + t * rotary_dim;
-      for (int64_t h = 0; h < heads; ++h) {
-        const scalar_t* xh = x + t * token_stride + h * head_dim;
-        scalar_t* oh = out + (t * heads + h) * head_dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float x1 = to_float(xh[i]), x2 = to_float(xh[i + half]);
-          const float a = to_float(round_to<scalar_t>(x1 * to_float(c[i])));
-          const float b = to_float(round_to<scalar_t>(x2 * to_float(s[i])));
-          oh[i] = round_to<scalar_t>(a - b);
-          const float e = to_float(round_to<scalar_t>(x2 * to_float(c[i + half])));
-          const float f = to_float(round_to<scalar_t>(x1 * to_float(s[i + half])));
-          oh[i + half] = round_to<scalar_t>(e + f);
-        }
-        for (int64_t i = rotary_dim; i < head_dim; ++i) oh[i] = xh[i];
-      }
+      rotary_token_any(out + t * heads * head_dim, x + t * token_stride, cos + t * rotary_dim,
+                       sin + t * rotary_dim, heads, head_dim, rotary_dim);
     }
   });
 }

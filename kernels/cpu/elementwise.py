@@ -24,7 +24,8 @@ least 32768 elements per thread's share; a decode step's rows stay on the callin
 The source is ``elementwise.cpp`` beside this file (package data), built on first use like the
 other CPU kernels (:mod:`kvpilot.kernels.cpu.extension`): when the build fails,
 :func:`load_extension` logs one warning and returns None, and the engine's layers keep their
-torch path. ``KVPILOT_CPU_ELEMENTWISE=0`` turns the kernels off without trying to build them.
+torch path. ``KVPILOT_CPU_ELEMENTWISE=0`` turns the kernels off without trying to build them;
+they are used on x86-64 only (where ATen's summation order is the one reproduced).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from __future__ import annotations
 import functools
 import logging
 import pathlib
+import platform
 from types import ModuleType
 
 import torch
@@ -46,10 +48,15 @@ EXTENSION_NAME = "kvpilot_cpu_elementwise"
 CFLAGS = ["-ffp-contract=off"]
 
 
+# The machines whose ATen summation order the kernel reproduces (8 float lanes, whatever the
+# AVX level); other CPUs (ATen's NEON or SVE vectors) keep the torch path.
+MACHINES = ("x86_64", "AMD64")
+
+
 def enabled() -> bool:
-    """Whether ``$KVPILOT_CPU_ELEMENTWISE`` allows the kernels (unset or anything but
-    ``0``/``false``/``off``/``no``)."""
-    return extension.env_enabled(ENV_VAR)
+    """Whether the kernels are used: an x86-64 CPU and ``$KVPILOT_CPU_ELEMENTWISE`` unset or
+    anything but ``0``/``false``/``off``/``no``."""
+    return platform.machine() in MACHINES and extension.env_enabled(ENV_VAR)
 
 
 @functools.cache
@@ -75,11 +82,12 @@ def supports(*tensors: torch.Tensor) -> bool:
     float32 or bfloat16 dtype, and the extension built (the layers' test for their fast path;
     views such as per-head ones cut out of a fused projection are left to the torch path)."""
     dtype = tensors[0].dtype
-    return (
-        dtype in SUPPORTED_DTYPES
-        and all(t.device.type == "cpu" and t.dtype == dtype and t.is_contiguous() for t in tensors)
-        and load_extension() is not None
-    )
+    if dtype not in SUPPORTED_DTYPES:
+        return False
+    for t in tensors:  # a plain loop: this runs several times per layer and step
+        if not t.is_cpu or t.dtype != dtype or not t.is_contiguous():
+            return False
+    return load_extension() is not None
 
 
 def _extension() -> ModuleType:
