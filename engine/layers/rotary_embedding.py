@@ -6,9 +6,10 @@ here with the same numbers. On the torch path cos/sin are computed like Hugging 
 modules (float32 ``position * inv_freq``, cast to the activation dtype) and applied in the
 activation dtype, so results match transformers bit for bit in float32 and round the same way
 in 16-bit; on the CPU the fused C++ kernel (``kvpilot.kernels.cpu.elementwise.rotary_neox``,
-``KVPILOT_CPU_ELEMENTWISE=0`` turns it off) computes the same values in one pass. On the Triton path the same float32 cos/sin (attention scaling included) are
-tabulated once per position (vLLM's ``cos_sin_cache``) and the ``rotary_embedding`` kernel
-rotates q and k in place in float32, rounding once.
+``KVPILOT_CPU_ELEMENTWISE=0`` turns it off) computes the same values in one pass. On the Triton
+path the same float32 cos/sin (attention scaling included) are tabulated once per position
+(vLLM's ``cos_sin_cache``) and the ``rotary_embedding`` kernel rotates q and k in place in
+float32, rounding once.
 """
 
 from __future__ import annotations

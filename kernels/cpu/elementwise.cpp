@@ -8,18 +8,19 @@
 // - rms_norm (Zhang & Sennrich 2019): s = x + residual (rounded to the dtype), h = float(s),
 //   r = 1 / sqrt(sum(h * h) / n + eps), then w * dtype(h * r) (Llama) or dtype(h * r * (offset +
 //   w)) (Gemma). The sum of squares is added up in the order of ATen's CPU sum kernel (its
-//   cascade sum: 8 float lanes, 4 interleaved accumulators, 4 levels of partial sums), so the
-//   float32 result is bit for bit the reference's `h.pow(2).mean(-1)`.
+//   cascade sum: 8 float lanes, 4 interleaved accumulators, 4 levels of partial sums, at every
+//   AVX level), so float32 and bfloat16 results are the reference's bit for bit.
 // - silu_and_mul (Shazeer 2020): dtype(silu(g)) * u with silu(g) = g / (1 + exp(-g)); exp is
 //   SLEEF's expf (1 ulp, the one ATen's vectorized silu calls, exported by libtorch_cpu) on
 //   whole vectors and std::exp on the rest, in the chunks ATen's loop uses.
 // - rotary_neox (Su et al. 2021): x1' = dtype(x1 c1) - dtype(x2 s1), x2' = dtype(x2 c2) +
-//   dtype(x1 s2) over the first rotary_dim features, the rest copied; no fused multiply-add
-//   (the extension is built with -ffp-contract=off).
+//   dtype(x1 s2) over the first rotary_dim features, the rest copied: bit for bit.
 //
-// Rows are split over ATen's OpenMP threads (at::parallel_for) only when a call has enough of
-// them to pay for it; a decode step's 32 rows run on the calling thread. The Python wrapper is
-// kernels/cpu/elementwise.py.
+// The row loops are compiled for AVX-512, AVX2 and baseline x86-64 (GCC target_clones, picked at
+// load time); the extension is built with -ffp-contract=off, so no target fuses a multiply and an
+// add into one rounding where PyTorch rounds twice. Rows are split over ATen's OpenMP threads
+// (at::parallel_for) only when a call has enough of them to pay for it; a decode step's 32 rows
+// run on the calling thread. The Python wrapper is kernels/cpu/elementwise.py.
 
 #include <torch/extension.h>
 
@@ -35,8 +36,6 @@
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVPILOT_X86 1
-// The row loops compiled for AVX-512, AVX2 and baseline x86-64, picked at load time (GCC
-// target_clones); without -ffp-contract's fused multiply-adds every target rounds alike.
 #define KVPILOT_TARGET_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #include <immintrin.h>
 // SLEEF's vector expf, as ATen's Vectorized<float>::exp() calls it (exported by libtorch_cpu).
@@ -86,7 +85,8 @@ inline int64_t ceil_log2(int64_t x) {
 
 // Lane sums of h[v * W + w]^2 over vectors v < num_vectors.
 template <int W>
-inline __attribute__((always_inline)) void cascade_squares(const float* h, int64_t num_vectors, float out[W]) {
+inline __attribute__((always_inline)) void cascade_squares(const float* h, int64_t num_vectors,
+                                                            float out[W]) {
   float acc[kLevels][kIlp][W] = {};
   const int64_t groups = num_vectors / kIlp;
   const int64_t level_power = std::max<int64_t>(4, ceil_log2(groups) / kLevels);

@@ -8,7 +8,7 @@ its PyTorch expression operation for operation, rounding where it rounds:
 - :func:`rms_norm` (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization"):
   ``kvpilot.kernels.reference.rms_norm``, the residual sum and the ``weight_offset`` (Gemma)
   variant included. The sum of squares is added up in the order of ATen's CPU sum kernel, so
-  float32 results equal the reference's bit for bit.
+  float32 and bfloat16 results equal the reference's bit for bit.
 - :func:`silu_and_mul` (Shazeer 2020, "GLU Variants Improve Transformer"):
   ``reference.silu_and_mul``, ``silu(g) = g / (1 + exp(-g))`` with SLEEF's ``expf`` (the one
   ATen's vectorized SiLU calls) on whole vectors and ``std::exp`` on the rest of a row; results
@@ -19,7 +19,9 @@ its PyTorch expression operation for operation, rounding where it rounds:
   included; bit for bit the torch path's.
 
 Rows are split over ATen's OpenMP threads (``torch.set_num_threads``) only when a call has at
-least 32768 elements per thread's share; a decode step's rows stay on the calling thread.
+least 32768 elements per thread's share; a decode step's rows stay on the calling thread. The
+row loops are compiled for AVX-512, AVX2 and baseline x86-64 (picked at load time) without
+fused multiply-adds, so every CPU rounds alike.
 
 The source is ``elementwise.cpp`` beside this file (package data), built on first use like the
 other CPU kernels (:mod:`kvpilot.kernels.cpu.extension`): when the build fails,

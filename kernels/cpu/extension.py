@@ -27,7 +27,8 @@ CFLAGS = ["-O3", "-fopenmp"] + (
 
 
 def env_enabled(env_var: str) -> bool:
-    """Whether ``$env_var`` allows a kernel: unset, or anything but ``0``/``false``/``off``/``no``."""
+    """Whether ``$env_var`` allows a kernel: unset, or anything but ``0``/``false``/``off``/
+    ``no``."""
     return os.environ.get(env_var, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
