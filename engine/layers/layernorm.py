@@ -7,6 +7,7 @@ from torch import nn
 
 from kvpilot.engine.layers.custom_op import CustomOp
 from kvpilot.kernels import reference
+from kvpilot.kernels.cpu import elementwise
 
 
 class RMSNorm(CustomOp):
@@ -16,7 +17,9 @@ class RMSNorm(CustomOp):
     Follows Hugging Face's ``LlamaRMSNorm`` operation for operation (normalise in float32, cast
     back to the input dtype, then scale) so that 16-bit results round the same way; the
     residual sum is rounded to the input dtype, as ``residual + x`` is in Hugging Face's
-    decoder layers. Both paths round alike (the Triton kernel's documented contract).
+    decoder layers. Both paths round alike (the Triton kernel's documented contract). On the
+    CPU the torch path runs the fused C++ kernel (``kvpilot.kernels.cpu.elementwise``, the same
+    values) when it is built and takes the tensors; ``KVPILOT_CPU_ELEMENTWISE=0`` turns it off.
 
     Args:
         hidden_size: size of the normalised (last) dimension.
@@ -31,6 +34,7 @@ class RMSNorm(CustomOp):
         super().__init__(kernel_backend)
         self.weight = nn.Parameter(torch.empty(hidden_size), requires_grad=False)
         self.eps = eps
+        self.cpu_kernel = elementwise.enabled()
 
     def forward_native(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -42,6 +46,10 @@ class RMSNorm(CustomOp):
             ``out`` shaped like ``x`` in ``x``'s dtype (for a weight of that dtype), or
             ``(out, x + residual)``: the normalised sum and the new residual stream.
         """
+        if self.cpu_kernel and elementwise.supports(
+            x, self.weight, *(() if residual is None else (residual,))
+        ):
+            return elementwise.rms_norm(x, self.weight, self.eps, residual, self.weight_offset)
         return reference.rms_norm(
             x, self.weight, self.eps, residual, weight_offset=self.weight_offset
         )

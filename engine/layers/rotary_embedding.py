@@ -5,9 +5,11 @@ longrope, llama3, ...) applied to the model config, so any ``rope_type`` transfo
 here with the same numbers. On the torch path cos/sin are computed like Hugging Face's rotary
 modules (float32 ``position * inv_freq``, cast to the activation dtype) and applied in the
 activation dtype, so results match transformers bit for bit in float32 and round the same way
-in 16-bit. On the Triton path the same float32 cos/sin (attention scaling included) are
-tabulated once per position (vLLM's ``cos_sin_cache``) and the ``rotary_embedding`` kernel
-rotates q and k in place in float32, rounding once.
+in 16-bit; on the CPU the fused C++ kernel (``kvpilot.kernels.cpu.elementwise.rotary_neox``,
+``KVPILOT_CPU_ELEMENTWISE=0`` turns it off) computes the same values in one pass. On the Triton
+path the same float32 cos/sin (attention scaling included) are tabulated once per position
+(vLLM's ``cos_sin_cache``) and the ``rotary_embedding`` kernel rotates q and k in place in
+float32, rounding once.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvpilot.engine.layers.custom_op import CustomOp
+from kvpilot.kernels.cpu import elementwise
 
 
 def _default_inv_freq(config: PretrainedConfig, head_dim: int) -> tuple[torch.Tensor, float]:
@@ -125,6 +128,7 @@ class RotaryEmbedding(CustomOp):
         self.attention_scaling = float(attention_scaling)
         self.max_position = int(config.max_position_embeddings)
         self._cos_sin_cache: torch.Tensor | None = None
+        self.cpu_kernel = elementwise.enabled()
 
     @property
     def cos_sin_cache(self) -> torch.Tensor:
@@ -173,6 +177,18 @@ class RotaryEmbedding(CustomOp):
         Returns:
             ``(query, key)`` rotated, new tensors shaped and typed like the inputs.
         """
+        if (
+            self.cpu_kernel
+            and rope.cos is not None
+            and query.dim() == key.dim() == 3
+            and _rows_contiguous(query)
+            and _rows_contiguous(key)
+            and elementwise.supports(rope.cos, rope.sin)
+            and query.dtype == key.dtype == rope.cos.dtype
+            and query.is_cpu
+            and key.is_cpu
+        ):
+            return elementwise.rotary_neox(query, key, rope.cos, rope.sin)
         return apply_rotary_emb(query, rope.cos, rope.sin), apply_rotary_emb(
             key, rope.cos, rope.sin
         )
@@ -194,6 +210,11 @@ class RotaryEmbedding(CustomOp):
 
         rotary_embedding(rope.positions, query, key, self.cos_sin_cache, is_neox=True)
         return query, key
+
+
+def _rows_contiguous(x: torch.Tensor) -> bool:
+    # Each token's [num_heads, head_dim] contiguous (views of a fused QKV output are).
+    return x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

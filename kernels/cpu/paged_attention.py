@@ -12,9 +12,9 @@ maximum subtracted before ``exp`` (numerically stable), then the weighted sum of
 A sliding window limits the context to its last ``sliding_window`` positions.
 
 The source is ``paged_attention.cpp`` beside this file (package data); it is compiled on first
-use by :func:`torch.utils.cpp_extension.load` into torch's extension cache
-(``$TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``), which needs a C++ compiler
-and the ``ninja`` executable on ``PATH``; later processes load the cached build. When the build
+use by :func:`torch.utils.cpp_extension.load` into torch's extension cache (see
+:mod:`kvpilot.kernels.cpu.extension`), which needs a C++ compiler and the ``ninja`` executable on
+``PATH``; later processes load the cached build. When the build
 fails, :func:`load_extension` logs one warning and returns None, and callers keep their own
 path (the engine's torch attention backend: ``index_select`` gather plus SDPA).
 ``KVPILOT_CPU_PAGED_ATTENTION=0`` turns the kernel off without trying to build it.
@@ -24,55 +24,37 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import pathlib
-import platform
 from types import ModuleType
 
 import torch
 
-logger = logging.getLogger("kvpilot.kernels")
+from kvpilot.kernels.cpu import extension
 
 ENV_VAR = "KVPILOT_CPU_PAGED_ATTENTION"
 # Cache dtypes the kernel reads; the query and output share the cache's dtype.
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
 EXTENSION_NAME = "kvpilot_cpu_paged_attention"
-# GCC keeps AVX-512 code at 256-bit vectors unless told otherwise; this applies only to the
-# source's AVX-512 clone (the others have no 512-bit registers).
-CFLAGS = ["-O3", "-fopenmp"] + (
-    ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
-)
+CFLAGS = extension.CFLAGS
 
 
 def enabled() -> bool:
     """Whether ``$KVPILOT_CPU_PAGED_ATTENTION`` allows the kernel (unset or anything but
     ``0``/``false``/``off``/``no``)."""
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "off", "no")
+    return extension.env_enabled(ENV_VAR)
 
 
 @functools.cache
 def load_extension() -> ModuleType | None:
     """The compiled extension, built on the first call of the process (cached on disk after
     that), or None after logging one warning when it cannot be built or loaded."""
-    try:
-        from torch.utils import cpp_extension
-
-        return cpp_extension.load(
-            name=EXTENSION_NAME,
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
-    except Exception as exc:  # a missing compiler or ninja, a failed build, a bad cached library
-        logger.warning(
-            "CPU paged attention kernel unavailable (%s: %s); decode attention keeps the torch "
-            "path (index_select gather + SDPA)",
-            type(exc).__name__,
-            str(exc).strip().splitlines()[-1] if str(exc).strip() else "",
-        )
-        return None
+    return extension.build(
+        EXTENSION_NAME,
+        SOURCE,
+        "CPU paged attention kernel",
+        "decode attention keeps the torch path (index_select gather + SDPA)",
+    )
 
 
 def available() -> bool:
