@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import logging
 import platform
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -22,7 +24,7 @@ from kvpilot.engine.layers.activation import SiluAndMul
 from kvpilot.engine.layers.layernorm import GemmaRMSNorm, RMSNorm
 from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 from kvpilot.kernels import reference
-from kvpilot.kernels.cpu import elementwise
+from kvpilot.kernels.cpu import elementwise, extension
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in elementwise.MACHINES,
@@ -270,3 +272,13 @@ def test_a_failed_build_warns_once_and_the_layers_keep_the_torch_path(monkeypatc
             elementwise.silu_and_mul(x)
     finally:
         elementwise.load_extension.cache_clear()
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+    # torch's lock file, as a process killed inside cpp_extension.load leaves it: the next
+    # loader holds the kernel's flock, knows the file is stale, removes it and loads.
+    folder = extension.build_folder(elementwise.EXTENSION_NAME)
+    (folder / "lock").touch()
+    code = "from kvpilot.kernels.cpu import elementwise as e; assert e.load_extension() is not None"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=900)  # bounds a hang only
+    assert not (folder / "lock").exists()
