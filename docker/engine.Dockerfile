@@ -41,9 +41,8 @@ FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton compiles a small C launcher for each kernel at run time: it needs a C compiler and the
 # Python headers in the final image. On CPU nodes the C++ kernels (kernels/cpu/: paged decode
-# attention, the fused elementwise ops) are compiled by torch's cpp_extension when the engine
-# of a pod first starts, before it reports ready, into $HOME/.cache/torch_extensions/kvpilot
-# (the pods' writable /tmp, kept across container restarts): it needs g++ and ninja.
+# attention, the fused elementwise ops) are compiled by torch's cpp_extension at the first start of each pod, into
+# $HOME/.cache/torch_extensions (the pods' writable /tmp): it needs g++ and ninja.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev ninja-build \

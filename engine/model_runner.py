@@ -28,7 +28,6 @@ from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.engine.spec_decode.rejection_sampler import RejectionSampler
 from kvpilot.engine.structured_output import apply_grammar_bitmask
-from kvpilot.kernels import cpu as cpu_kernels
 
 if TYPE_CHECKING:
     from kvpilot.engine.lora.manager import LoRAManager
@@ -88,8 +87,6 @@ class ModelRunner:
         self.rejection_sampler = RejectionSampler(sampler)
         self.cache_dtype = cache_dtype or model.dtype
         self.kv_caches = allocate_kv_caches(model, num_blocks, block_size, device, self.cache_dtype)
-        if device.type == "cpu":
-            cpu_kernels.prepare()  # now, not at the first request
 
     @torch.inference_mode()
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:

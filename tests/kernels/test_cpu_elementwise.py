@@ -282,23 +282,3 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     code = "from kvpilot.kernels.cpu import elementwise as e; assert e.load_extension() is not None"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=900)  # bounds a hang only
     assert not (folder / "lock").exists()
-
-
-def test_a_cpu_engine_loads_its_kernels_at_start_up_not_at_its_first_request(tiny_model_dir):
-    # In a fresh process: building the engine (no request yet) has loaded both CPU kernels.
-    code = (
-        "import sys; from kvpilot.engine.llm import LLM; "
-        "from kvpilot.kernels.cpu import elementwise, paged_attention; "
-        "LLM(sys.argv[1], max_model_len=64); "
-        "print(elementwise.load_extension.cache_info().currsize, "
-        "paged_attention.load_extension.cache_info().currsize)"
-    )
-    folder = str(tiny_model_dir("llama"))
-    out = subprocess.run(
-        [sys.executable, "-c", code, folder],
-        check=True,
-        timeout=900,
-        capture_output=True,
-        text=True,
-    ).stdout
-    assert out.split()[-2:] == ["1", "1"], out
