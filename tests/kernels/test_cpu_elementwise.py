@@ -12,6 +12,7 @@ thread).
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from kvpilot.engine.layers.activation import SiluAndMul
 from kvpilot.engine.layers.layernorm import GemmaRMSNorm, RMSNorm
 from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding, apply_rotary_emb
 from kvpilot.kernels import reference
-from kvpilot.kernels.cpu import elementwise, extension
+from kvpilot.kernels.cpu import elementwise, extension, prebuilt
 
 pytestmark = pytest.mark.skipif(
     platform.machine() not in elementwise.MACHINES,
@@ -246,8 +247,12 @@ def test_bad_inputs_are_named():
         elementwise.rotary_neox(q.flatten(1), k, cos, sin)
 
 
-def test_a_failed_build_warns_once_and_the_layers_keep_the_torch_path(monkeypatch, caplog):
+def test_a_failed_build_warns_once_and_the_layers_keep_the_torch_path(
+    monkeypatch, caplog, tmp_path
+):
     from torch.utils import cpp_extension
+
+    monkeypatch.setenv(prebuilt.ENV_VAR, str(tmp_path))  # empty: the build path is taken
 
     calls = []
 
@@ -274,11 +279,13 @@ def test_a_failed_build_warns_once_and_the_layers_keep_the_torch_path(monkeypatc
         elementwise.load_extension.cache_clear()
 
 
-def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path):
     # torch's lock file, as a process killed inside cpp_extension.load leaves it: the next
-    # loader holds the kernel's flock, knows the file is stale, removes it and loads.
+    # loader holds the kernel's flock, knows the file is stale, removes it and loads (from
+    # torch's build cache: no prebuilt kernel here).
     folder = extension.build_folder(elementwise.EXTENSION_NAME)
     (folder / "lock").touch()
     code = "from kvpilot.kernels.cpu import elementwise as e; assert e.load_extension() is not None"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=900)  # bounds a hang only
+    env = {**os.environ, prebuilt.ENV_VAR: str(tmp_path)}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=900)  # bounds a hang
     assert not (folder / "lock").exists()

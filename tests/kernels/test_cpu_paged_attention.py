@@ -17,7 +17,7 @@ import torch
 
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
-from kvpilot.kernels.cpu import paged_attention
+from kvpilot.kernels.cpu import paged_attention, prebuilt
 
 BLOCK_SIZE = 16
 
@@ -182,8 +182,12 @@ def test_fp8_caches_and_the_switch_keep_the_torch_path(monkeypatch):
     assert not TorchAttentionBackend().uses_kernel(q, torch.zeros(3, 16, 2, 64))
 
 
-def test_a_failed_build_warns_once_and_the_backend_keeps_the_torch_path(monkeypatch, caplog):
+def test_a_failed_build_warns_once_and_the_backend_keeps_the_torch_path(
+    monkeypatch, caplog, tmp_path
+):
     from torch.utils import cpp_extension
+
+    monkeypatch.setenv(prebuilt.ENV_VAR, str(tmp_path))  # empty: the build path is taken
 
     calls = []
 
