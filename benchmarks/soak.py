@@ -16,9 +16,9 @@ these kinds (drawn with ``--seed``):
 - ``bad``: an invalid request (``max_tokens`` -1, an unknown model, a prompt over the context),
   which must get a 4xx.
 
-Every ``--sample-seconds`` the server's resident memory (``VmRSS`` of its process, from
-``/proc``) and its ``/metrics`` are read. When the load stops and the server is idle, the
-checks are:
+Every ``--sample-seconds`` the server's resident memory (``VmRSS`` of its process and of its
+engine-core process, from ``/proc``) and its ``/metrics`` are read. When the load stops and the
+server is idle, the checks are:
 
 - resident memory flat: the median of the last three samples at most ``--max-rss-growth``
   (5%) above the median of the first three after ``--warmup-minutes``;
@@ -179,11 +179,22 @@ async def client_loop(
 
 
 def rss_bytes(pid: int) -> int:
-    """Resident memory of process ``pid`` (``VmRSS``), bytes."""
+    """Resident memory of process ``pid`` and its descendants (the engine-core process),
+    the sum of their ``VmRSS``, bytes."""
+    total = 0
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no VmRSS for process {pid}")
+            total = int(line.split()[1]) * 1024
+            break
+    else:
+        raise RuntimeError(f"no VmRSS for process {pid}")
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in children.read_text().split():
+            try:
+                total += rss_bytes(int(child))
+            except (OSError, RuntimeError):
+                pass  # it exited meanwhile
+    return total
 
 
 KV_METRICS = (

@@ -1,26 +1,26 @@
-"""AsyncLLM: the engine behind an asyncio server (vLLM V1's ``AsyncLLM``, in one process).
+"""AsyncLLM: the engine behind an asyncio server (vLLM V1's ``AsyncLLM``).
 
-One background task drives the engine: whenever requests are unfinished it runs
-``LLMEngine.step()`` and hands each ``RequestOutput`` to the queue of the request it belongs to.
-Every engine call (add, step, abort, stats) runs on one dedicated worker thread, so the engine
-is never touched by two threads at once and the event loop stays free to serve HTTP while a step
-computes. A request added during a step is queued behind it on that thread and joins the batch
-at the next step (continuous batching). A consumer that stops reading (a client that
-disconnected) aborts its request, which frees its KV blocks before the next step. The one
-exception is compiling a structured-output grammar (thread-safe, seconds for a large schema):
-it runs on another worker thread, so that it neither blocks the loop nor delays a step.
+It reaches the engine through an engine-core client (``engine.core_client``): the engine on
+a worker thread of this process (``InprocClient``), or in a process of its own
+(``MPClient``, what ``kvpilot serve`` uses). Either way the engine steps whenever requests are
+unfinished and each step's ``RequestOutput``s reach here, where each goes to the queue of the
+request it belongs to. A request added during a step joins the batch at the next step
+(continuous batching). A consumer that stops reading (a client that disconnected) aborts its
+request, which frees its KV blocks before the next step. Compiling a structured-output
+grammar (seconds for a large schema) runs beside the steps, not between them.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from kvpilot.engine.core_client import EngineCoreClient, InprocClient
+from kvpilot.engine.engine_core import EngineCoreRequest
 from kvpilot.engine.executor.abstract import EngineDeadError
 from kvpilot.engine.kv_events import KVEventBatch
 from kvpilot.engine.lora.request import LoRARequest
@@ -112,12 +112,11 @@ class RequestStream:
 
 
 class AsyncLLM:
-    """Serves one ``LLMEngine`` to many concurrent asyncio consumers.
+    """Serves one engine core to many concurrent asyncio consumers.
 
     Args:
-        engine: an ``LLMEngine``: what is used of it is ``add_request``, ``step``,
-            ``abort_request``, ``has_unfinished_requests``, ``get_stats`` and the thread-safe
-            ``compile_grammar``.
+        client: an engine-core client (``engine.core_client``), or a loaded ``LLMEngine``,
+            served in this process (``InprocClient``).
         max_waiting_requests: the most requests allowed to wait for their first scheduling;
             ``add_request`` raises ``QueueFullError`` beyond it. None: unbounded.
         stat_loggers: observers of every step (Prometheus metrics).
@@ -127,55 +126,44 @@ class AsyncLLM:
 
     def __init__(
         self,
-        engine: Any,
+        client: EngineCoreClient | Any,
         max_waiting_requests: int | None = None,
         stat_loggers: Iterable[StatLogger] = (),
     ) -> None:
         if max_waiting_requests is not None and max_waiting_requests < 1:
             raise ValueError(f"max_waiting_requests must be >= 1, got {max_waiting_requests}")
-        self.engine = engine
+        is_engine = hasattr(client, "step")
+        self.client: EngineCoreClient = InprocClient(client) if is_engine else client
         self.max_waiting_requests = max_waiting_requests
         self.stat_loggers = list(stat_loggers)
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="engine")
         self._requests: dict[str, _Tracked] = {}
         self._num_adding = 0
-        self._work = asyncio.Event()
-        self._loop_task: asyncio.Task[None] | None = None
-        self.stats: EngineStats = engine.get_stats()
+        self.stats: EngineStats = self.client.info.stats
         self.num_steps = 0
-        # Set when a step fails with EngineDeadError (a tensor-parallel worker died): the engine
-        # cannot run another step, so new requests are refused and /health reports it.
+        # Set when the engine cannot run another step (a tensor-parallel worker or the
+        # engine-core process died): new requests are refused and /health reports it.
         self.dead_error: EngineDeadError | None = None
 
     def start(self) -> None:
-        """Start the background loop on the running event loop."""
-        if self._loop_task is None:
-            self._loop_task = asyncio.get_running_loop().create_task(
-                self._run_loop(), name="engine-loop"
-            )
+        """Start serving on the running event loop."""
+        self.client.start(self._on_step, self._on_failure)
 
     async def shutdown(self) -> None:
-        """Stop the loop, abort and end every open stream, and release the worker thread."""
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except asyncio.CancelledError:
-                pass
-            self._loop_task = None
-        if self.dead_error is None:
-            await self._call(self.engine.shutdown)
+        """Abort and end every open stream, then shut the engine core down."""
         open_requests = dict(self._requests)
         self._requests.clear()
-        # Pending aborts run before this one (one worker thread, first in first out).
-        self.stats = await self._call(_abort_and_stats, self.engine, list(open_requests))
+        if self.dead_error is None and open_requests:
+            try:
+                self.stats = await self.client.abort(list(open_requests))
+            except EngineDeadError:
+                pass
+        await self.client.shutdown(engine_dead=self.dead_error is not None)
         for tracked in open_requests.values():
             tracked.queue.put_nowait(EngineError("the server is shutting down"))
-        self._executor.shutdown(wait=True)
 
     @property
     def is_running(self) -> bool:
-        return self._loop_task is not None and not self._loop_task.done()
+        return self.client.is_running
 
     async def add_request(
         self,
@@ -192,7 +180,7 @@ class AsyncLLM:
             QueueFullError: ``max_waiting_requests`` requests are already waiting.
             ValueError: the engine rejected the request (empty or too long prompt, duplicate
                 id, an adapter it cannot load); the message names the problem.
-            EngineError: the loop is not running.
+            EngineError: the engine is not running.
         """
         if self.dead_error is not None:
             raise EngineError(f"the engine is dead: {self.dead_error}")
@@ -212,55 +200,52 @@ class AsyncLLM:
         arrival_time = time.time() if arrival_time is None else arrival_time
         self._num_adding += 1
         try:
-            self.stats = await self._call(
-                _add_and_stats,
-                self.engine,
-                request_id,
-                prompt,
-                params,
-                arrival_time,
-                cache_salt,
-                lora_request,
+            self.stats = await self.client.add_request(
+                EngineCoreRequest(
+                    request_id, prompt, params, arrival_time, cache_salt, lora_request
+                )
             )
         except asyncio.CancelledError:
             # The caller went away while the add was queued behind a step: undo it.
             tracked.finished = True
             self.abort(request_id)
             raise
+        except EngineDeadError as exc:
+            self._requests.pop(request_id, None)
+            raise EngineError(f"the engine is dead: {exc}") from None
         except BaseException:
-            del self._requests[request_id]
+            self._requests.pop(request_id, None)
             raise
         finally:
             self._num_adding -= 1
         self._notify_stats()
-        self._work.set()
         return RequestStream(self, request_id, tracked)
 
     async def compile_grammar(self, params: StructuredOutputsParams) -> None:
-        """Compile a structured-output constraint on a worker thread, neither the event loop
-        nor the engine thread, into the cache where ``add_request`` then finds it (a request
-        added without this compiles on the engine thread and delays the step behind it).
+        """Compile a structured-output constraint beside the steps (not between them) into the
+        engine's cache, where ``add_request`` then finds it (a request added without this
+        compiles between two steps and delays the second).
 
         Raises:
             ValueError: ``structured_outputs: ...`` naming what is invalid.
         """
-        await asyncio.to_thread(self.engine.compile_grammar, params)
+        await self.client.call("compile_grammar", params)
 
     async def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Register a LoRA adapter on the engine thread (``LLMEngine.add_lora``).
+        """Register a LoRA adapter between steps (``LLMEngine.add_lora``).
 
         Raises:
             ValueError: LoRA is off, or the adapter cannot be loaded.
         """
-        return await self._call(self.engine.add_lora, lora_request)
+        return await self.client.call("add_lora", lora_request)
 
     async def remove_lora(self, lora_name: str) -> bool:
-        """Unregister a LoRA adapter on the engine thread (``LLMEngine.remove_lora``).
+        """Unregister a LoRA adapter between steps (``LLMEngine.remove_lora``).
 
         Raises:
             ValueError: LoRA is off, or unfinished requests use the adapter.
         """
-        return await self._call(self.engine.remove_lora, lora_name)
+        return await self.client.call("remove_lora", lora_name)
 
     async def generate(
         self,
@@ -282,16 +267,14 @@ class AsyncLLM:
             return
         for logger_ in self.stat_loggers:
             logger_.record_abort(request_id)
-        future = asyncio.get_running_loop().run_in_executor(
-            self._executor, _abort_and_stats, self.engine, request_id
-        )
-        future.add_done_callback(self._on_abort_done)
+        self.client.abort([request_id]).add_done_callback(self._on_abort_done)
 
     def _on_abort_done(self, future: asyncio.Future[EngineStats]) -> None:
         if future.cancelled():
             return
         if future.exception() is not None:
-            logger.error("abort failed: %s", future.exception())
+            if not isinstance(future.exception(), EngineDeadError):
+                logger.error("abort failed: %s", future.exception())
             return
         self.stats = future.result()
         self._notify_stats()
@@ -301,9 +284,9 @@ class AsyncLLM:
             logger_.record_stats(self.stats)
 
     async def kv_events(self, since: int) -> KVEventBatch:
-        """The engine's KV events numbered ``since`` and later, read on the engine thread (which
-        owns the block pool), after the step in progress."""
-        return await self._call(self.engine.get_kv_events, since)
+        """The engine's KV events numbered ``since`` and later, read between steps (the engine
+        owns the block pool)."""
+        return await self.client.call("get_kv_events", since)
 
     async def check_health(self) -> None:
         """Return when the engine can serve; raise ``EngineDeadError`` naming the cause if not.
@@ -312,28 +295,14 @@ class AsyncLLM:
         """
         if self.dead_error is not None:
             raise self.dead_error
-        await self._call(self.engine.check_health)
+        await self.client.call("check_health")
 
-    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    async def _run_loop(self) -> None:
-        while True:
-            await self._work.wait()
-            self._work.clear()
-            while await self._call(self.engine.has_unfinished_requests):
-                try:
-                    outputs, self.stats = await self._call(_step_and_stats, self.engine)
-                except Exception as exc:
-                    await self._fail_all(exc)
-                    break
-                self.num_steps += 1
-                now = time.time()
-                for logger_ in self.stat_loggers:
-                    logger_.record_step(outputs, self.stats, now)
-                self._dispatch(outputs)
-
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+    def _on_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
+        self.num_steps += 1
+        self.stats = stats
+        now = time.time()
+        for logger_ in self.stat_loggers:
+            logger_.record_step(outputs, stats, now)
         for output in outputs:
             tracked = self._requests.get(output.request_id)
             if tracked is None:
@@ -342,49 +311,27 @@ class AsyncLLM:
             if output.finished:
                 del self._requests[output.request_id]
 
-    async def _fail_all(self, exc: Exception) -> None:
-        """A step raised: end every request in flight with the error, keep the loop alive."""
-        logger.exception("engine step failed; ending %d requests", len(self._requests))
+    def _on_failure(self, exc: Exception, stats: EngineStats | None) -> None:
+        """A step failed (its requests are aborted in the engine already) or the engine core
+        died: end every request in flight with the error; new requests are still served
+        unless the engine is dead."""
+        logger.error(
+            "engine step failed (%s: %s); ending %d requests",
+            type(exc).__name__,
+            exc,
+            len(self._requests),
+        )
         if isinstance(exc, EngineDeadError):
             self.dead_error = exc
-        failed = {request_id: self._requests.pop(request_id) for request_id in list(self._requests)}
-        try:
-            # Aborted before the consumers hear of it, so that they see a clean engine.
-            self.stats = await self._call(_abort_and_stats, self.engine, list(failed))
-        except Exception:
-            logger.exception("aborting the failed requests failed too")
+        failed = dict(self._requests)
+        self._requests.clear()
+        if stats is not None:
+            self.stats = stats
         self._notify_stats()
+        if failed and self.dead_error is None:
+            # Those the engine took after the failed step's aborts were not aborted there.
+            self.client.abort(list(failed)).add_done_callback(self._on_abort_done)
         for tracked in failed.values():
             tracked.queue.put_nowait(
                 EngineError(f"engine step failed: {type(exc).__name__}: {exc}")
             )
-
-
-def _add_and_stats(
-    engine: Any,
-    request_id: str,
-    prompt: str | dict[str, Any],
-    params: SamplingParams,
-    arrival_time: float,
-    cache_salt: str | None,
-    lora_request: LoRARequest | None,
-) -> EngineStats:
-    engine.add_request(
-        request_id,
-        prompt,
-        params,
-        arrival_time=arrival_time,
-        cache_salt=cache_salt,
-        lora_request=lora_request,
-    )
-    return engine.get_stats()
-
-
-def _step_and_stats(engine: Any) -> tuple[list[RequestOutput], EngineStats]:
-    outputs = engine.step()
-    return outputs, engine.get_stats()
-
-
-def _abort_and_stats(engine: Any, request_ids: str | list[str]) -> EngineStats:
-    engine.abort_request(request_ids)
-    return engine.get_stats()

@@ -15,7 +15,6 @@ server has one (the hashes tell which prompts were sent).
 from __future__ import annotations
 
 import asyncio
-import copy
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -112,7 +111,8 @@ def create_app(
     """Build the app; the engine is built by ``load_engine()`` in a worker thread at startup.
 
     Args:
-        load_engine: returns a ready ``LLMEngine`` (may take long: loads weights).
+        load_engine: returns a ready ``LLMEngine`` or engine-core client (``MPClient``); may
+            take long (loads weights).
         config: HTTP settings.
         on_load_error: called if ``load_engine`` raises (the CLI stops the server); ``/health``
             then keeps answering 503 with the error.
@@ -242,40 +242,40 @@ def create_app(
 
 
 def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
-    """Wrap a freshly loaded ``LLMEngine`` in ``AsyncLLM`` with metrics and start serving."""
-    max_model_len = engine.scheduler_config.max_model_len
-    cache = engine.cache_config
+    """Serve a freshly loaded engine (an ``LLMEngine``, or an engine-core client such as
+    ``MPClient``) through ``AsyncLLM`` with metrics."""
+    async_llm = AsyncLLM(engine, config.max_waiting_requests)
+    info = async_llm.client.info
     stat_logger = PrometheusStatLogger(
         config.served_model_names[0],
         state.registry,
-        max_model_len,
+        info.max_model_len,
         cache_config={
-            "block_size": cache.block_size,
-            "num_gpu_blocks": cache.num_blocks,
-            "enable_prefix_caching": cache.enable_prefix_caching,
-            "cache_dtype": str(engine.kv_cache_dtype).removeprefix("torch."),
-            "gpu_memory_utilization": engine.args.gpu_memory_utilization,
+            "block_size": info.block_size,
+            "num_gpu_blocks": info.num_blocks,
+            "enable_prefix_caching": info.enable_prefix_caching,
+            "cache_dtype": info.cache_dtype,
+            "gpu_memory_utilization": info.gpu_memory_utilization,
         },
     )
-    async_llm = AsyncLLM(engine, config.max_waiting_requests, stat_loggers=[stat_logger])
+    async_llm.stat_loggers.append(stat_logger)
     stat_logger.record_stats(async_llm.stats)
     async_llm.start()
-    # A copy of its own: the engine's tokenizer is busy on the engine thread.
-    own_tokenizer = copy.deepcopy(engine.tokenizer)
+    tokenizer = info.tokenizer
     if config.chat_template is not None:
-        own_tokenizer.chat_template = config.chat_template
-    tokenizer = AsyncTokenizer(own_tokenizer, max_prompt_tokens=max_model_len)
+        tokenizer.chat_template = config.chat_template
+    tokenizer = AsyncTokenizer(tokenizer, max_prompt_tokens=info.max_model_len)
     models = OpenAIServingModels(
-        async_llm, config.served_model_names, max_model_len, engine.list_loras()
+        async_llm, config.served_model_names, info.max_model_len, info.loras
     )
     args = (
         async_llm,
         tokenizer,
         config.served_model_names,
-        max_model_len,
-        engine.model_shape.vocab_size,
+        info.max_model_len,
+        info.vocab_size,
         models,
-        engine.get_default_sampling_params(),
+        info.default_sampling_params,
     )
     state.completion = OpenAIServingCompletion(*args)
     state.chat = OpenAIServingChat(
@@ -285,9 +285,9 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     )
     state.models = models
     state.tokenizer = tokenizer
-    state.max_model_len = max_model_len
-    state.block_size = cache.block_size
-    state.root_hash = engine.kv_cache_manager.root_hash.hex()
+    state.max_model_len = info.max_model_len
+    state.block_size = info.block_size
+    state.root_hash = info.root_hash
     state.engine = async_llm
 
 

@@ -41,6 +41,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer 503 with Retry-After once this many requests wait (default: no limit)",
     )
     server.add_argument(
+        "--engine-core-process",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the engine core (scheduling and the model) in a process of its own, beside "
+        "the API's (HTTP, tokenization, streaming), as vLLM V1 does; --no-engine-core-process "
+        "runs it on a thread of the server's process",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=UVICORN_LOG_LEVELS,
@@ -105,6 +113,10 @@ def run(args: argparse.Namespace) -> int:
     )
 
     def load_engine():
+        if args.engine_core_process:
+            from kvpilot.engine.core_client import MPClient
+
+            return MPClient(engine_args)
         from kvpilot.engine.llm_engine import LLMEngine
 
         return LLMEngine.from_engine_args(engine_args)
