@@ -5,7 +5,10 @@
 #
 #   benchmarks/peers/serve_side_by_side.sh            # 2 rounds, cores 0-1, 16 prompts
 #   CORES=0 THREADS=1 ROUNDS=1 benchmarks/peers/serve_side_by_side.sh
+#   SERVERS="vllm kvpilot kvpilot-thread" benchmarks/peers/serve_side_by_side.sh
 #
+# SERVERS: vllm; kvpilot (its engine core in a process of its own, the default);
+# kvpilot-thread (`--no-engine-core-process`: the engine core on a thread of the API's process).
 # Prints vLLM bench's own report per run; JSON results under $OUT (default /tmp/serve-bench).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -15,6 +18,7 @@ ROUNDS=${ROUNDS:-2}
 PROMPTS=${PROMPTS:-16}
 RATE=${RATE:-2}
 OUT=${OUT:-/tmp/serve-bench}
+SERVERS=${SERVERS:-vllm kvpilot}
 VLLM_PY=$("$REPO/benchmarks/peers/install-vllm.sh" | tail -1)
 MODEL=$("$REPO/.venv/bin/python" -c "from kvpilot.engine.model_loader import resolve_model; print(resolve_model(None))")
 NAME=smollm2
@@ -37,10 +41,12 @@ start_server() {  # name port -> pid
       --served-model-name "$NAME" --dtype float32 --max-model-len 2048 --host 127.0.0.1 \
       --port "$2" --seed 0 > "$OUT/$1.log" 2>&1 &
   else
+    local mode=()
+    [[ $1 == kvpilot-thread ]] && mode=(--no-engine-core-process)
     KVPILOT_NUM_THREADS=$THREADS OMP_NUM_THREADS=$THREADS \
       setsid taskset -c "$CORES" "$REPO/.venv/bin/kvpilot" serve --model "$MODEL" \
       --served-model-name "$NAME" --max-model-len 2048 --host 127.0.0.1 --port "$2" \
-      > "$OUT/$1.log" 2>&1 &
+      "${mode[@]}" > "$OUT/$1.log" 2>&1 &
   fi
   echo $!
 }
@@ -58,7 +64,7 @@ bench() {  # label port rate
 
 echo "machine: $(nproc) cores, $(uname -sr); cores $CORES, $THREADS threads; $PROMPTS prompts 128 in / 32 out"
 for round in $(seq "$ROUNDS"); do
-  for server in vllm kvpilot; do
+  for server in $SERVERS; do
     port=$([[ $server == vllm ]] && echo 8100 || echo 8101)
     pid=$(start_server "$server" "$port")
     wait_ready "$port"
