@@ -20,8 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvpilot.engine.core_client import EngineCoreClient, InprocClient
-from kvpilot.engine.engine_core import EngineCoreRequest
-from kvpilot.engine.executor.abstract import EngineDeadError
+from kvpilot.engine.engine_core import EngineCoreRequest, EngineDeadError
 from kvpilot.engine.kv_events import KVEventBatch
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import RequestOutput

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from kvpilot.engine import engine_core
-from kvpilot.engine.executor.abstract import EngineDeadError
+from kvpilot.engine.engine_core import EngineDeadError
 from kvpilot.engine.output_delta import OutputDeltaDecoder
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.stats import EngineStats

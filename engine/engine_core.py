@@ -20,6 +20,11 @@ from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.stats import EngineStats
 
 
+class EngineDeadError(RuntimeError):
+    """The engine cannot run another step (vLLM's name): a worker or the engine-core process
+    died or failed. Defined here, free of torch, for the API process; the executors raise it."""
+
+
 @dataclass
 class EngineCoreInfo:
     """What the API needs to know of a loaded engine (sent once, after loading).

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.request import Request
+
+if TYPE_CHECKING:  # the API process imports this module without torch
+    import torch
 
 
 @dataclass

@@ -26,12 +26,11 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from kvpilot.engine.sampling_params import StructuredOutputsParams
 from kvpilot.engine.scheduler_output import SchedulerOutput
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the API process imports this module (its checks) without torch
+    import torch
     import xgrammar
 
 logger = logging.getLogger("kvpilot.engine")
@@ -418,6 +417,8 @@ def apply_grammar_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: lis
             of word ``j // 32`` set when token ``j`` is allowed), on any device.
         rows: the logits row each bitmask row applies to.
     """
+    import torch
+
     vocab_size = logits.shape[1]
     shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
     words = bitmask.to(device=logits.device, dtype=torch.int32)

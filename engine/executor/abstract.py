@@ -5,13 +5,12 @@ from __future__ import annotations
 import abc
 from typing import Any
 
+from kvpilot.engine.engine_core import EngineDeadError
 from kvpilot.engine.executor.worker_input import WorkerInputEncoder
 from kvpilot.engine.model_runner import ModelRunnerOutput
 from kvpilot.engine.scheduler_output import SchedulerOutput
 
-
-class EngineDeadError(RuntimeError):
-    """A worker died or failed: the engine cannot run another step (vLLM's name)."""
+__all__ = ["DistributedExecutor", "EngineDeadError", "Executor"]
 
 
 class Executor(abc.ABC):

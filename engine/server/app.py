@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvpilot import __version__
 from kvpilot.engine.async_llm import AsyncLLM
-from kvpilot.engine.executor.abstract import EngineDeadError
+from kvpilot.engine.engine_core import EngineDeadError
 from kvpilot.engine.metrics import PrometheusStatLogger
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.errors import OpenAIError, install_error_handlers

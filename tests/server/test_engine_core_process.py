@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -102,3 +104,17 @@ async def test_a_dead_core_process_ends_requests_and_fails_health(llm):
         await llm.check_health()
     with pytest.raises(EngineError, match="dead"):
         await llm.add_request("refused", PROMPTS[0], params(2))
+
+
+def test_the_api_process_imports_no_torch(tmp_path):
+    """The API side (server, AsyncLLM, the client) stays free of torch and the model code: the
+    engine-core process holds those (here 127 MiB resident for the API against 660 MiB with
+    torch imported)."""
+    code = (
+        "import sys, kvpilot.engine.server.app, kvpilot.engine.core_client; "
+        "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('kvpilot.engine.executor')))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
+    assert result.stdout.strip() == "[]"
