@@ -31,7 +31,8 @@ How it decides, in order (docs/autoscaling.md explains each rule):
    loop, failed model load) no longer holds the fleet. Starting pods do not hold the
    replicas a forecast (rule 9) asks for; Pending ones do.
 6. **Scale to zero** after ``idleSeconds`` without traffic when ``minReplicas`` is 0; **wake from
-   zero** when a wake request (annotation ``kvpilot.dev/wake``) is newer than the last scaling.
+   zero** when a wake request (annotation ``kvpilot.dev/wake``) is newer than the last scaling
+   (to the stamp's resolution: a whole-second stamp counts as the end of its second).
    Requests a router holds for the deployment (``kvpilot.dev/held-requests``, reported with
    the wake time) are demand: a wake starts enough replicas to give each a sequence slot, and
    while pods are starting and none is Ready, more are asked for when the held requests
@@ -94,6 +95,12 @@ SATURATED_KV = 0.9
 
 LONG_CONTEXT_SHARE = 0.25
 """A running request holding this fraction of a replica's KV cache (4 fill it) is long."""
+
+WAKE_STAMP_RESOLUTION_SECONDS = 1.0
+"""A wake request's time is often whole seconds (``date +%s``): a stamp ``s`` stands for some
+moment in ``[s, s + 1)``, so it is newer than a scaling at ``t`` when ``s + 1 > t``. Read as the
+moment ``s`` itself, a wake written in the same second as a scale to zero (after it) would be
+taken for an older one and ignored."""
 
 STARTING_HOLD_FLOOR_SECONDS = 300.0
 """A placed, not-yet-Ready pod counts as starting for at least this long (the Kubernetes HPA's
@@ -498,8 +505,9 @@ def _activity(
     last_active = memory.last_active if memory.last_active is not None else now
     if panic is not None and panic.active:
         last_active = now
-    woken = fleet.wake_requested_at is not None and fleet.wake_requested_at > (
-        memory.last_scale_time if memory.last_scale_time is not None else -math.inf
+    woken = fleet.wake_requested_at is not None and (
+        fleet.wake_requested_at + WAKE_STAMP_RESOLUTION_SECONDS
+        > (memory.last_scale_time if memory.last_scale_time is not None else -math.inf)
     )
     if woken:  # a wake request is activity at its own time (renewals while requests wait)
         last_active = max(last_active, min(fleet.wake_requested_at, now))

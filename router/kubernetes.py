@@ -186,7 +186,7 @@ class KubernetesDiscovery:
             if now - self._woken.get(name, float("-inf")) < self.wake_interval_s:
                 continue
             self._woken[name] = now
-            await self._annotate(name, {WAKE_ANNOTATION: f"{now:.0f}"}, "wake request")
+            await self._annotate(name, {WAKE_ANNOTATION: f"{now:.3f}"}, "wake request")
 
     async def report_held(self, model: str, held: int) -> None:
         """Write ``held`` (requests held for ``model``) with a fresh wake time on each watched
@@ -214,7 +214,7 @@ class KubernetesDiscovery:
                 if name in ready or (recent and held == last):
                     continue
                 self._woken[name] = now
-                annotations = {WAKE_ANNOTATION: f"{now:.0f}", HELD_REQUESTS_ANNOTATION: str(held)}
+                annotations = {WAKE_ANNOTATION: f"{now:.3f}", HELD_REQUESTS_ANNOTATION: str(held)}
             self._held_written[name] = held
             await self._annotate(name, annotations, f"{held} held requests")
 

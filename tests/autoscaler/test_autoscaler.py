@@ -277,6 +277,17 @@ async def test_scale_to_zero_after_idle_then_wake():
     assert starting.desired_replicas == 1
 
 
+def test_a_whole_second_wake_stamp_in_the_second_of_the_scale_to_zero_wakes():
+    # `date +%s` written 0.3 s after a scale to zero at 400.5 reads 400: it may be the newer.
+    policy = AutoscalingPolicy(min_replicas=0, max_replicas=4, idle_seconds=120)
+    asleep = AutoscalerMemory(last_active=200.0, last_scale_time=400.5, first_decision=0.0)
+    woken = decide([], policy, FleetState(0, 0, wake_requested_at=400.0), asleep, now=401.0)
+    assert (woken.desired_replicas, woken.reason) == (1, "WakeFromZero")
+    # A stamp a whole second before the scaling is older than it.
+    stale = decide([], policy, FleetState(0, 0, wake_requested_at=399.0), asleep, now=401.0)
+    assert (stale.desired_replicas, stale.reason) == (0, "Idle")
+
+
 def test_a_ready_pod_not_scraped_holds_a_scale_down_and_the_scale_to_zero():
     idle = pod_samples(0.0, 0.1, 1)  # the one pod that answered; its busy peer did not
     memory = AutoscalerMemory(first_decision=-1000.0, replica_tokens_per_second=1000.0)
