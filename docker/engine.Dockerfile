@@ -41,9 +41,9 @@ FROM ${CUDA_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
 # Triton compiles a small C launcher for each kernel at run time: it needs a C compiler and the
 # Python headers in the final image. The C++ CPU kernels (kernels/cpu/: paged decode attention,
-# the fused elementwise ops) are compiled here, once, with g++ and ninja (see below); g++ and
-# ninja stay so that an engine whose prebuilt kernels do not match (another torch) can still
-# build them into $HOME/.cache/torch_extensions.
+# the fused elementwise ops, the GEMM of the linear layers) are compiled here, once, with g++ and
+# ninja (see below); g++ and ninja stay so that an engine whose prebuilt kernels do not match
+# (another torch) can still build them into $HOME/.cache/torch_extensions.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3 python3-dev gcc g++ libc6-dev ninja-build \

@@ -1,11 +1,17 @@
-"""The matrix multiply of every linear layer: oneDNN with a pre-packed weight for float32 on CPU.
+"""The matrix multiply of every linear layer: for float32 on the CPU, kvpilot's packed-panel
+kernel where the CPU has AVX-512, else oneDNN with a pre-packed weight.
 
 ``F.linear`` on a float32 CPU tensor calls the BLAS the wheel was built with (MKL), which on
-some CPUs (AMD's among them) runs a slower code path; oneDNN's brgemm kernels use the CPU's
-widest vector units, and with the weight reordered once into oneDNN's blocked layout they ran
-2.3-3x faster than ``F.linear`` here (AMD EPYC, AVX-512), prefill and decode shapes alike. vLLM's
-CPU backend packs its linear weights for oneDNN for the same reason. Both compute in float32
-(no reduced-precision math mode), only the order of the additions differs.
+some CPUs (AMD's among them) runs a slower code path. Two faster paths, both computing in
+float32 (no reduced-precision math):
+
+- :mod:`kvpilot.kernels.cpu.gemm` (AVX-512): 1.15-1.35x oneDNN at decode batch sizes, within a
+  few percent of it at prefill sizes, at the memory's bandwidth for a few rows; and its
+  summation order depends on ``K`` alone, so a row's result does not depend on the batch it
+  is in (batch invariance);
+- oneDNN's brgemm kernels (``torch.ops.mkldnn._linear_pointwise``) with the weight reordered
+  once into oneDNN's blocked layout, 2.3-3x faster than ``F.linear`` here (AMD EPYC); vLLM's
+  CPU backend packs its linear weights for oneDNN too. Used where the kernel is not available.
 
 Once the weights are loaded, the engine replaces each linear layer's weight by its packed copy
 (:func:`prepack`), so the packed layout is the only copy in memory. A weight that also serves
@@ -19,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvpilot.kernels.cpu import gemm
+
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_reorder_linear_weight"
 )
@@ -26,36 +34,51 @@ _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
 
 def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        _ONEDNN
-        and x.device.type == "cpu"
+        x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and (_ONEDNN or gemm.available())
     )
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The oneDNN-packed copy of a float32 CPU ``weight``, or None where oneDNN is not used.
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` (float32 on the CPU) in the layout :func:`linear` multiplies fastest here."""
+    with torch.no_grad():
+        if gemm.available():
+            return gemm.pack_weight(weight)
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
-    The result is an opaque ``torch._mkldnn`` tensor of the same shape and dtype (no strides,
-    no storage): only :func:`linear` reads it, so the caller drops the dense weight for it.
+
+def prepack(weight: torch.Tensor) -> torch.Tensor | None:
+    """The packed copy of a float32 CPU ``weight``, or None where neither the kernel nor oneDNN
+    is used.
+
+    The result has the weight's shape and dtype and no dense values: a
+    :class:`kvpilot.kernels.cpu.gemm.PackedWeight` (AVX-512) or an opaque ``torch._mkldnn``
+    tensor. Only :func:`linear` reads it, so the caller drops the dense weight for it.
 
     Args:
         weight: ``[out_features, in_features]``.
     """
-    if not (_ONEDNN and weight.device.type == "cpu" and weight.dtype == torch.float32):
+    if not (weight.device.type == "cpu" and weight.dtype == torch.float32):
         return None
-    with torch.no_grad():
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+    if not (gemm.available() or _ONEDNN):
+        return None
+    return _pack(weight)
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a packed copy from :func:`prepack` (no dense values)."""
+    return isinstance(weight, gemm.PackedWeight) or weight.is_mkldnn
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` reordered for oneDNN, cached on the tensor until it changes."""
+    """``weight`` packed, cached on the tensor until it changes."""
     key = (weight.data_ptr(), weight._version)
-    cached = getattr(weight, "_kvpilot_onednn", None)
+    cached = getattr(weight, "_kvpilot_packed", None)
     if cached is None or cached[0] != key:
-        with torch.no_grad():
-            cached = (key, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None))
-        weight._kvpilot_onednn = cached
+        cached = (key, _pack(weight))
+        weight._kvpilot_packed = cached
     return cached[1]
 
 
@@ -71,12 +94,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     Returns:
         ``[..., out_features]`` in ``x``'s dtype.
     """
-    if weight.is_mkldnn:
+    if is_packed(weight):
         packed = weight
     elif _eligible(x, weight):
         packed = _packed(weight)
     else:
         return F.linear(x, weight, bias)
+    if isinstance(packed, gemm.PackedWeight):
+        return gemm.packed_linear(x, packed, bias)
     out = torch.ops.mkldnn._linear_pointwise(
         x.reshape(-1, x.shape[-1]), packed, bias, "none", [], ""
     )

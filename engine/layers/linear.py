@@ -38,7 +38,7 @@ from kvpilot.engine.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from kvpilot.engine.layers.cpu_gemm import linear, prepack
+from kvpilot.engine.layers.cpu_gemm import is_packed, linear, prepack
 from kvpilot.engine.layers.quantization.base_config import (
     LinearMethodBase,
     LinearWeightShape,
@@ -516,7 +516,7 @@ class RowParallelLinear(Linear):
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
-    """Replace the weight of every matmul-only layer by its oneDNN-packed copy, in place.
+    """Replace the weight of every matmul-only layer by its packed copy, in place.
 
     A float32 model on the CPU otherwise holds each linear weight twice: the dense parameter
     and the packed copy :func:`~kvpilot.engine.layers.cpu_gemm.linear` multiplies with. After
@@ -538,7 +538,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
         weight = module._parameters.get("weight")
         if not (isinstance(module, Linear) or getattr(module, "matmul_only_weight", False)):
             continue
-        if weight is None or weight.is_mkldnn or holders[id(weight)] > 1:
+        if weight is None or is_packed(weight) or holders[id(weight)] > 1:
             continue
         packed = prepack(weight)
         if packed is not None:

@@ -32,7 +32,6 @@ they are used on x86-64 only (where ATen's summation order is the one reproduced
 
 from __future__ import annotations
 
-import functools
 import logging
 import pathlib
 import platform
@@ -68,12 +67,7 @@ def enabled() -> bool:
     return platform.machine() in MACHINES and extension.env_enabled(ENV_VAR)
 
 
-@functools.cache
-def load_extension() -> ModuleType | None:
-    """The compiled extension, loaded on the first call of the process (from the prebuilt
-    folder, else built into torch's cache), or None after logging one warning when it cannot be
-    built or loaded (see :func:`kvpilot.kernels.cpu.extension.build`)."""
-    return extension.build(KERNEL)
+load_extension = extension.loader(KERNEL)
 
 
 def available() -> bool:

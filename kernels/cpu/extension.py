@@ -30,11 +30,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import logging
 import os
 import pathlib
 import platform
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -95,6 +96,21 @@ def build(kernel: Kernel) -> ModuleType | None:
             "%s unavailable (%s); %s", kernel.what, prebuilt.describe(exc), kernel.fallback
         )
         return None
+
+
+def loader(kernel: Kernel) -> Callable[[], ModuleType | None]:
+    """A kernel wrapper's ``load_extension()``: :func:`build` of ``kernel`` on the first call of
+    the process, the same result after (one build attempt, one warning per process;
+    ``.cache_clear()`` forgets it)."""
+
+    @functools.cache
+    def load_extension() -> ModuleType | None:
+        """The compiled extension, loaded on the first call of the process (from the prebuilt
+        folder, else built into torch's cache), or None after logging one warning when it
+        cannot be built or loaded (see :func:`kvpilot.kernels.cpu.extension.build`)."""
+        return build(kernel)
+
+    return load_extension
 
 
 def jit_build(kernel: Kernel) -> ModuleType:

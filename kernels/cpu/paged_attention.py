@@ -23,10 +23,8 @@ path (the engine's torch attention backend: ``index_select`` gather plus SDPA).
 
 from __future__ import annotations
 
-import functools
 import logging
 import pathlib
-from types import ModuleType
 
 import torch
 
@@ -52,12 +50,7 @@ def enabled() -> bool:
     return extension.env_enabled(ENV_VAR)
 
 
-@functools.cache
-def load_extension() -> ModuleType | None:
-    """The compiled extension, loaded on the first call of the process (from the prebuilt
-    folder, else built into torch's cache), or None after logging one warning when it cannot be
-    built or loaded (see :func:`kvpilot.kernels.cpu.extension.build`)."""
-    return extension.build(KERNEL)
+load_extension = extension.loader(KERNEL)
 
 
 def available() -> bool:

@@ -411,6 +411,7 @@ def test_cpu_gemm_linear_matches_float64_and_follows_weight_updates():
 def test_prepacked_linear_weights_keep_one_copy_and_the_same_logits(
     tiny_model_dir, tie_word_embeddings
 ):
+    from kvpilot.engine.layers.cpu_gemm import is_packed
     from kvpilot.engine.layers.linear import Linear, prepack_linear_weights
 
     model, hf = load_both(tiny_model_dir("llama", tie_word_embeddings=tie_word_embeddings))
@@ -420,10 +421,10 @@ def test_prepacked_linear_weights_keep_one_copy_and_the_same_logits(
         dense_bytes += model.lm_head.weight.nbytes
 
     assert prepack_linear_weights(model) == dense_bytes
-    assert all(m.weight.is_mkldnn for m in linears)
+    assert all(is_packed(m.weight) for m in linears)
     # A tied head shares the embedding table, which lookups need dense.
-    assert model.lm_head.weight.is_mkldnn is not tie_word_embeddings
-    assert not model.model.embed_tokens.weight.is_mkldnn
+    assert is_packed(model.lm_head.weight) is not tie_word_embeddings
+    assert not is_packed(model.model.embed_tokens.weight)
     assert prepack_linear_weights(model) == 0  # nothing left to pack
     logits = PagedBatch(model).forward(model, [("a", PROMPT_A)])
     torch.testing.assert_close(logits, hf_logits(hf, PROMPT_A), atol=ATOL, rtol=ATOL)

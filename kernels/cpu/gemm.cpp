@@ -1,0 +1,252 @@
+// The float32 matrix multiply of the linear layers on the CPU: y[M, N] = x[M, K] W[N, K]^T, with
+// W packed once into panels of 32 output features (AVX-512).
+//
+// Layout. A weight of N rows is cut into ceil(N / 32) panels of 32 rows (the last zero-padded);
+// a panel is stored k-major, [K][32], so that the 32 weights of one input feature are two
+// adjacent 64-byte vectors and a panel is one contiguous stream (pack_weight).
+//
+// Summation order, fixed by K alone. The K input features are cut into chunks of kChunk (128)
+// consecutive ones (the last may be shorter). Each output element is
+//
+//     y = (((p_0 + p_1) + p_2) + ...)   with   p_c = fma(x[k_c + 127], w[k_c + 127], ... fma(x[k_c], w[k_c], 0))
+//
+// every partial sum p_c taken in k order with one rounding per fused multiply-add. Nothing in it
+// depends on M, on the other rows of x, on how the work is split over threads or on which
+// micro-kernel runs it, so a row's result is the same bit for bit whatever the batch it is in
+// (batch invariance: a request's tokens do not depend on the requests beside it). oneDNN's
+// blocking, by contrast, changes with M.
+//
+// Micro-kernels. A call computes `rows` (1..12) rows of x against one panel: 2 x rows AVX-512
+// accumulators, the weights of each k loaded once and every x[i][k] broadcast. Prefill-sized
+// batches use 12 rows (24 accumulators, 2 weight loads and 12 broadcasts per 24 FMAs). A few rows
+// alone would leave the FMA units waiting on two or four accumulator chains, so for up to 6 rows
+// several chunks of the same panel are summed at once (rows x chunks <= 12, each its own
+// accumulators) and combined in chunk order afterwards, which gives the same sums as one chunk
+// after the other. The next weights are prefetched 16 k ahead: for decode-sized batches the
+// weights stream from memory once per step and the kernel is bound by memory bandwidth.
+//
+// Work split. Rows are taken in chunks of 240 (so the chunk of x stays in the L3 cache while the
+// panels pass, each panel in L2 for all of them) and, within one, the panels are split over ATen's OpenMP threads
+// (at::parallel_for, so torch.set_num_threads applies); each thread's panels stream from memory
+// once. The Python wrapper is kernels/cpu/gemm.py; engine/layers/cpu_gemm.py uses it for every
+// float32 linear layer on an AVX-512 CPU.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <string>
+#include <utility>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KVPILOT_X86 1
+#include <immintrin.h>
+#else
+#define KVPILOT_X86 0
+#endif
+
+namespace {
+
+constexpr int64_t kPanel = 32;             // output features per panel
+constexpr int kVecs = kPanel / 16;         // AVX-512 vectors per panel row
+constexpr int64_t kChunk = 128;            // input features per partial sum (the summation order)
+constexpr int64_t kRowChunk = 240;         // rows of x per pass over the panels
+constexpr int64_t kPrefetch = 16;          // k steps ahead the weights are prefetched
+constexpr int kMaxAcc = 24;                // accumulator registers per call
+constexpr int kMaxRows = kMaxAcc / kVecs;  // rows per micro-kernel call (12)
+constexpr int kMaxChains = kMaxRows;       // rows x concurrent chunks per call
+
+bool cpu_supported() {
+#if KVPILOT_X86
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("fma");
+#else
+  return false;
+#endif
+}
+
+#if KVPILOT_X86
+
+// Chunks [first_chunk, first_chunk + CH) of one panel for ROWS rows of x: their partial sums
+// (`len` input features each; CH > 1 only for whole chunks), added in chunk order to y, or
+// stored as the start of it when first_chunk is chunk 0. `cols` of the 32 are written. Several
+// chunks at once (CH > 1) only for up to kMaxRows / 2 rows.
+template <int ROWS, int CH>
+__attribute__((target("avx512f,fma"))) void chunk_group(const float* __restrict x, int64_t ldx,
+                                                         const float* __restrict panel,
+                                                         int64_t k0, int64_t len,
+                                                         float* __restrict y, int64_t ldy,
+                                                         int cols, bool first) {
+  __m512 acc[CH][ROWS][kVecs];
+#pragma GCC unroll 16
+  for (int h = 0; h < CH; ++h) {
+#pragma GCC unroll 16
+    for (int i = 0; i < ROWS; ++i) {
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) acc[h][i][v] = _mm512_setzero_ps();
+    }
+  }
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < len; ++k) {
+#pragma GCC unroll 16
+    for (int h = 0; h < CH; ++h) {
+      const int64_t kk = k0 + h * kChunk + k;
+      const float* w = panel + kk * kPanel;
+      __m512 wv[kVecs];
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPanel + 16 * v), _MM_HINT_T0);
+        wv[v] = _mm512_loadu_ps(w + 16 * v);
+      }
+#pragma GCC unroll 16
+      for (int i = 0; i < ROWS; ++i) {
+        const __m512 a = _mm512_set1_ps(x[i * ldx + kk]);
+#pragma GCC unroll 4
+        for (int v = 0; v < kVecs; ++v) acc[h][i][v] = _mm512_fmadd_ps(a, wv[v], acc[h][i][v]);
+      }
+    }
+  }
+  __mmask16 mask[kVecs];
+#pragma GCC unroll 4
+  for (int v = 0; v < kVecs; ++v) {
+    const int n = std::clamp(cols - 16 * v, 0, 16);
+    mask[v] = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+  }
+#pragma GCC unroll 16
+  for (int i = 0; i < ROWS; ++i) {
+#pragma GCC unroll 4
+    for (int v = 0; v < kVecs; ++v) {
+      __m512 sum = acc[0][i][v];
+      if (!first) sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], y + i * ldy + 16 * v), sum);
+#pragma GCC unroll 16
+      for (int h = 1; h < CH; ++h) sum = _mm512_add_ps(sum, acc[h][i][v]);
+      _mm512_mask_storeu_ps(y + i * ldy + 16 * v, mask[v], sum);
+    }
+  }
+}
+
+using ChunkGroup = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*,
+                            int64_t, int, bool);
+
+template <int ROWS, int CH>
+constexpr ChunkGroup group_or_null() {
+  if constexpr (ROWS * CH <= kMaxChains && (CH == 1 || 2 * ROWS <= kMaxRows)) {
+    return &chunk_group<ROWS, CH>;
+  } else {
+    return nullptr;
+  }
+}
+
+template <int ROWS, int... CH>
+constexpr std::array<ChunkGroup, kMaxChains> groups_of(std::integer_sequence<int, CH...>) {
+  return {group_or_null<ROWS, CH + 1>()...};
+}
+
+template <int... ROWS>
+constexpr std::array<std::array<ChunkGroup, kMaxChains>, kMaxRows> group_table(
+    std::integer_sequence<int, ROWS...>) {
+  return {groups_of<ROWS + 1>(std::make_integer_sequence<int, kMaxChains>{})...};
+}
+
+// kGroups[rows - 1][chunks - 1]: null where rows x chunks > 12, or chunks > 1 with rows > 6.
+constexpr auto kGroups = group_table(std::make_integer_sequence<int, kMaxRows>{});
+
+// y[rows, cols] of one panel: every chunk, several at once where the rows are few.
+void panel_rows(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int rows,
+                int cols) {
+  const int64_t num_chunks = (K + kChunk - 1) / kChunk, whole = K / kChunk;
+  const int64_t at_once = 2 * rows <= kMaxRows ? kMaxChains / rows : 1;
+  int64_t c = 0;
+  while (c < whole) {
+    const int64_t n = std::min(at_once, whole - c);
+    kGroups[rows - 1][n - 1](x, K, panel, c * kChunk, kChunk, y, ldy, cols, c == 0);
+    c += n;
+  }
+  if (c < num_chunks) {
+    kGroups[rows - 1][0](x, K, panel, c * kChunk, K - c * kChunk, y, ldy, cols, c == 0);
+  }
+}
+
+#endif  // KVPILOT_X86
+
+void check(bool ok, const std::string& message) { TORCH_CHECK(ok, "kvpilot cpu gemm: ", message); }
+
+}  // namespace
+
+bool supported() { return cpu_supported(); }
+
+torch::Tensor pack_weight(const torch::Tensor& weight) {
+  check(weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
+        "the weight must be a 2-D float32 CPU tensor");
+  const int64_t N = weight.size(0), K = weight.size(1);
+  const int64_t panels = (N + kPanel - 1) / kPanel;
+  auto packed = torch::zeros({panels, K, kPanel}, weight.options());
+  const auto dense = weight.contiguous();
+  const float* src = dense.data_ptr<float>();
+  float* dst = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t rows = std::min(kPanel, N - p * kPanel);
+      for (int64_t j = 0; j < rows; ++j) {
+        const float* row = src + (p * kPanel + j) * K;
+        float* out = dst + p * K * kPanel + j;
+        for (int64_t k = 0; k < K; ++k) out[k * kPanel] = row[k];
+      }
+    }
+  });
+  return packed;
+}
+
+void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& packed,
+                   int64_t N) {
+  check(cpu_supported(), "this CPU has no AVX-512");
+  check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
+            x.device().is_cpu(),
+        "x must be a contiguous [M, K] float32 CPU tensor");
+  check(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel &&
+            packed.scalar_type() == torch::kFloat32,
+        "the packed weight must come from pack_weight");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
+  check(packed.size(1) == K, "x has " + std::to_string(K) + " features, the weight " +
+                                 std::to_string(packed.size(1)));
+  check(N > (panels - 1) * kPanel && N <= panels * kPanel,
+        "out_features " + std::to_string(N) + " does not match the packed weight");
+  check(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() &&
+            y.scalar_type() == torch::kFloat32,
+        "y must be a contiguous [M, N] float32 tensor");
+  if (M == 0 || N == 0) return;
+  if (K == 0) {
+    y.zero_();
+    return;
+  }
+#if KVPILOT_X86
+  const float* xp = x.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+    const int64_t rows_here = std::min(kRowChunk, M - m0);
+    const int64_t calls = (rows_here + kMaxRows - 1) / kMaxRows;
+    at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) {
+        const int cols = static_cast<int>(std::min(kPanel, N - p * kPanel));
+        int64_t m = m0;
+        for (int64_t call = 0; call < calls; ++call) {
+          // The rows left, spread evenly over the calls left (no call of one or two rows).
+          const int64_t left = m0 + rows_here - m, calls_left = calls - call;
+          const int rows = static_cast<int>((left + calls_left - 1) / calls_left);
+          panel_rows(xp + m * K, K, wp + p * K * kPanel, yp + m * N + p * kPanel, N, rows, cols);
+          m += rows;
+        }
+      }
+    });
+  }
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("supported", &supported, "Whether this CPU runs the kernel (AVX-512F and FMA).");
+  m.def("pack_weight", &pack_weight, "W[N, K] -> panels [ceil(N / 32), K, 32], zero-padded.");
+  m.def("packed_linear", &packed_linear, "y[M, N] = x[M, K] W^T with W packed (float32).");
+}

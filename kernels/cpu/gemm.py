@@ -1,0 +1,163 @@
+"""The float32 matrix multiply of the linear layers on the CPU (a C++ PyTorch extension).
+
+``y = x W^T`` for ``x`` ``[M, K]`` and a weight ``W`` ``[N, K]`` packed once (:func:`pack_weight`)
+into panels of 32 output features stored k-major, so that each panel streams from memory as
+one run of 64-byte vectors. AVX-512 micro-kernels multiply up to 12 rows of ``x`` against a
+panel with fused multiply-adds; the panels are split over ATen's OpenMP threads
+(``torch.set_num_threads``).
+
+The summation order is fixed by ``K`` alone: the input features are cut into chunks of 128 (the
+last may be shorter), each chunk's partial sum is taken in order from zero, and the partial
+sums are added in chunk order. It does not depend on ``M``, on the other rows, or on the
+thread count, so a row's result is the same bit for bit in any batch (batch invariance: a
+request's tokens do not depend on the requests scheduled beside it), where oneDNN's blocking
+changes with ``M``. Against oneDNN (``torch.ops.mkldnn._linear_pointwise`` with a packed weight,
+what the engine used before) it ran 1.15-1.35x faster at decode batch sizes (8-64 rows) and
+within a few percent at prefill sizes; at 1-4 rows both read the weights at the memory's
+bandwidth (``benchmarks/cpu_gemm.py``; figures in docs/benchmarks.md).
+
+The source is ``gemm.cpp`` beside this file (package data), prebuilt or built on first use
+like the other CPU kernels (:mod:`kvpilot.kernels.cpu.extension`). It needs AVX-512F (and FMA):
+:func:`available` is False elsewhere, as it is when the build fails (one warning) or when
+``KVPILOT_CPU_GEMM=0`` turns it off, and the engine then keeps oneDNN.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import pathlib
+from types import ModuleType
+
+import torch
+
+from kvpilot.kernels.cpu import extension
+
+ENV_VAR = "KVPILOT_CPU_GEMM"
+SOURCE = pathlib.Path(__file__).with_name("gemm.cpp")
+EXTENSION_NAME = "kvpilot_cpu_gemm"
+KERNEL = extension.Kernel(
+    EXTENSION_NAME,
+    SOURCE,
+    "CPU GEMM kernel",
+    "float32 linear layers keep oneDNN",
+)
+PANEL = 32
+"""Output features per panel of a packed weight."""
+
+
+def enabled() -> bool:
+    """Whether ``$KVPILOT_CPU_GEMM`` allows the kernel (unset or anything but
+    ``0``/``false``/``off``/``no``)."""
+    return extension.env_enabled(ENV_VAR)
+
+
+load_extension = extension.loader(KERNEL)
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel runs here: enabled, built (builds on the first call) and an AVX-512
+    CPU."""
+    if not enabled():
+        return False
+    ext = load_extension()
+    return ext is not None and bool(ext.supported())
+
+
+class PackedWeight(torch.Tensor):
+    """A linear layer's weight ``[out_features, in_features]`` float32, held only as the
+    kernel's panels: a tensor of that shape, dtype and device for whoever asks (``.shape``,
+    ``nn.Parameter``, LoRA's sizing), whose one use is :func:`packed_linear`.
+
+    Attributes:
+        panels: ``[ceil(out_features / 32), in_features, 32]`` float32, contiguous, the rows
+            past ``out_features`` zero.
+
+    Any other operation on it raises ``RuntimeError`` naming the operation: the dense values
+    are not kept.
+    """
+
+    panels: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, panels: torch.Tensor, out_features: int) -> PackedWeight:
+        weight = torch.Tensor._make_wrapper_subclass(
+            cls,
+            (out_features, panels.shape[1]),
+            dtype=panels.dtype,
+            device=panels.device,
+            requires_grad=False,
+        )
+        weight.panels = panels
+        return weight
+
+    def __repr__(self) -> str:  # the default one would read the values
+        return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        # nn.Parameter detaches its data; nothing else has a meaning for a packed weight.
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return PackedWeight(args[0].panels, args[0].shape[0])
+        raise RuntimeError(
+            f"a packed linear weight only multiplies (kvpilot.kernels.cpu.gemm.packed_linear); "
+            f"{func} is not supported"
+        )
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight:
+    """``weight`` ``[out_features, in_features]`` float32 on the CPU, packed for the kernel (a
+    copy; ``weight`` is not kept).
+
+    Raises:
+        RuntimeError: the kernel is not available (see :func:`available`), or another dtype,
+            device or rank.
+    """
+    ext = _extension()
+    with torch.no_grad():
+        return PackedWeight(ext.pack_weight(weight.detach()), weight.shape[0])
+
+
+def packed_linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x W^T + b`` in the kernel's fixed summation order (see the module docstring).
+
+    Args:
+        x: ``[..., in_features]`` float32 on the CPU (copied first if not contiguous).
+        weight: from :func:`pack_weight`.
+        bias: ``[out_features]`` float32, added after the sum, or None.
+
+    Returns:
+        ``[..., out_features]`` float32, a new tensor.
+
+    Raises:
+        RuntimeError: the kernel is not available, or shapes, dtypes or devices that do not
+            match (the message names them).
+    """
+    ext = _extension()
+    out_features = weight.shape[0]
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
+    out = torch.empty((rows.shape[0], out_features), dtype=x.dtype, device=x.device)
+    ext.packed_linear(out, rows, weight.panels, out_features)
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], out_features)
+
+
+def _extension() -> ModuleType:
+    if not available():
+        raise RuntimeError(
+            "the CPU GEMM kernel is not available (switched off, not built, or no AVX-512)"
+        )
+    return load_extension()
+
+
+if __name__ == "__main__":
+    # ``python -m kvpilot.kernels.cpu.gemm``: load the kernel now (building it into torch's
+    # cache if the prebuilt folder lacks it); ``python -m kvpilot.kernels.cpu`` also installs it
+    # into the prebuilt folder.
+    logging.basicConfig(level=logging.INFO)
+    print("CPU GEMM kernel:", "available" if available() else "unavailable (oneDNN)")
