@@ -26,6 +26,11 @@ class SamplerOutput:
     logprobs: list[tuple[float, dict[int, tuple[float, int]]] | None]
 
 
+CANDIDATES = 64
+"""Tokens a truncated row is taken from without looking at the rest of the vocabulary (see
+:meth:`Sampler._sample_random` and :func:`_top_p`)."""
+
+
 class Sampler:
     """Samples one token per request, each row independent of the others in the batch.
 
@@ -88,14 +93,34 @@ class Sampler:
         return SamplerOutput(token_ids=sampled.tolist(), logprobs=logprobs)
 
     def _sample_random(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """Draw from ``[n, vocab]`` logits after temperature and truncation; ``[n]`` int64."""
-        probs = compute_probs(logits, [r.sampling_params for r in requests])
-        return (probs / self.exponential_noise(requests, probs.shape[1])).argmax(dim=-1)
+        """Draw from ``[n, vocab]`` logits after temperature and truncation; ``[n]`` int64.
 
-    def exponential_noise(self, requests: list[Request], vocab_size: int) -> torch.Tensor:
-        """``[len(requests), vocab_size]`` float32 ``Exp(1)`` draws, each row from its
-        request's own generator when it has a seed, else from the shared one."""
-        noise = torch.empty(len(requests), vocab_size, device=self.device)
+        A row whose truncated distribution has at most ``CANDIDATES`` tokens (top-k, top-p or
+        min-p leave a few) races among its top ``CANDIDATES`` tokens only, with that many
+        ``Exp(1)`` draws: a token outside them has probability 0 and cannot win, so the draw
+        is the same distribution as over the whole vocabulary, without a vocabulary's worth
+        of random numbers per row. Other rows race over the vocabulary.
+        """
+        probs = compute_probs(logits, [r.sampling_params for r in requests])
+        sampled = torch.empty(len(requests), dtype=torch.long, device=probs.device)
+        few = ((probs > 0).sum(dim=-1) <= CANDIDATES).tolist()
+        for rows, width in ((_rows(few, True), CANDIDATES), (_rows(few, False), probs.shape[1])):
+            if not rows:
+                continue
+            noise = self.exponential_noise([requests[i] for i in rows], width)
+            if width == probs.shape[1]:
+                sampled[rows] = (probs[rows] / noise).argmax(dim=-1)
+            else:
+                top, token_ids = probs[rows].topk(width, dim=-1)
+                sampled[rows] = token_ids.gather(1, (top / noise).argmax(dim=-1, keepdim=True))[
+                    :, 0
+                ]
+        return sampled
+
+    def exponential_noise(self, requests: list[Request], width: int) -> torch.Tensor:
+        """``[len(requests), width]`` float32 ``Exp(1)`` draws, each row from its request's own
+        generator when it has a seed, else from the shared one."""
+        noise = torch.empty(len(requests), width, device=self.device)
         shared_rows = []
         for row, request in enumerate(requests):
             generator = self.generator_for(request)
@@ -105,7 +130,7 @@ class Sampler:
                 noise[row].exponential_(generator=generator)
         if shared_rows:
             noise[shared_rows] = torch.empty(
-                len(shared_rows), vocab_size, device=self.device
+                len(shared_rows), width, device=self.device
             ).exponential_(generator=self.generator)
         return noise
 
@@ -139,7 +164,7 @@ def compute_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
     if any(top_k):
         vocab = logits.shape[1]
         k = torch.tensor([t if 0 < t < vocab else vocab for t in top_k], device=logits.device)
-        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1).unsqueeze(1))
+        kth = logits.topk(int(k.max()), dim=-1).values.gather(1, (k - 1).unsqueeze(1))
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = logits.softmax(dim=-1)
     top_p = [p.top_p for p in params]
@@ -155,9 +180,29 @@ def compute_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
 def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """Zero the tail of each row outside its nucleus (the smallest set with mass >= top_p).
 
-    The most likely token always survives, so ``top_p`` near 0 degenerates to greedy.
+    The most likely token always survives, so ``top_p`` near 0 degenerates to greedy. A row
+    whose ``CANDIDATES`` most likely tokens already hold ``top_p`` of the mass (the usual case)
+    is cut from those alone (a partial selection); only the others sort the whole vocabulary.
+    Both give the same nucleus: the mass before a token is the same running sum of the same
+    descending values either way.
     """
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p.unsqueeze(1), 0.0)
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    width = min(CANDIDATES, probs.shape[1])
+    top, order = probs.topk(width, dim=-1)
+    mass_before = top.cumsum(dim=-1) - top
+    enough = (mass_before[:, -1] + top[:, -1] >= top_p) | (width == probs.shape[1])
+    out = torch.zeros_like(probs)
+    near = enough.nonzero().flatten()
+    if len(near):
+        kept = top[near].masked_fill(mass_before[near] >= top_p[near].unsqueeze(1), 0.0)
+        out[near] = out[near].scatter_(1, order[near], kept)
+    far = (~enough).nonzero().flatten()
+    if len(far):
+        sorted_probs, full_order = probs[far].sort(dim=-1, descending=True)
+        before = sorted_probs.cumsum(dim=-1) - sorted_probs
+        sorted_probs = sorted_probs.masked_fill(before >= top_p[far].unsqueeze(1), 0.0)
+        out[far] = out[far].scatter_(1, full_order, sorted_probs)
+    return out
+
+
+def _rows(flags: list[bool], value: bool) -> list[int]:
+    return [i for i, flag in enumerate(flags) if flag is value]
