@@ -18,6 +18,7 @@ import torch
 
 from kvpilot.engine.attention.layer import enable_kv_scale_calculation
 from kvpilot.engine.distributed import get_pp_state, init_distributed_environment
+from kvpilot.engine.executor.cpu_allocator import tune_for_cpu_engine
 from kvpilot.engine.executor.worker_input import CachedRequestStates, WorkerInput
 from kvpilot.engine.layers.linear import prepack_linear_weights
 from kvpilot.engine.model_loader import load_model
@@ -123,6 +124,8 @@ class Worker:
         self.device = config.device_of_rank(rank if local_rank is None else local_rank)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
+        if self.device.type == "cpu":
+            tune_for_cpu_engine()
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         if config.world_size > 1:
