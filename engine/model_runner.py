@@ -202,10 +202,41 @@ class ModelRunner:
         lens = [max_model_len] * (num_tokens // max_model_len)
         if num_tokens % max_model_len:
             lens.append(num_tokens % max_model_len)
+        scratch = allocate_kv_caches(self.model, 1, self.block_size, self.device, self.cache_dtype)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden, last_rows = self._dummy_forward(lens, scratch)
+        if not get_pp_state().is_last_rank:
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.max_memory_allocated(self.device)
+        self.model.compute_logits(hidden[last_rows])
+        # The largest logits a step holds: one slice of prompt-logprobs rows, log-softmaxed.
+        rows = min(num_tokens, rows_per_slice(self.model.vocab_size))
+        torch.log_softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.max_memory_allocated(self.device)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """One small step's work on made-up tokens, nothing written to the cache (every slot
+        -1): a 16-token prompt and a one-token decode, then their logits. The first forward pass
+        of a process pays for what later ones reuse (the kernels' libraries loaded, the thread
+        pool started, the allocator's pages touched: 0.25 s for a 2-token request here), so the
+        engine pays it before it reports ready, not its first request."""
+        hidden, last_rows = self._dummy_forward([16, 1], self.kv_caches)
+        if get_pp_state().is_last_rank:
+            self.model.compute_logits(hidden[last_rows])
+
+    def _dummy_forward(
+        self, lens: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    ) -> tuple[torch.Tensor | IntermediateTensors, torch.Tensor]:
+        """A forward pass of sequences of ``lens`` made-up tokens, each its whole context, on
+        ``kv_caches`` without writing them (block 0 is read as their context); the hidden
+        states (or a middle stage's activations) and each sequence's last row."""
+        num_tokens = sum(lens)
         query_start_loc = torch.tensor(
             [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32
         )
-        scratch = allocate_kv_caches(self.model, 1, self.block_size, self.device, self.cache_dtype)
         metadata = AttentionMetadata(
             slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=self.device),
             query_start_loc=query_start_loc.to(self.device),
@@ -216,14 +247,11 @@ class ModelRunner:
             max_query_len=max(lens),
             max_seq_len=max(lens),
         )
-        torch.cuda.synchronize(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
         input_ids = torch.zeros(num_tokens, dtype=torch.int64, device=self.device)
         positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        pp = get_pp_state()
         intermediate = None
-        if not pp.is_first_rank:
-            # Stand-ins for the previous stage's activations: profiling runs stages alone.
+        if not get_pp_state().is_first_rank:
+            # Stand-ins for the previous stage's activations: these passes run stages alone.
             zeros = torch.zeros(
                 num_tokens,
                 self.model.config.hidden_size,
@@ -231,16 +259,8 @@ class ModelRunner:
                 device=self.device,
             )
             intermediate = IntermediateTensors(zeros, zeros.clone())
-        hidden = _forward(self.model, input_ids, positions, scratch, metadata, intermediate)
-        if not pp.is_last_rank:
-            torch.cuda.synchronize(self.device)
-            return torch.cuda.max_memory_allocated(self.device)
-        self.model.compute_logits(hidden[query_start_loc[1:].long().to(self.device) - 1])
-        # The largest logits a step holds: one slice of prompt-logprobs rows, log-softmaxed.
-        rows = min(num_tokens, rows_per_slice(self.model.vocab_size))
-        torch.log_softmax(self.model.compute_logits(hidden[:rows]), dim=-1)
-        torch.cuda.synchronize(self.device)
-        return torch.cuda.max_memory_allocated(self.device)
+        hidden = _forward(self.model, input_ids, positions, kv_caches, metadata, intermediate)
+        return hidden, (query_start_loc[1:] - 1).long().to(self.device)
 
 
 def _forward(

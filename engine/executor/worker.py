@@ -198,6 +198,9 @@ class Worker:
             self.sampler,
             self.config.kv_cache_dtype,
         )
+        if self.device.type == "cpu":
+            # Before the fp8 scales are armed: made-up tokens must not set them.
+            self.model_runner.warm_up()
         if self.config.calculate_kv_scales:
             enable_kv_scale_calculation(self.model)
 

@@ -11,7 +11,8 @@ import shutil
 import pytest
 import torch
 
-from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine import LLM, LLMEngine, SamplingParams
+from kvpilot.engine.config import EngineArgs
 from tests.engine.helpers import NEW_TOKENS, assert_no_leak, generate_ids, greedy, hf_greedy
 
 # K and V of the tiny test models: 2 layers x 2 KV heads x head_dim 16, float32.
@@ -294,3 +295,18 @@ def test_the_triton_backend_on_the_cpu_outside_the_interpreter_is_refused(
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="--attention-backend triton needs a CUDA device"):
         LLM(str(tiny_model_dir("llama")), device="cpu", attention_backend="triton")
+
+
+def test_the_warm_up_pass_writes_nothing_and_counts_nothing(llama_dir):
+    # The CPU warm-up forward at start (ModelRunner.warm_up) runs on made-up tokens: the cache
+    # must stay as allocated (zeros) and no counter may see it.
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(llama_dir), max_model_len=64))
+    caches = engine.model_runner.kv_caches
+    assert all(not t.any() for pair in caches for t in pair)
+    stats = engine.get_stats()
+    assert (stats.prompt_tokens_total, stats.generation_tokens_total) == (0, 0)
+    assert (
+        engine.kv_cache_manager.block_pool.get_num_free_blocks() == engine.cache_config.num_blocks
+    )
+    engine.model_runner.warm_up()  # again, by hand: still nothing written
+    assert all(not t.any() for pair in caches for t in pair)
