@@ -13,9 +13,13 @@ values are quantized as they are written and dequantized to the activation dtype
 gathered (``reference.quantize_to_cache`` / ``dequantize_from_cache``), so attention itself
 runs as with a float cache.
 
-On the CPU, with a float32 or bfloat16 cache, decode sequences skip the gather and SDPA: the C++
-kernel ``kvpilot.kernels.cpu.paged_attention`` reads their blocks in place through the block
-tables, one call per layer for all of them, sliding windows included. The gather + SDPA path
+On the CPU, with a float32 or bfloat16 cache, every query token skips the gather and SDPA: the
+C++ kernel ``kvpilot.kernels.cpu.paged_attention`` reads the blocks in place through the block
+tables, one call per layer for the whole step, sliding windows included. A decode sequence's
+token is one query; a prompt's (or prompt chunk's, or draft's) token at position ``p`` is one
+query over positions ``0..p`` of its sequence (causal attention), so a token's attention is
+computed the same way whether it is prefilled alone, in a chunk, in a batch or decoded (and
+per-sequence SDPA calls, 4-5x slower on these prompt lengths, are gone). The gather + SDPA path
 stays the reference and the fallback: for fp8 caches, when the kernel cannot be built (one
 warning), and when ``KVPILOT_CPU_PAGED_ATTENTION=0`` or ``TorchAttentionBackend(
 paged_decode_kernel=False)`` turns it off.
@@ -73,19 +77,22 @@ class DecodePlan:
 
 
 @dataclass
-class PagedDecodePlan:
-    """Every decode sequence of a step, for the in-place kernel (no slots, no padding).
+class PagedQueryPlan:
+    """Every query token of a step, in row order, for the in-place kernel (no slots, no
+    padding).
 
     Attributes:
-        rows: ``[num_decodes]`` int64 token rows, or None when the decodes are every token of
-            the step, in order.
-        seq_lens: ``[num_decodes]`` int32 context lengths (tokens).
-        block_tables: ``[num_decodes, max_blocks_per_seq]`` int32, contiguous.
+        seq_lens: ``[num_tokens]`` int32 context length of each token (tokens, its own
+            included): its position + 1.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, contiguous.
+        table_rows: ``[num_tokens]`` int32 sequence (row of ``block_tables``) of each token, or
+            None when every sequence has one token (decodes only: token ``i`` is sequence
+            ``i``).
     """
 
-    rows: torch.Tensor | None
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    table_rows: torch.Tensor | None
 
 
 @dataclass
@@ -112,11 +119,11 @@ class StepPlan:
     Attributes:
         write_rows: ``[n]`` int64 rows whose K/V are cached, or None for all rows.
         write_slots: ``[n]`` int64 their flat slots.
-        decodes: the decode sequences, in groups of similar length (empty when
-            ``paged_decode`` holds them).
-        prefills: the other sequences.
-        paged_decode: the decode sequences for the in-place kernel, or None (none, or the
-            gather path).
+        decodes: the decode sequences, in groups of similar length (empty when ``in_place``
+            holds them).
+        prefills: the other sequences (empty when ``in_place`` holds them).
+        in_place: every token of the step for the in-place kernel, or None (the gather
+            path).
         masks: sliding window (None: full attention) -> (one ``[num_decodes, 1, 1, max_len]``
             bool mask per decode group, one ``[q_len, seq_len]`` bool mask per prefill, None
             for a whole prompt without a window: plain causal attention).
@@ -126,7 +133,7 @@ class StepPlan:
     write_slots: torch.Tensor
     decodes: list[DecodePlan]
     prefills: list[PrefillPlan]
-    paged_decode: PagedDecodePlan | None = None
+    in_place: PagedQueryPlan | None = None
     masks: dict[int | None, tuple[list[torch.Tensor], list[torch.Tensor | None]]] = field(
         default_factory=dict
     )
@@ -187,15 +194,15 @@ def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -
 
 
 def plan_step(
-    attn_metadata: AttentionMetadata, block_size: int, in_place_decode: bool = False
+    attn_metadata: AttentionMetadata, block_size: int, in_place: bool = False
 ) -> StepPlan:
     """Derive the per-step tensors of :class:`StepPlan` from the batch layout (one host sync).
 
     Args:
         attn_metadata: the batch layout.
         block_size: tokens per cache block.
-        in_place_decode: plan the decode sequences for the in-place kernel
-            (``StepPlan.paged_decode``) instead of gathered groups (``StepPlan.decodes``).
+        in_place: plan every token for the in-place kernel (``StepPlan.in_place``) instead of
+            gathered decode groups and per-sequence prefills.
     """
     device = attn_metadata.seq_lens.device
     starts = attn_metadata.query_start_loc.tolist()
@@ -206,10 +213,9 @@ def plan_step(
         write_rows = torch.nonzero(slot_mapping >= 0).flatten()
         slot_mapping = slot_mapping[write_rows]
 
+    if in_place:  # no slot of any position is needed
+        return StepPlan(write_rows, slot_mapping, [], [], _paged_queries(attn_metadata, starts))
     decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
-    if in_place_decode and len(decode) == len(seq_lens):
-        # Decodes only, for the kernel: no slot of any position is needed (most steps).
-        return StepPlan(write_rows, slot_mapping, [], [], _paged_decode(attn_metadata, decode))
     max_len = max(seq_lens)
     positions = torch.arange(max_len, device=device)
     tables = attn_metadata.block_tables[:, : -(-max_len // block_size)].long()
@@ -220,9 +226,6 @@ def plan_step(
         for i, n in enumerate(seq_lens)
         if starts[i + 1] - starts[i] > 1
     ]
-    if in_place_decode:
-        paged = _paged_decode(attn_metadata, decode) if decode else None
-        return StepPlan(write_rows, slot_mapping, [], prefills, paged)
     decode_plans = []
     for group in group_by_length([seq_lens[i] for i in decode], GROUP_OVERHEAD_TOKENS):
         seqs = [decode[g] for g in group]
@@ -238,14 +241,24 @@ def plan_step(
     return StepPlan(write_rows, slot_mapping, decode_plans, prefills)
 
 
-def _paged_decode(attn_metadata: AttentionMetadata, decode: list[int]) -> PagedDecodePlan:
-    """The kernel's plan for the decode sequences ``decode`` (indices, at least one)."""
-    starts = attn_metadata.query_start_loc
-    lens, block_tables, rows = attn_metadata.seq_lens, attn_metadata.block_tables, None
-    if len(decode) != len(lens):  # some rows are prefills: pick the decodes out
-        index = torch.tensor(decode, device=lens.device)
-        lens, block_tables, rows = lens[index], block_tables[index], starts[index].long()
-    return PagedDecodePlan(rows, lens.to(torch.int32), block_tables.to(torch.int32).contiguous())
+def _paged_queries(attn_metadata: AttentionMetadata, starts: list[int]) -> PagedQueryPlan:
+    """The kernel's plan for every token of the step; ``starts`` is ``query_start_loc``."""
+    seq_lens = attn_metadata.seq_lens.to(torch.int32)
+    tables = attn_metadata.block_tables.to(torch.int32).contiguous()
+    if starts[-1] == len(seq_lens):  # one token each: decodes only (most steps)
+        return PagedQueryPlan(seq_lens, tables, None)
+    device = seq_lens.device
+    q_lens = torch.tensor(starts, device=device).diff()
+    table_rows = torch.repeat_interleave(
+        torch.arange(len(seq_lens), dtype=torch.int32, device=device), q_lens
+    )
+    # A sequence's new tokens are its last q_len positions: token j of q_len has context
+    # seq_len - q_len + j + 1.
+    offsets = torch.arange(starts[-1], device=device) - torch.tensor(
+        starts[:-1], device=device
+    ).repeat_interleave(q_lens)
+    token_lens = (seq_lens - q_lens).repeat_interleave(q_lens) + offsets + 1
+    return PagedQueryPlan(token_lens.to(torch.int32), tables, table_rows)
 
 
 class TorchAttentionBackend:
@@ -270,16 +283,12 @@ class TorchAttentionBackend:
         )
 
     def plan(
-        self, attn_metadata: AttentionMetadata, block_size: int, in_place_decode: bool = False
+        self, attn_metadata: AttentionMetadata, block_size: int, in_place: bool = False
     ) -> StepPlan:
         """The step plan of ``attn_metadata``, computed on its first layer and then reused."""
-        if (
-            self._plan is None
-            or self._plan[0] is not attn_metadata
-            or self._plan[1] != in_place_decode
-        ):
-            plan = plan_step(attn_metadata, block_size, in_place_decode)
-            self._plan = (attn_metadata, in_place_decode, plan)
+        if self._plan is None or self._plan[0] is not attn_metadata or self._plan[1] != in_place:
+            plan = plan_step(attn_metadata, block_size, in_place)
+            self._plan = (attn_metadata, in_place, plan)
         return self._plan[2]
 
     def uses_kernel(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -320,25 +329,22 @@ class TorchAttentionBackend:
             _Gather(v_flat, v_scale, query.dtype),
         )
 
-        paged = plan.paged_decode
-        if paged is not None and paged.rows is None:
-            return paged_attention.paged_decode_attention(
-                query, k_cache, v_cache, paged.block_tables, paged.seq_lens, scale, sliding_window
-            )
-        decode_masks, prefill_masks = plan.masks_for(sliding_window)
-        if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
-            return self._decode(query, k_flat, v_flat, plan.decodes[0], decode_masks[0], scale)
-        out = torch.empty_like(query)
+        paged = plan.in_place
         if paged is not None:
-            out[paged.rows] = paged_attention.paged_decode_attention(
-                query[paged.rows],
+            return paged_attention.paged_decode_attention(
+                query,
                 k_cache,
                 v_cache,
                 paged.block_tables,
                 paged.seq_lens,
                 scale,
                 sliding_window,
+                table_rows=paged.table_rows,
             )
+        decode_masks, prefill_masks = plan.masks_for(sliding_window)
+        if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
+            return self._decode(query, k_flat, v_flat, plan.decodes[0], decode_masks[0], scale)
+        out = torch.empty_like(query)
         for d, mask in zip(plan.decodes, decode_masks, strict=True):
             out[d.rows] = self._decode(query[d.rows], k_flat, v_flat, d, mask, scale)
         for p, mask in zip(plan.prefills, prefill_masks, strict=True):

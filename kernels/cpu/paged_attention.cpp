@@ -1,22 +1,26 @@
-// Paged decode attention on the CPU: PagedAttention (Kwon et al. 2023), reading K/V in place.
+// Paged attention on the CPU: PagedAttention (Kwon et al. 2023), reading K/V in place.
 //
-// Every decode sequence has one query token attending to its whole context (or the last
-// `sliding_window` positions of it). Its keys and values stay where they are in the paged
-// cache, reached through its block table; nothing is gathered or padded, and no slot past a
-// sequence's end is ever read. The work is split over (sequence, KV head) pairs with
-// at::parallel_for (ATen's OpenMP pool, so torch.set_num_threads applies); each pair handles the
-// num_heads / num_kv_heads query heads that share its KV head (GQA), in a pass over its K blocks
-// and one over its V blocks:
+// Every query token attends to its whole context (or the last `sliding_window` positions of
+// it): a decode sequence's one new token, or a prompt's token at position p, whose context is
+// positions 0..p of its sequence (`table_rows` names each query's block table row). Keys and
+// values stay where they are in the paged cache, reached through the block table; nothing is
+// gathered or padded, and no slot past a sequence's end reaches an output. The work is split
+// over (query, KV head) pairs, dealt round-robin to the threads of at::parallel_for (ATen's
+// OpenMP pool, so torch.set_num_threads applies; a prompt's later tokens have more context, so
+// contiguous shares would be uneven); each pair handles the num_heads / num_kv_heads query heads
+// that share its KV head (GQA), in a pass over its K blocks and one over its V blocks:
 //
 //   scores[g, t] = scale * q[g] . k[t]            (float32 accumulation)
 //   p[g, t]      = exp(scores[g, t] - max_t scores[g, t]) / sum_t exp(...)
 //   out[g]       = sum_t p[g, t] * v[t]           (float32 accumulation, one division at the end)
 //
-// Decode attention reads each K/V row once for little arithmetic, so it is bound by memory: the
-// rows of the block two ahead are prefetched while a block is read (the blocks are scattered, the
-// hardware prefetcher cannot follow). Whole blocks of 16 positions go through AVX-512 intrinsics
-// where the CPU has them (16 dot products reduced together; the V sums in registers); partial
-// blocks and other CPUs take plain loops compiled for AVX-512, AVX2 and baseline x86-64 (GCC
+// A token's result depends on its context alone, not on whether it is prefilled in one step, in
+// chunks or decoded, nor on the batch. Decode attention reads each K/V row once for little
+// arithmetic, so it is bound by memory: the rows of the block two ahead are prefetched while a
+// block is read (the blocks are scattered, the hardware prefetcher cannot follow). Groups of 16
+// positions from a block's start go through AVX-512 intrinsics where the CPU has them (16 dot
+// products reduced together; the V sums in registers); positions after an unaligned window
+// start and other CPUs take plain loops compiled for AVX-512, AVX2 and baseline x86-64 (GCC
 // target_clones, picked at load time), so the built library may move between x86 machines.
 // The Python wrapper is kernels/cpu/paged_attention.py.
 
@@ -88,7 +92,8 @@ inline void prefetch_row(const scalar_t* p, int64_t count) {
 // Sizes of one call, in elements, and whether the AVX-512 dot products apply (the CPU has
 // AVX-512F, head_dim and block_size are multiples of 16).
 struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq;
+  int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, num_tables,
+      max_blocks_per_seq;
   bool dot16;
 };
 
@@ -151,21 +156,23 @@ __attribute__((target("avx512f"))) void dot16(const float* __restrict q,
   _mm512_storeu_ps(scores, add_lanes(add_lanes(quads[0], quads[1]), add_lanes(quads[2], quads[3])));
 }
 
-// acc[0..head_dim) += sum_i p[i] * v_i for the rows v_i = v + i * row_stride, i < 16, with the
-// accumulators in registers across the 16 rows (four independent chains of 16 floats); the same
-// rows at `next` are prefetched along the way.
-template <typename scalar_t>
+// acc[0..head_dim) += sum_i p[i] * v_i for the rows v_i = v + i * row_stride, i < n (16 when
+// kWhole), with the accumulators in registers across the rows (four independent chains of 16
+// floats); the same rows at `next` are prefetched along the way. Rows from n on are not read.
+template <bool kWhole, typename scalar_t>
 __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
                                                      const float* __restrict p,
                                                      const scalar_t* __restrict v,
                                                      const scalar_t* __restrict next,
-                                                     int64_t row_stride, int64_t head_dim) {
+                                                     int64_t row_stride, int64_t head_dim,
+                                                     int n) {
+  const int rows = kWhole ? 16 : n;
   int64_t c = 0;
   for (; c + 64 <= head_dim; c += 64) {
     __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
     __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < rows; ++i) {
       const __m512 pi = _mm512_set1_ps(p[i]);
       const scalar_t* vi = v + i * row_stride + c;
       prefetch_row(next + i * row_stride + c, 64);
@@ -182,7 +189,7 @@ __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
   for (; c < head_dim; c += 16) {
     __m512 a = _mm512_loadu_ps(acc + c);
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < rows; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T0);
       a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), load16(v + i * row_stride + c), a);
     }
@@ -192,8 +199,9 @@ __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
 #endif
 
 // Scores are kept in rows of a multiple of 16 floats (the padding holds -inf, whose exp is 0),
-// so the softmax loops run whole vectors, without a scalar remainder.
-inline int64_t padded_span(int64_t span) { return (span + 15) / 16 * 16; }
+// so the softmax loops run whole vectors, without a scalar remainder; with 15 more, the 16
+// scores of a sequence's last, partial group of positions fit wherever the group starts.
+inline int64_t padded_span(int64_t span) { return (span + 15 + 15) / 16 * 16; }
 
 // One (sequence, KV head) pair: `group` query heads over positions [start, seq_len).
 // q: [group, head_dim] float32, already multiplied by the scale. scores: [group,
@@ -224,9 +232,11 @@ __attribute__((always_inline)) inline void attend_one(
     return cache + static_cast<int64_t>(block_table[b]) * block_size * row_stride + head_offset;
   };
 
-  // Calls sixteen(rows, next_rows, i) for each 16 positions of a whole block when the AVX-512
-  // dot products apply, else one(row, i) for each position after prefetching its row in the
-  // block next_block(b); i is the position's index in the scores, rows point into `cache`.
+  // Calls sixteen(rows, next_rows, i, n) for each 16 positions of a block read from its start
+  // when the AVX-512 dot products apply (n < 16 of them in the sequence at its end: the block's
+  // rows past them exist, and their scores land in the padding that is reset to -inf), else
+  // one(row, i) for each position after prefetching its row in the block next_block(b); i is
+  // the position's index in the scores, rows point into `cache`.
   auto walk = [&](const scalar_t* cache, auto next_block, auto sixteen, auto one)
                   __attribute__((always_inline)) {
     for (int64_t b = first_block; b <= last_block; ++b) {
@@ -234,11 +244,11 @@ __attribute__((always_inline)) inline void attend_one(
       const int64_t t1 = std::min((b + 1) * block_size, seq_len);
       const scalar_t* rows = block_rows(cache, b);
       const scalar_t* next = next_block(b);
-      const bool whole = s.dot16 && t0 == b * block_size && t1 == t0 + block_size;
-      for (int64_t t = t0; t < t1; t += whole ? 16 : 1) {
+      const bool aligned = s.dot16 && t0 == b * block_size;
+      for (int64_t t = t0; t < t1; t += aligned ? 16 : 1) {
         const int64_t row = (t - b * block_size) * row_stride;
-        if (whole) {
-          sixteen(rows + row, next + row, t - start);
+        if (aligned) {
+          sixteen(rows + row, next + row, t - start, static_cast<int>(std::min<int64_t>(16, t1 - t)));
         } else {
           prefetch_row(next + row, head_dim);
           one(rows + row, t - start);
@@ -257,7 +267,7 @@ __attribute__((always_inline)) inline void attend_one(
                    : block_rows(v_cache,
                                 std::min(first_block + ahead - last_block - 1, last_block));
       },
-      [&](const scalar_t* k, const scalar_t* next, int64_t i) __attribute__((always_inline)) {
+      [&](const scalar_t* k, const scalar_t* next, int64_t i, int) __attribute__((always_inline)) {
 #if KVPILOT_X86
         for (int64_t g = 0; g < group; ++g)
           dot16(q + g * head_dim, k, next, row_stride, head_dim, scores + g * stride + i);
@@ -297,10 +307,18 @@ __attribute__((always_inline)) inline void attend_one(
       [&](int64_t b) __attribute__((always_inline)) {
         return block_rows(v_cache, std::min(b + kAhead, last_block));
       },
-      [&](const scalar_t* v, const scalar_t* next, int64_t i) __attribute__((always_inline)) {
+      [&](const scalar_t* v, const scalar_t* next, int64_t i, int n)
+          __attribute__((always_inline)) {
 #if KVPILOT_X86
-        for (int64_t g = 0; g < group; ++g)
-          accumulate16(acc + g * head_dim, scores + g * stride + i, v, next, row_stride, head_dim);
+        for (int64_t g = 0; g < group; ++g) {
+          float* ag = acc + g * head_dim;
+          const float* pg = scores + g * stride + i;
+          if (n == 16) {
+            accumulate16<true>(ag, pg, v, next, row_stride, head_dim, n);
+          } else {
+            accumulate16<false>(ag, pg, v, next, row_stride, head_dim, n);
+          }
+        }
 #endif
       },
       [&](const scalar_t* v, int64_t i) __attribute__((always_inline)) {
@@ -353,7 +371,8 @@ inline AttendOne<c10::BFloat16> pick_attend_one(const Shape& s, c10::BFloat16*) 
 template <typename scalar_t>
 void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-         const torch::Tensor& seq_lens, double scale, int64_t sliding_window, const Shape& s) {
+         const torch::Tensor& seq_lens, const torch::Tensor& table_rows, double scale,
+         int64_t sliding_window, const Shape& s) {
   const int64_t num_seqs = query.size(0), head_dim = s.head_dim;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
@@ -361,13 +380,20 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
   const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* rows_of = table_rows.numel() > 0 ? table_rows.data_ptr<int32_t>() : nullptr;
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t q_stride = query.stride(0), out_stride = out.stride(0);
 
   const AttendOne<scalar_t> attend = pick_attend_one(s, out_ptr);
-  at::parallel_for(0, num_seqs * s.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // The (query, KV head) items are dealt round-robin to the threads: the queries of one prompt
+  // attend to 1, 2, 3, ... positions, so contiguous shares would leave the last thread most of
+  // the work.
+  const int64_t num_items = num_seqs * s.num_kv_heads;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
     std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t worker = first_worker; worker < last_worker; ++worker)
+    for (int64_t item = worker; item < num_items; item += workers) {
       const int64_t seq = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
       const int64_t seq_len = lens[seq];
       scalar_t* o = out_ptr + seq * out_stride + kv_head * group * head_dim;
@@ -377,13 +403,16 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
       }
       TORCH_CHECK(seq_len <= s.max_blocks_per_seq * s.block_size, "paged_decode_attention: ",
                   "seq_lens[", seq, "] = ", seq_len, " exceeds its block table");
+      const int64_t table_row = rows_of != nullptr ? rows_of[seq] : seq;
+      TORCH_CHECK(table_row >= 0 && table_row < s.num_tables, "paged_decode_attention: ",
+                  "table_rows[", seq, "] = ", table_row, " is not a row of block_tables");
       const int64_t start =
           sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
       const scalar_t* qs = q_ptr + seq * q_stride + kv_head * group * head_dim;
       for (int64_t i = 0; i < group * head_dim; ++i)
         q[i] = to_float(qs[i]) * static_cast<float>(scale);
       scores.resize(group * padded_span(seq_len - start));
-      attend(q.data(), k_ptr, v_ptr, tables + seq * s.max_blocks_per_seq, start, seq_len,
+      attend(q.data(), k_ptr, v_ptr, tables + table_row * s.max_blocks_per_seq, start, seq_len,
              kv_head, group, s, scores.data(), acc.data(), o);
     }
   });
@@ -394,7 +423,8 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
 // See kernels/cpu/paged_attention.py (paged_decode_attention) for the contract.
 void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                             torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, double scale, int64_t sliding_window) {
+                            torch::Tensor seq_lens, torch::Tensor table_rows, double scale,
+                            int64_t sliding_window) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_decode_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
@@ -418,8 +448,15 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
                   seq_lens.is_contiguous(),
               "paged_decode_attention: seq_lens must be contiguous int32 [num_seqs]");
   const int64_t num_seqs = query.size(0);
-  TORCH_CHECK(block_tables.size(0) == num_seqs && seq_lens.size(0) == num_seqs,
-              "paged_decode_attention: one block table row and one length per sequence");
+  TORCH_CHECK(seq_lens.size(0) == num_seqs, "paged_decode_attention: one length per query");
+  if (table_rows.numel() > 0) {
+    TORCH_CHECK(table_rows.scalar_type() == torch::kInt32 && table_rows.dim() == 1 &&
+                    table_rows.is_contiguous() && table_rows.size(0) == num_seqs,
+                "paged_decode_attention: table_rows must be contiguous int32 [num_queries]");
+  } else {
+    TORCH_CHECK(block_tables.size(0) == num_seqs,
+                "paged_decode_attention: one block table row per query without table_rows");
+  }
   TORCH_CHECK(k_cache.size(3) == query.size(2), "paged_decode_attention: head_dim mismatch");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0,
               "paged_decode_attention: num_heads must be a multiple of num_kv_heads");
@@ -429,12 +466,14 @@ void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tenso
   constexpr bool has_avx512 = false;
 #endif
   const bool dot16 = has_avx512 && query.size(2) % 16 == 0 && k_cache.size(1) % 16 == 0;
-  const Shape s{query.size(1),   k_cache.size(2), query.size(2),        k_cache.size(1),
-                k_cache.size(0), block_tables.size(1), dot16};
+  const Shape s{query.size(1),        k_cache.size(2),      query.size(2),
+                k_cache.size(1),      k_cache.size(0),      block_tables.size(0),
+                block_tables.size(1), dot16};
   if (query.scalar_type() == torch::kFloat32) {
-    run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, sliding_window, s);
+    run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, table_rows, scale,
+               sliding_window, s);
   } else if (query.scalar_type() == torch::kBFloat16) {
-    run<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+    run<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, table_rows, scale,
                        sliding_window, s);
   } else {
     TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ",

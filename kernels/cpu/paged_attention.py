@@ -1,8 +1,9 @@
-"""Paged decode attention on the CPU, reading K/V blocks in place (a C++ PyTorch extension).
+"""Paged attention on the CPU, reading K/V blocks in place (a C++ PyTorch extension).
 
 PagedAttention (Kwon et al. 2023, "Efficient Memory Management for Large Language Model
-Serving with PagedAttention"): each decode sequence (one query token) attends to its context
-through its block table, block by block, where the keys and values lie in the paged cache: no
+Serving with PagedAttention"): each query token (a decode sequence's new token, or one token of
+a prompt, whose context ends at its own position) attends to its context through its sequence's
+block table, block by block, where the keys and values lie in the paged cache: no
 gather into a contiguous copy, no padding to the longest sequence, and no slot past a
 sequence's end is read (whatever it holds, NaN included, cannot reach an output). Per
 (sequence, KV head) pair, in parallel over ATen's OpenMP threads (``torch.set_num_threads``),
@@ -44,6 +45,9 @@ KERNEL = extension.Kernel(
 )
 
 
+_NO_ROWS = torch.empty(0, dtype=torch.int32)
+
+
 def enabled() -> bool:
     """Whether ``$KVPILOT_CPU_PAGED_ATTENTION`` allows the kernel (unset or anything but
     ``0``/``false``/``off``/``no``)."""
@@ -79,25 +83,32 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
+    table_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of one query token per sequence over its paged context.
+    """Attention of query tokens over their paged contexts, each token on its own.
+
+    A query is a decode sequence's one new token, or one token of a prompt (chunk): the prompt's
+    token at position ``p`` is a query with context length ``p + 1`` (causal attention) reading
+    its sequence's block table (``table_rows``), so a whole step, prefills included, is one call.
 
     Args:
-        query: ``[num_seqs, num_heads, head_dim]`` float32 or bfloat16 on the CPU (copied
+        query: ``[num_queries, num_heads, head_dim]`` float32 or bfloat16 on the CPU (copied
             first unless each ``[num_heads, head_dim]`` row is contiguous).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous,
             ``query``'s dtype; ``num_heads`` a multiple of ``num_kv_heads``.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids; only the
             first ``ceil(seq_len / block_size)`` of a row are read.
-        seq_lens: ``[num_seqs]`` int32 context lengths (tokens, the query's own included); a
-            sequence attends to positions ``max(0, seq_len - sliding_window)..seq_len - 1``
+        seq_lens: ``[num_queries]`` int32 context lengths (tokens, the query's own included); a
+            query attends to positions ``max(0, seq_len - sliding_window)..seq_len - 1``
             (all of ``0..seq_len - 1`` without a window); a length of 0 gives zeros.
         scale: softmax scale (usually ``head_dim ** -0.5``).
         sliding_window: tokens a query attends to, its own included; None for all.
         out: ``query``'s shape and dtype, rows contiguous, written in place; None allocates.
+        table_rows: ``[num_queries]`` int32 row of ``block_tables`` each query reads; None
+            when query ``i`` reads row ``i`` (then ``num_seqs == num_queries``).
 
     Returns:
-        ``out``: ``[num_seqs, num_heads, head_dim]``, ``query``'s dtype.
+        ``out``: ``[num_queries, num_heads, head_dim]``, ``query``'s dtype.
 
     Raises:
         RuntimeError: the extension could not be built (see :func:`available`), or a shape,
@@ -120,6 +131,7 @@ def paged_decode_attention(
         v_cache,
         block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
+        _NO_ROWS if table_rows is None else table_rows.to(torch.int32).contiguous(),
         float(scale),
         0 if sliding_window is None else int(sliding_window),
     )
