@@ -15,11 +15,11 @@ runs as with a float cache.
 
 On the CPU, with a float32 or bfloat16 cache, every query token skips the gather and SDPA: the
 C++ kernel ``kvpilot.kernels.cpu.paged_attention`` reads the blocks in place through the block
-tables, one call per layer for the whole step, sliding windows included. A decode sequence's
-token is one query; a prompt's (or prompt chunk's, or draft's) token at position ``p`` is one
-query over positions ``0..p`` of its sequence (causal attention), so a token's attention is
-computed the same way whether it is prefilled alone, in a chunk, in a batch or decoded (and
-per-sequence SDPA calls, 4-5x slower on these prompt lengths, are gone). The gather + SDPA path
+tables, one call per layer for the whole step (decodes, prompts, prompt chunks and drafts
+together), sliding windows included. A prompt's token at position ``p`` attends to positions
+``0..p`` of its sequence (causal attention); its result does not depend on the other sequences
+of the step nor on how the prompt is chunked (2.8x faster than the per-sequence SDPA calls on
+16 prompts of 128 tokens, 1.9x on one of 2,048, one thread). The gather + SDPA path
 stays the reference and the fallback: for fp8 caches, when the kernel cannot be built (one
 warning), and when ``KVPILOT_CPU_PAGED_ATTENTION=0`` or ``TorchAttentionBackend(
 paged_decode_kernel=False)`` turns it off.
@@ -78,21 +78,18 @@ class DecodePlan:
 
 @dataclass
 class PagedQueryPlan:
-    """Every query token of a step, in row order, for the in-place kernel (no slots, no
-    padding).
+    """Every query token of a step for the in-place kernel (no slots, no padding): the batch
+    layout in the kernel's dtypes.
 
     Attributes:
-        seq_lens: ``[num_tokens]`` int32 context length of each token (tokens, its own
-            included): its position + 1.
+        seq_lens: ``[num_seqs]`` int32 context lengths after the step (tokens).
+        query_start_loc: ``[num_seqs + 1]`` int32 first token row of each sequence.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, contiguous.
-        table_rows: ``[num_tokens]`` int32 sequence (row of ``block_tables``) of each token, or
-            None when every sequence has one token (decodes only: token ``i`` is sequence
-            ``i``).
     """
 
     seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
     block_tables: torch.Tensor
-    table_rows: torch.Tensor | None
 
 
 @dataclass
@@ -214,7 +211,7 @@ def plan_step(
         slot_mapping = slot_mapping[write_rows]
 
     if in_place:  # no slot of any position is needed
-        return StepPlan(write_rows, slot_mapping, [], [], _paged_queries(attn_metadata, starts))
+        return StepPlan(write_rows, slot_mapping, [], [], _paged_queries(attn_metadata))
     decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
     max_len = max(seq_lens)
     positions = torch.arange(max_len, device=device)
@@ -241,24 +238,13 @@ def plan_step(
     return StepPlan(write_rows, slot_mapping, decode_plans, prefills)
 
 
-def _paged_queries(attn_metadata: AttentionMetadata, starts: list[int]) -> PagedQueryPlan:
-    """The kernel's plan for every token of the step; ``starts`` is ``query_start_loc``."""
-    seq_lens = attn_metadata.seq_lens.to(torch.int32)
-    tables = attn_metadata.block_tables.to(torch.int32).contiguous()
-    if starts[-1] == len(seq_lens):  # one token each: decodes only (most steps)
-        return PagedQueryPlan(seq_lens, tables, None)
-    device = seq_lens.device
-    q_lens = torch.tensor(starts, device=device).diff()
-    table_rows = torch.repeat_interleave(
-        torch.arange(len(seq_lens), dtype=torch.int32, device=device), q_lens
+def _paged_queries(attn_metadata: AttentionMetadata) -> PagedQueryPlan:
+    """The kernel's plan for every token of the step."""
+    return PagedQueryPlan(
+        attn_metadata.seq_lens.to(torch.int32).contiguous(),
+        attn_metadata.query_start_loc.to(torch.int32).contiguous(),
+        attn_metadata.block_tables.to(torch.int32).contiguous(),
     )
-    # A sequence's new tokens are its last q_len positions: token j of q_len has context
-    # seq_len - q_len + j + 1.
-    offsets = torch.arange(starts[-1], device=device) - torch.tensor(
-        starts[:-1], device=device
-    ).repeat_interleave(q_lens)
-    token_lens = (seq_lens - q_lens).repeat_interleave(q_lens) + offsets + 1
-    return PagedQueryPlan(token_lens.to(torch.int32), tables, table_rows)
 
 
 class TorchAttentionBackend:
@@ -331,7 +317,7 @@ class TorchAttentionBackend:
 
         paged = plan.in_place
         if paged is not None:
-            return paged_attention.paged_decode_attention(
+            return paged_attention.paged_attention(
                 query,
                 k_cache,
                 v_cache,
@@ -339,7 +325,7 @@ class TorchAttentionBackend:
                 paged.seq_lens,
                 scale,
                 sliding_window,
-                table_rows=paged.table_rows,
+                query_start_loc=paged.query_start_loc,
             )
         decode_masks, prefill_masks = plan.masks_for(sliding_window)
         if len(plan.decodes) == 1 and plan.decodes[0].rows is None:

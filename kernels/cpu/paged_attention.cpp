@@ -1,27 +1,35 @@
 // Paged attention on the CPU: PagedAttention (Kwon et al. 2023), reading K/V in place.
 //
-// Every query token attends to its whole context (or the last `sliding_window` positions of
-// it): a decode sequence's one new token, or a prompt's token at position p, whose context is
-// positions 0..p of its sequence (`table_rows` names each query's block table row). Keys and
-// values stay where they are in the paged cache, reached through the block table; nothing is
-// gathered or padded, and no slot past a sequence's end reaches an output. The work is split
-// over (query, KV head) pairs, dealt round-robin to the threads of at::parallel_for (ATen's
-// OpenMP pool, so torch.set_num_threads applies; a prompt's later tokens have more context, so
-// contiguous shares would be uneven); each pair handles the num_heads / num_kv_heads query heads
-// that share its KV head (GQA), in a pass over its K blocks and one over its V blocks:
+// Every query token of a step attends to its context (or the last `sliding_window` positions of
+// it): a decode sequence's one new token, and a prompt's (prompt chunk's, draft's) token at
+// position p, whose context is positions 0..p of its sequence (query_start_loc says which rows
+// are whose). Keys and values stay where they are in the paged cache, reached through the block
+// table; nothing is gathered or padded, and no slot past a sequence's end reaches an output.
 //
-//   scores[g, t] = scale * q[g] . k[t]            (float32 accumulation)
-//   p[g, t]      = exp(scores[g, t] - max_t scores[g, t]) / sum_t exp(...)
-//   out[g]       = sum_t p[g, t] * v[t]           (float32 accumulation, one division at the end)
+//   scores[r, t] = scale * q[r] . k[t]            (float32 accumulation)
+//   p[r, t]      = exp(scores[r, t] - max_t scores[r, t]) / sum_t exp(...)
+//   out[r]       = sum_t p[r, t] * v[t]           (float32 accumulation, one division at the end)
 //
-// A token's result depends on its context alone, not on whether it is prefilled in one step, in
-// chunks or decoded, nor on the batch. Decode attention reads each K/V row once for little
-// arithmetic, so it is bound by memory: the rows of the block two ahead are prefetched while a
-// block is read (the blocks are scattered, the hardware prefetcher cannot follow). Groups of 16
-// positions from a block's start go through AVX-512 intrinsics where the CPU has them (16 dot
-// products reduced together; the V sums in registers); positions after an unaligned window
-// start and other CPUs take plain loops compiled for AVX-512, AVX2 and baseline x86-64 (GCC
-// target_clones, picked at load time), so the built library may move between x86 machines.
+// Two kinds of work items, dealt round-robin to the threads of at::parallel_for (ATen's OpenMP
+// pool, so torch.set_num_threads applies; a prompt's later tokens have more context, so
+// contiguous shares would be uneven):
+//
+// - one token and KV head (decodes; prompts where tiles do not apply): the num_heads /
+//   num_kv_heads query heads that share the KV head (GQA), in a pass over its K blocks and one
+//   over its V blocks. Decode attention reads each K/V row once for little arithmetic, so it is
+//   bound by memory: the rows of the block two ahead are prefetched while a block is read (the
+//   blocks are scattered, the hardware prefetcher cannot follow). Groups of 16 positions from a
+//   block's start go through AVX-512 intrinsics where the CPU has them (16 dot products reduced
+//   together; the V sums in registers); positions after an unaligned window start and other CPUs
+//   take plain loops compiled for AVX-512, AVX2 and baseline x86-64 (GCC target_clones, picked
+//   at load time), so the built library may move between x86 machines;
+// - a tile of a prompt (float32, AVX-512, head_dim and block_size multiples of 16): 16 (token,
+//   head) rows of one KV head as the 16 lanes of a vector (see attend_tile), so each K/V element
+//   loaded serves 16 rows; it is compute-bound, like the matrix products it replaces.
+//
+// A row's result depends on its own query and context alone, never on the other rows of its
+// tile or the step: the same bits for a prompt prefilled whole or in chunks, and whatever the
+// batch (a token decoded alone takes the first kind, another summation order).
 // The Python wrapper is kernels/cpu/paged_attention.py.
 
 #include <torch/extension.h>
@@ -29,10 +37,13 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -92,8 +103,7 @@ inline void prefetch_row(const scalar_t* p, int64_t count) {
 // Sizes of one call, in elements, and whether the AVX-512 dot products apply (the CPU has
 // AVX-512F, head_dim and block_size are multiples of 16).
 struct Shape {
-  int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, num_tables,
-      max_blocks_per_seq;
+  int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq;
   bool dot16;
 };
 
@@ -224,7 +234,7 @@ __attribute__((always_inline)) inline void attend_one(
   constexpr int64_t kAhead = 2;
   for (int64_t b = first_block; b <= last_block; ++b) {
     const int64_t block = block_table[b];
-    TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_decode_attention: block id ", block,
+    TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_attention: block id ", block,
                 " out of range [0, ", s.num_blocks, ")");
   }
   const int64_t head_offset = kv_head * head_dim;
@@ -368,120 +378,320 @@ inline AttendOne<c10::BFloat16> pick_attend_one(const Shape& s, c10::BFloat16*) 
                              : attend_one_bfloat16_any;
 }
 
+#if KVPILOT_X86
+// Prompt tiles (float32, AVX-512, head_dim a multiple of 16). A tile is 16 consecutive (query
+// token, query head) rows of one sequence and KV head: row f of the sequence's q_len x group
+// rows is token f / group, head kv_head * group + f % group, at position seq_len - q_len + f /
+// group. The 16 rows are the 16 lanes of a vector, so every K and V element is loaded once per
+// tile and broadcast against all of them (16 rows per multiply-add, no horizontal sums), and
+// the causal mask and the softmax run across the rows at once. Scores are stored position-major,
+// [positions][16].
+
+constexpr int kTileRows = 16;
+
+// exp_nonpositive on 16 lanes: the same range reduction and polynomial, in AVX-512.
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 clamped_n = _mm512_max_ps(n, _mm512_set1_ps(-126.f));
+  const __m512 r = _mm512_fmadd_ps(clamped_n, _mm512_set1_ps(2.12194440e-4f),
+                                   _mm512_fnmadd_ps(clamped_n, _mm512_set1_ps(0.693359375f), x));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(clamped_n), _mm512_set1_epi32(127)), 23);
+  const __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  // Below -87 (-inf included): 0; NaN stays NaN (the comparison is false for it).
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ), result,
+                              _mm512_setzero_ps());
+}
+constexpr int kTilePositions = 8;  // positions scored at once: 8 accumulators, 8 chains
+
+// st[i][0..16) = sum_d k_i[d] * qt[d][0..16) for the N positions k_i = k + i * row_stride.
+template <int N>
+__attribute__((target("avx512f"))) void score_positions(const float* __restrict qt,
+                                                        const float* __restrict k,
+                                                        int64_t row_stride, int64_t head_dim,
+                                                        float* __restrict st) {
+  __m512 acc[N];
+#pragma GCC unroll 12
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const __m512 qd = _mm512_loadu_ps(qt + d * kTileRows);
+#pragma GCC unroll 12
+    for (int i = 0; i < N; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_set1_ps(k[i * row_stride + d]), qd, acc[i]);
+  }
+#pragma GCC unroll 12
+  for (int i = 0; i < N; ++i) _mm512_storeu_ps(st + i * kTileRows, acc[i]);
+}
+
+using ScorePositions = void (*)(const float*, const float*, int64_t, int64_t, float*);
+
+template <int... N>
+constexpr std::array<ScorePositions, sizeof...(N)> score_table(std::integer_sequence<int, N...>) {
+  return {&score_positions<N + 1>...};
+}
+
+constexpr auto kScorePositions = score_table(std::make_integer_sequence<int, kTilePositions>{});
+
+// ot[d][0..16) += sum_i p[i][0..16) * v_i[d0 + d] for d < 16 and the n positions
+// v_i = v + i * row_stride: 16 accumulators of 16 rows each.
+__attribute__((target("avx512f"))) void accumulate_positions(const float* __restrict p,
+                                                             const float* __restrict v,
+                                                             int64_t row_stride, int64_t n,
+                                                             float* __restrict ot) {
+  __m512 acc[16];
+#pragma GCC unroll 16
+  for (int d = 0; d < 16; ++d) acc[d] = _mm512_loadu_ps(ot + d * kTileRows);
+  for (int64_t i = 0; i < n; ++i) {
+    const __m512 pi = _mm512_loadu_ps(p + i * kTileRows);
+    const float* vi = v + i * row_stride;
+#pragma GCC unroll 16
+    for (int d = 0; d < 16; ++d) acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(vi[d]), pi, acc[d]);
+  }
+#pragma GCC unroll 16
+  for (int d = 0; d < 16; ++d) _mm512_storeu_ps(ot + d * kTileRows, acc[d]);
+}
+
+// One tile: rows f0..f0 + rows - 1 (rows <= 16) of sequence `seq`, KV head `kv_head`.
+// qt: [head_dim][16] scratch, st: [positions][16] scratch, ot: [head_dim][16] scratch.
+__attribute__((target("avx512f"))) void attend_tile(
+    const float* __restrict q_ptr, int64_t q_stride, const float* __restrict k_cache,
+    const float* __restrict v_cache, const int32_t* __restrict block_table, int64_t first_token,
+    int64_t q_len, int64_t seq_len, int64_t kv_head, int64_t group, int64_t f0, int rows,
+    float scale, int64_t sliding_window, const Shape& s, std::vector<float>& qt,
+    std::vector<float>& st, std::vector<float>& ot, float* __restrict out_ptr,
+    int64_t out_stride) {
+  const int64_t head_dim = s.head_dim, block_size = s.block_size;
+  const int64_t row_stride = s.num_kv_heads * head_dim;
+  alignas(64) float position[kTileRows];
+  int64_t token[kTileRows], head[kTileRows];
+  for (int l = 0; l < kTileRows; ++l) {
+    const int64_t f = f0 + std::min(l, rows - 1);  // spare lanes repeat the last row
+    token[l] = first_token + f / group;
+    head[l] = kv_head * group + f % group;
+    position[l] = static_cast<float>(seq_len - q_len + f / group);
+  }
+  const int64_t first_pos = seq_len - q_len + f0 / group;
+  const int64_t last_pos = seq_len - q_len + (f0 + rows - 1) / group;
+  const int64_t lo = sliding_window > 0 ? std::max<int64_t>(0, first_pos - sliding_window + 1) : 0;
+  const int64_t hi = last_pos + 1, span = hi - lo;
+  for (int64_t b = lo / block_size; b <= (hi - 1) / block_size; ++b) {
+    const int64_t block = block_table[b];
+    TORCH_CHECK(block >= 0 && block < s.num_blocks, "paged_attention: block id ", block,
+                " out of range [0, ", s.num_blocks, ")");
+  }
+  qt.resize(head_dim * kTileRows);
+  for (int l = 0; l < kTileRows; ++l) {
+    const float* qr = q_ptr + token[l] * q_stride + head[l] * head_dim;
+    for (int64_t d = 0; d < head_dim; ++d) qt[d * kTileRows + l] = qr[d] * scale;
+  }
+  st.resize(span * kTileRows);
+  auto rows_at = [&](const float* cache, int64_t t) {
+    return cache + static_cast<int64_t>(block_table[t / block_size]) * block_size * row_stride +
+           (t % block_size) * row_stride + kv_head * head_dim;
+  };
+  // Pass 1: scores, up to 12 positions of one block at a time.
+  for (int64_t t = lo; t < hi;) {
+    const int64_t n = std::min({static_cast<int64_t>(kTilePositions), hi - t,
+                                block_size - t % block_size});
+    kScorePositions[n - 1](qt.data(), rows_at(k_cache, t), row_stride, head_dim,
+                           st.data() + (t - lo) * kTileRows);
+    t += n;
+  }
+  // Causal and window masks, then the numerically stable softmax numerators, per lane.
+  const __m512 pos = _mm512_load_ps(position), neg_inf = _mm512_set1_ps(-INFINITY);
+  const float window = sliding_window > 0 ? static_cast<float>(sliding_window) : INFINITY;
+  __m512 max_score = neg_inf;
+  for (int64_t t = lo; t < hi; ++t) {
+    float* row = st.data() + (t - lo) * kTileRows;
+    const __m512 tv = _mm512_set1_ps(static_cast<float>(t));
+    const __mmask16 keep = _mm512_cmp_ps_mask(tv, pos, _CMP_LE_OQ) &
+                           _mm512_cmp_ps_mask(tv, _mm512_sub_ps(pos, _mm512_set1_ps(window)),
+                                              _CMP_GT_OQ);
+    const __m512 v = _mm512_mask_blend_ps(keep, neg_inf, _mm512_loadu_ps(row));
+    _mm512_storeu_ps(row, v);
+    max_score = _mm512_max_ps(max_score, v);
+  }
+  __m512 sum_vec = _mm512_setzero_ps();
+  for (int64_t t = 0; t < span; ++t) {
+    float* row = st.data() + t * kTileRows;
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(row), max_score));
+    _mm512_storeu_ps(row, e);
+    sum_vec = _mm512_add_ps(sum_vec, e);
+  }
+  alignas(64) float sum[kTileRows];
+  _mm512_store_ps(sum, sum_vec);
+  // Pass 2: the weighted values, 16 features at a time, up to a block at a time.
+  ot.assign(head_dim * kTileRows, 0.f);
+  for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
+    for (int64_t t = lo; t < hi;) {
+      const int64_t n = std::min(hi - t, block_size - t % block_size);
+      accumulate_positions(st.data() + (t - lo) * kTileRows, rows_at(v_cache, t) + d0,
+                           row_stride, n, ot.data() + d0 * kTileRows);
+      t += n;
+    }
+  }
+  for (int l = 0; l < rows; ++l) {
+    float* o = out_ptr + token[l] * out_stride + head[l] * head_dim;
+    const float inv = 1.f / sum[l];
+    for (int64_t d = 0; d < head_dim; ++d) o[d] = ot[d * kTileRows + l] * inv;
+  }
+}
+#endif  // KVPILOT_X86
+
+// A unit of work: a tile of a prompt's rows (f0 >= 0) or one query token's heads of a KV head
+// (f0 < 0: the token is `token` of the sequence).
+struct Item {
+  int64_t seq, kv_head, f0, token;
+};
+
 template <typename scalar_t>
 void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-         const torch::Tensor& seq_lens, const torch::Tensor& table_rows, double scale,
+         const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
          int64_t sliding_window, const Shape& s) {
-  const int64_t num_seqs = query.size(0), head_dim = s.head_dim;
+  const int64_t num_seqs = seq_lens.size(0), head_dim = s.head_dim;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
   const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
   const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
-  const int32_t* rows_of = table_rows.numel() > 0 ? table_rows.data_ptr<int32_t>() : nullptr;
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t q_stride = query.stride(0), out_stride = out.stride(0);
+  const bool tiles = std::is_same_v<scalar_t, float> && s.dot16;
+
+  std::vector<Item> items;
+  for (int64_t seq = 0; seq < num_seqs; ++seq) {
+    const int64_t q_len = starts[seq + 1] - starts[seq];
+    TORCH_CHECK(q_len >= 0 && starts[seq] >= 0 && starts[seq + 1] <= query.size(0),
+                "paged_attention: query_start_loc must rise within the query's rows");
+    TORCH_CHECK(lens[seq] <= s.max_blocks_per_seq * s.block_size, "paged_attention: seq_lens[",
+                seq, "] = ", lens[seq], " exceeds its block table");
+    TORCH_CHECK(lens[seq] <= 0 || lens[seq] >= q_len, "paged_attention: seq_lens[", seq, "] = ", lens[seq],
+                " is shorter than its ", q_len, " query tokens");
+    for (int64_t kv_head = 0; kv_head < s.num_kv_heads; ++kv_head) {
+      if (tiles && q_len > 1) {
+        for (int64_t f0 = 0; f0 < q_len * group; f0 += kTileRows)
+          items.push_back({seq, kv_head, f0, 0});
+      } else {
+        for (int64_t j = 0; j < q_len; ++j) items.push_back({seq, kv_head, -1, j});
+      }
+    }
+  }
 
   const AttendOne<scalar_t> attend = pick_attend_one(s, out_ptr);
-  // The (query, KV head) items are dealt round-robin to the threads: the queries of one prompt
-  // attend to 1, 2, 3, ... positions, so contiguous shares would leave the last thread most of
-  // the work.
-  const int64_t num_items = num_seqs * s.num_kv_heads;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  // Items are dealt round-robin to the threads: a prompt's later tokens attend to more
+  // positions, so contiguous shares would leave the last thread most of the work.
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t workers =
+      std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), scores;
-    for (int64_t worker = first_worker; worker < last_worker; ++worker)
-    for (int64_t item = worker; item < num_items; item += workers) {
-      const int64_t seq = item / s.num_kv_heads, kv_head = item % s.num_kv_heads;
-      const int64_t seq_len = lens[seq];
-      scalar_t* o = out_ptr + seq * out_stride + kv_head * group * head_dim;
-      if (seq_len <= 0) {
-        for (int64_t i = 0; i < group * head_dim; ++i) from_float(0.f, o + i);
-        continue;
+    std::vector<float> q(group * head_dim), acc(group * head_dim), scores, qt, st, ot;
+    for (int64_t worker = first_worker; worker < last_worker; ++worker) {
+      for (int64_t i = worker; i < num_items; i += workers) {
+        const Item& item = items[i];
+        const int64_t q_len = starts[item.seq + 1] - starts[item.seq];
+        const int32_t* table = tables + item.seq * s.max_blocks_per_seq;
+#if KVPILOT_X86
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (item.f0 >= 0) {
+            const int rows = static_cast<int>(std::min<int64_t>(kTileRows, q_len * group - item.f0));
+            attend_tile(q_ptr, q_stride, k_ptr, v_ptr, table, starts[item.seq], q_len,
+                        lens[item.seq], item.kv_head, group, item.f0, rows,
+                        static_cast<float>(scale), sliding_window, s, qt, st, ot, out_ptr,
+                        out_stride);
+            continue;
+          }
+        }
+#endif
+        const int64_t row = starts[item.seq] + item.token;
+        const int64_t seq_len = lens[item.seq] - q_len + item.token + 1;
+        scalar_t* o = out_ptr + row * out_stride + item.kv_head * group * head_dim;
+        if (seq_len <= 0) {
+          for (int64_t d = 0; d < group * head_dim; ++d) from_float(0.f, o + d);
+          continue;
+        }
+        const int64_t start =
+            sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
+        const scalar_t* qs = q_ptr + row * q_stride + item.kv_head * group * head_dim;
+        for (int64_t d = 0; d < group * head_dim; ++d)
+          q[d] = to_float(qs[d]) * static_cast<float>(scale);
+        scores.resize(group * padded_span(seq_len - start));
+        attend(q.data(), k_ptr, v_ptr, table, start, seq_len, item.kv_head, group, s,
+               scores.data(), acc.data(), o);
       }
-      TORCH_CHECK(seq_len <= s.max_blocks_per_seq * s.block_size, "paged_decode_attention: ",
-                  "seq_lens[", seq, "] = ", seq_len, " exceeds its block table");
-      const int64_t table_row = rows_of != nullptr ? rows_of[seq] : seq;
-      TORCH_CHECK(table_row >= 0 && table_row < s.num_tables, "paged_decode_attention: ",
-                  "table_rows[", seq, "] = ", table_row, " is not a row of block_tables");
-      const int64_t start =
-          sliding_window > 0 ? std::max<int64_t>(0, seq_len - sliding_window) : 0;
-      const scalar_t* qs = q_ptr + seq * q_stride + kv_head * group * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i)
-        q[i] = to_float(qs[i]) * static_cast<float>(scale);
-      scores.resize(group * padded_span(seq_len - start));
-      attend(q.data(), k_ptr, v_ptr, tables + table_row * s.max_blocks_per_seq, start, seq_len,
-             kv_head, group, s, scores.data(), acc.data(), o);
     }
   });
 }
 
 }  // namespace
 
-// See kernels/cpu/paged_attention.py (paged_decode_attention) for the contract.
-void paged_decode_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
-                            torch::Tensor v_cache, torch::Tensor block_tables,
-                            torch::Tensor seq_lens, torch::Tensor table_rows, double scale,
-                            int64_t sliding_window) {
+// See kernels/cpu/paged_attention.py (paged_attention) for the contract.
+void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
+                     torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
+                     torch::Tensor query_start_loc, double scale, int64_t sliding_window) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "paged_decode_attention: CPU tensors only");
+              "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
-              "paged_decode_attention: query and out must be [num_seqs, num_heads, head_dim]");
+              "paged_attention: query and out must be [num_tokens, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-              "paged_decode_attention: caches must be [num_blocks, block_size, num_kv_heads, "
+              "paged_attention: caches must be [num_blocks, block_size, num_kv_heads, "
               "head_dim], both the same");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
-              "paged_decode_attention: caches must be contiguous");
+              "paged_attention: caches must be contiguous");
   TORCH_CHECK(query.stride(2) == 1 && query.stride(1) == query.size(2) && out.stride(2) == 1 &&
                   out.stride(1) == out.size(2),
-              "paged_decode_attention: query and out rows must be contiguous");
+              "paged_attention: query and out rows must be contiguous");
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() &&
                   out.scalar_type() == query.scalar_type() &&
                   v_cache.scalar_type() == k_cache.scalar_type(),
-              "paged_decode_attention: query, out and caches must share one dtype");
+              "paged_attention: query, out and caches must share one dtype");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.dim() == 2 &&
                   block_tables.is_contiguous(),
-              "paged_decode_attention: block_tables must be contiguous int32 [num_seqs, n]");
+              "paged_attention: block_tables must be contiguous int32 [num_seqs, n]");
   TORCH_CHECK(seq_lens.scalar_type() == torch::kInt32 && seq_lens.dim() == 1 &&
                   seq_lens.is_contiguous(),
-              "paged_decode_attention: seq_lens must be contiguous int32 [num_seqs]");
-  const int64_t num_seqs = query.size(0);
-  TORCH_CHECK(seq_lens.size(0) == num_seqs, "paged_decode_attention: one length per query");
-  if (table_rows.numel() > 0) {
-    TORCH_CHECK(table_rows.scalar_type() == torch::kInt32 && table_rows.dim() == 1 &&
-                    table_rows.is_contiguous() && table_rows.size(0) == num_seqs,
-                "paged_decode_attention: table_rows must be contiguous int32 [num_queries]");
-  } else {
-    TORCH_CHECK(block_tables.size(0) == num_seqs,
-                "paged_decode_attention: one block table row per query without table_rows");
-  }
-  TORCH_CHECK(k_cache.size(3) == query.size(2), "paged_decode_attention: head_dim mismatch");
+              "paged_attention: seq_lens must be contiguous int32 [num_seqs]");
+  const int64_t num_seqs = seq_lens.size(0);
+  TORCH_CHECK(query_start_loc.scalar_type() == torch::kInt32 && query_start_loc.dim() == 1 &&
+                  query_start_loc.is_contiguous() && query_start_loc.size(0) == num_seqs + 1,
+              "paged_attention: query_start_loc must be contiguous int32 [num_seqs + 1]");
+  TORCH_CHECK(block_tables.size(0) == num_seqs,
+              "paged_attention: one block table row and one length per sequence");
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "paged_attention: head_dim mismatch");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0,
-              "paged_decode_attention: num_heads must be a multiple of num_kv_heads");
+              "paged_attention: num_heads must be a multiple of num_kv_heads");
 #if KVPILOT_X86
   static const bool has_avx512 = __builtin_cpu_supports("avx512f");
 #else
   constexpr bool has_avx512 = false;
 #endif
   const bool dot16 = has_avx512 && query.size(2) % 16 == 0 && k_cache.size(1) % 16 == 0;
-  const Shape s{query.size(1),        k_cache.size(2),      query.size(2),
-                k_cache.size(1),      k_cache.size(0),      block_tables.size(0),
-                block_tables.size(1), dot16};
+  const Shape s{query.size(1),   k_cache.size(2),      query.size(2), k_cache.size(1),
+                k_cache.size(0), block_tables.size(1), dot16};
   if (query.scalar_type() == torch::kFloat32) {
-    run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, table_rows, scale,
+    run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                sliding_window, s);
   } else if (query.scalar_type() == torch::kBFloat16) {
-    run<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, table_rows, scale,
-                       sliding_window, s);
+    run<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
+                       scale, sliding_window, s);
   } else {
-    TORCH_CHECK(false, "paged_decode_attention: float32 or bfloat16 only, got ",
-                query.scalar_type());
+    TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", query.scalar_type());
   }
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Paged decode attention over a block-table KV cache, in place (CPU).");
+  m.def("paged_attention", &paged_attention,
+        "Paged attention of decode and prompt tokens over a block-table KV cache, in place "
+        "(CPU).");
 }

@@ -45,9 +45,6 @@ KERNEL = extension.Kernel(
 )
 
 
-_NO_ROWS = torch.empty(0, dtype=torch.int32)
-
-
 def enabled() -> bool:
     """Whether ``$KVPILOT_CPU_PAGED_ATTENTION`` allows the kernel (unset or anything but
     ``0``/``false``/``off``/``no``)."""
@@ -58,7 +55,7 @@ load_extension = extension.loader(KERNEL)
 
 
 def available() -> bool:
-    """Whether :func:`paged_decode_attention` can run: enabled and built (builds on first call)."""
+    """Whether :func:`paged_attention` can run: enabled and built (builds on first call)."""
     return enabled() and load_extension() is not None
 
 
@@ -74,7 +71,7 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     )
 
 
-def paged_decode_attention(
+def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -83,36 +80,43 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
-    table_rows: torch.Tensor | None = None,
+    query_start_loc: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of query tokens over their paged contexts, each token on its own.
+    """Causal attention of a step's query tokens (decodes, prompts, prompt chunks, drafts) over
+    their sequences' paged contexts.
 
-    A query is a decode sequence's one new token, or one token of a prompt (chunk): the prompt's
-    token at position ``p`` is a query with context length ``p + 1`` (causal attention) reading
-    its sequence's block table (``table_rows``), so a whole step, prefills included, is one call.
+    Sequence ``i``'s query tokens are rows ``query_start_loc[i]..query_start_loc[i + 1] - 1``,
+    its last ``q_len`` positions: its token at position ``p`` attends to positions ``0..p``
+    (the last ``sliding_window`` of them with a window). A one-token sequence (a decode) is one
+    work item per KV head; on an AVX-512 CPU with a float32 cache and ``head_dim`` and
+    ``block_size`` multiples of 16, a longer one is cut into tiles of 16 (token, head) rows that
+    share each K/V load (else each of its tokens is an item as a decode is). A token's result
+    does not depend on the step it is in: the same bits for a prompt prefilled whole or in
+    chunks, and for each of its tokens whatever the batch.
 
     Args:
-        query: ``[num_queries, num_heads, head_dim]`` float32 or bfloat16 on the CPU (copied
+        query: ``[num_tokens, num_heads, head_dim]`` float32 or bfloat16 on the CPU (copied
             first unless each ``[num_heads, head_dim]`` row is contiguous).
         k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous,
             ``query``'s dtype; ``num_heads`` a multiple of ``num_kv_heads``.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32 physical block ids; only the
             first ``ceil(seq_len / block_size)`` of a row are read.
-        seq_lens: ``[num_queries]`` int32 context lengths (tokens, the query's own included); a
-            query attends to positions ``max(0, seq_len - sliding_window)..seq_len - 1``
-            (all of ``0..seq_len - 1`` without a window); a length of 0 gives zeros.
+        seq_lens: ``[num_seqs]`` int32 context lengths after the step (tokens, the new ones
+            included), at least each sequence's query tokens; a length of 0 (one query token)
+            gives zeros.
         scale: softmax scale (usually ``head_dim ** -0.5``).
         sliding_window: tokens a query attends to, its own included; None for all.
         out: ``query``'s shape and dtype, rows contiguous, written in place; None allocates.
-        table_rows: ``[num_queries]`` int32 row of ``block_tables`` each query reads; None
-            when query ``i`` reads row ``i`` (then ``num_seqs == num_queries``).
+        query_start_loc: ``[num_seqs + 1]`` int32, rising from 0: each sequence's first row;
+            None for one token per sequence, row ``i`` of sequence ``i`` (decodes).
 
     Returns:
-        ``out``: ``[num_queries, num_heads, head_dim]``, ``query``'s dtype.
+        ``out``: ``[num_tokens, num_heads, head_dim]``, ``query``'s dtype (rows of no sequence
+        are left as they were).
 
     Raises:
         RuntimeError: the extension could not be built (see :func:`available`), or a shape,
-            dtype, layout or block id the kernel does not take (the message names it).
+            dtype, layout, length or block id the kernel does not take (the message names it).
         ValueError: a ``sliding_window`` below 1.
     """
     if sliding_window is not None and sliding_window < 1:
@@ -124,14 +128,16 @@ def paged_decode_attention(
         query = query.contiguous()
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    extension.paged_decode_attention(
+    if query_start_loc is None:
+        query_start_loc = torch.arange(seq_lens.shape[0] + 1, device=seq_lens.device)
+    extension.paged_attention(
         out,
         query,
         k_cache,
         v_cache,
         block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
-        _NO_ROWS if table_rows is None else table_rows.to(torch.int32).contiguous(),
+        query_start_loc.to(torch.int32).contiguous(),
         float(scale),
         0 if sliding_window is None else int(sliding_window),
     )

@@ -115,46 +115,35 @@ def test_decode_groups_are_padded_per_group_and_shortest_first():
     assert [(p.start, p.q_len, p.seq_len) for p in plan.prefills] == [(1, 6, 6), (7, 4, 9)]
 
 
-def test_in_place_plan_makes_every_token_one_query_of_its_sequence_without_slots():
+def test_in_place_plan_is_the_batch_layout_in_int32_without_slots():
     md = make_batch(torch.float32)[-1]
     plan = torch_backend.plan_step(md, BLOCK_SIZE, in_place=True)
     assert plan.decodes == [] and plan.prefills == []
     paged = plan.in_place
-    # Tokens in row order: a decode at 10, a fresh prompt of 6, a chunk of 4 after 5 cached,
-    # decodes at 2 and 15; a token's context is its position + 1.
-    assert paged.seq_lens.dtype == torch.int32
-    assert paged.seq_lens.tolist() == [10, 1, 2, 3, 4, 5, 6, 6, 7, 8, 9, 2, 15]
-    assert paged.table_rows.dtype == torch.int32
-    assert paged.table_rows.tolist() == [0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 3, 4]
-    assert paged.block_tables.dtype == torch.int32 and paged.block_tables.is_contiguous()
-    assert torch.equal(paged.block_tables, md.block_tables)
+    for name in ("seq_lens", "query_start_loc", "block_tables"):
+        tensor = getattr(paged, name)
+        assert tensor.dtype == torch.int32 and tensor.is_contiguous()
+        assert torch.equal(tensor, getattr(md, name).int())
 
 
-def test_in_place_plan_of_decodes_only_maps_token_i_to_sequence_i():
-    md = make_batch(torch.float32)[-1]
-    decodes = [0, 3, 4]
-    md = AttentionMetadata(
-        slot_mapping=md.slot_mapping[[0, 11, 12]],
-        query_start_loc=torch.arange(len(decodes) + 1, dtype=torch.int32),
-        seq_lens=md.seq_lens[decodes],
-        block_tables=md.block_tables[decodes],
-        max_query_len=1,
-        max_seq_len=15,
-    )
-    paged = torch_backend.plan_step(md, BLOCK_SIZE, in_place=True).in_place
-    assert paged.table_rows is None and paged.seq_lens.tolist() == [10, 2, 15]
-
-
-def test_a_prompt_attends_the_same_whether_prefilled_whole_in_chunks_or_decoded():
-    # The kernel computes each token on its own: the same bits for every schedule of it.
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, block_size",
+    [(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE), (9, 3, 64, 16)],
+    ids=["token-by-token", "tiles"],  # the kernel's two paths for prompts (see its docstring)
+)
+def test_a_prompt_attends_the_same_prefilled_whole_or_in_chunks(
+    num_heads, num_kv_heads, head_dim, block_size
+):
     gen = torch.Generator().manual_seed(3)
-    seq_len, num_blocks = 13, 8
-    shape = (num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
-    k = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    v = torch.randn(seq_len, NUM_KV_HEADS, HEAD_DIM, generator=gen)
-    q = torch.randn(seq_len, NUM_HEADS, HEAD_DIM, generator=gen)
-    table = torch.tensor([[6, 2, 7, 0]], dtype=torch.int32)
-    slots = (table[0].long()[:, None] * BLOCK_SIZE + torch.arange(BLOCK_SIZE)).flatten()[:seq_len]
+    seq_len = 45
+    num_blocks = -(-seq_len // block_size) + 4
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    k = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(seq_len, num_kv_heads, head_dim, generator=gen)
+    q = torch.randn(seq_len, num_heads, head_dim, generator=gen)
+    blocks = torch.randperm(num_blocks, generator=gen)[: -(-seq_len // block_size)]
+    table = blocks.int()[None]
+    slots = (blocks[:, None] * block_size + torch.arange(block_size)).flatten()[:seq_len]
 
     def run(chunks: list[int]) -> torch.Tensor:
         caches = (torch.zeros(shape), torch.zeros(shape))
@@ -169,13 +158,16 @@ def test_a_prompt_attends_the_same_whether_prefilled_whole_in_chunks_or_decoded(
                 max_seq_len=done + n,
             )
             rows = slice(done, done + n)
-            outs.append(backend.forward(q[rows], k[rows], v[rows], caches, md, scale=0.25))
+            outs.append(backend.forward(q[rows], k[rows], v[rows], caches, md, scale=0.125))
             done += n
         return torch.cat(outs)
 
     whole = run([seq_len])
-    assert torch.equal(run([5, 4, 4]), whole)
-    assert torch.equal(run([1] * seq_len), whole)
+    # Each (token, head) row is computed on its own: the same bits for any chunking.
+    assert torch.equal(run([5, 4, 2, 34]), whole)
+    assert torch.equal(run([16, 16, 13]), whole)
+    # One token at a time is the decode path: the same attention, another summation order.
+    torch.testing.assert_close(run([1] * seq_len), whole, atol=2e-6, rtol=2e-6)
 
 
 def brute_force_grouping_cost(lengths: list[int], overhead: int) -> int:

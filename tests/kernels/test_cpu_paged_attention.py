@@ -1,4 +1,4 @@
-"""The C++ CPU paged decode-attention kernel against the torch backend's gather + SDPA path.
+"""The C++ CPU paged attention kernel against the torch backend's gather + SDPA path.
 
 The kernel builds on first use (about a minute the first time on a machine, cached after);
 these tests need a C++ compiler, like the engine's default CPU path.
@@ -6,6 +6,7 @@ these tests need a C++ compiler, like the engine's default CPU path.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import pathlib
 import re
@@ -29,9 +30,13 @@ def built_kernel():
     )
 
 
-def paged_decode_batch(seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, spare=5):
+def paged_decode_batch(
+    seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, spare=5, q_lens=None
+):
     """Caches with shuffled blocks, NaN in every slot no sequence owns up to its length, and
-    decode-only metadata (the new token of each sequence is its last position)."""
+    the metadata of each sequence's last ``q_lens`` positions as its new tokens (default one:
+    decodes)."""
+    q_lens = q_lens or [1] * len(seq_lens)
     gen = torch.Generator().manual_seed(seed)
     blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare
@@ -41,21 +46,21 @@ def paged_decode_batch(seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     width = max(blocks_per_seq) + 1  # one padding column of block 0 in every row
     tables, slots = [], []
-    for n, count in zip(seq_lens, blocks_per_seq, strict=True):
+    for n, new, count in zip(seq_lens, q_lens, blocks_per_seq, strict=True):
         table = [free.pop() for _ in range(count)]
-        for p in range(n - 1):  # cached positions; the last one is written by the forward
+        for p in range(n - new):  # cached positions; the new ones are written by the forward
             block, offset = table[p // BLOCK_SIZE], p % BLOCK_SIZE
             k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
             v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
-        slots.append(table[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE)
+        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n - new, n)]
         tables.append(table + [0] * (width - count))
-    num = len(seq_lens)
+    num = sum(q_lens)
     metadata = AttentionMetadata(
         slot_mapping=torch.tensor(slots),
-        query_start_loc=torch.arange(num + 1, dtype=torch.int32),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor(tables, dtype=torch.int32),
-        max_query_len=1,
+        max_query_len=max(q_lens),
         max_seq_len=max(seq_lens),
     )
     q = torch.randn(num, num_heads, head_dim, generator=gen).to(dtype)
@@ -107,6 +112,33 @@ def test_sliding_window_matches_the_gather_and_sdpa_path(window):
         torch.testing.assert_close(out, v.repeat_interleave(3, dim=1), atol=0, rtol=0)
 
 
+# (context after the step, new tokens): whole prompts of 1, 2, 16, 17 and 70 tokens, chunks
+# after 9 and 32 cached tokens, a decode, and two-token drafts, ragged against the blocks.
+PROMPTS = [(1, 1), (2, 2), (16, 16), (17, 17), (70, 70), (25, 16), (45, 13), (30, 1), (19, 2)]
+
+
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim",
+    [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (32, 1, 64), (14, 2, 64)],
+    ids=["smollm2", "gqa4-d128", "mha-d32", "mqa-d80", "mqa32-d64", "gqa7-d64"],
+)
+@pytest.mark.parametrize("window", [None, 5, 16, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prompts_chunks_and_decodes_in_one_step_match_the_gather_and_sdpa_path(
+    num_heads, num_kv_heads, head_dim, window, dtype
+):
+    # Float32 prompts go through tiles of 16 (token, head) rows (a tile may hold several tokens,
+    # or part of one token's heads when a KV head has more than 16), the rest token by token.
+    seq_lens, q_lens = zip(*PROMPTS, strict=True)
+    batch = paged_decode_batch(
+        list(seq_lens), num_heads, num_kv_heads, head_dim, dtype, seed=4, q_lens=list(q_lens)
+    )
+    reference, out = both_paths(batch, scale=head_dim**-0.5, sliding_window=window)
+    assert torch.isfinite(out).all(), "a NaN slot past some sequence's end leaked into an output"
+    tolerance = 2e-6 if dtype == torch.float32 else 1.6e-2
+    torch.testing.assert_close(out, reference, atol=tolerance, rtol=tolerance)
+
+
 def test_decodes_beside_a_prefill_and_a_length_one_sequence():
     # A prefill between decodes: the kernel gets the decode rows, SDPA the prefill.
     q, k, v, k_cache, v_cache, md = paged_decode_batch([20, 1, 37], 9, 3, 64, torch.float32)
@@ -146,25 +178,23 @@ def test_direct_call_reads_only_its_blocks_and_checks_its_inputs():
     # Write each sequence's new token as the forward would, then call the kernel directly.
     k_cache.view(-1, 2, 64)[md.slot_mapping] = k
     v_cache.view(-1, 2, 64)[md.slot_mapping] = v
-    out = paged_attention.paged_decode_attention(
-        q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125
-    )
+    out = paged_attention.paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125)
     # Length 1: the output is that token's own value, for every head of its group.
     torch.testing.assert_close(out[0], v[0].repeat_interleave(2, dim=0), atol=0, rtol=0)
     assert torch.isfinite(out).all()
     with pytest.raises(RuntimeError, match="out of range"):
         bad = md.block_tables.clone()
         bad[1, 0] = k_cache.shape[0]
-        paged_attention.paged_decode_attention(q, k_cache, v_cache, bad, md.seq_lens, 0.125)
+        paged_attention.paged_attention(q, k_cache, v_cache, bad, md.seq_lens, 0.125)
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         too_long = torch.tensor([1, 16 * md.block_tables.shape[1] + 1], dtype=torch.int32)
-        paged_attention.paged_decode_attention(q, k_cache, v_cache, md.block_tables, too_long, 0.1)
+        paged_attention.paged_attention(q, k_cache, v_cache, md.block_tables, too_long, 0.1)
     with pytest.raises(RuntimeError, match="share one dtype"):
-        paged_attention.paged_decode_attention(
+        paged_attention.paged_attention(
             q.double(), k_cache, v_cache, md.block_tables, md.seq_lens, 0.125
         )
     with pytest.raises(ValueError, match="sliding_window"):
-        paged_attention.paged_decode_attention(
+        paged_attention.paged_attention(
             q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125, sliding_window=0
         )
 
@@ -210,9 +240,7 @@ def test_a_failed_build_warns_once_and_the_backend_keeps_the_torch_path(
         warnings = [r for r in caplog.records if "paged attention kernel unavailable" in r.message]
         assert len(warnings) == 1 and "Ninja is required" in warnings[0].message
         with pytest.raises(RuntimeError, match="could not be built"):
-            paged_attention.paged_decode_attention(
-                q, k_cache, v_cache, md.block_tables, md.seq_lens, 1.0
-            )
+            paged_attention.paged_attention(q, k_cache, v_cache, md.block_tables, md.seq_lens, 1.0)
     finally:
         paged_attention.load_extension.cache_clear()
 

@@ -38,7 +38,7 @@ k_cache = torch.randn(3, block_size, num_kv_heads, head_dim, generator=gen)
 v_cache = torch.randn(3, block_size, num_kv_heads, head_dim, generator=gen)
 query = torch.randn(1, num_heads, head_dim, generator=gen)
 table = torch.tensor([[2, 0]], dtype=torch.int32)
-out = paged_attention.paged_decode_attention(
+out = paged_attention.paged_attention(
     query, k_cache, v_cache, table, torch.tensor([seq_len], dtype=torch.int32), 0.25
 )
 rows = table[0].long()
