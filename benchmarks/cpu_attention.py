@@ -1,17 +1,21 @@
-"""Decode attention on the CPU: the gather + SDPA path against the in-place paged kernel.
+"""Attention on the CPU: the gather + SDPA path against the in-place paged kernel.
 
-One decode step of ``--num-seqs`` sequences (one new token each, context lengths drawn
-uniformly from ``--min-len``..``--max-len``) through ``--layers`` layers, each with a paged
+One step of ``--num-seqs`` sequences (context lengths drawn uniformly from
+``--min-len``..``--max-len``, the last ``--new-tokens`` positions of each new: 1 for a decode
+step, the whole length for prompts) through ``--layers`` layers, each with a paged
 cache of its own (blocks handed out in shuffled order, as after a while of serving), on
 SmolLM2-135M's attention shape by default (9 query heads, 3 KV heads, head_dim 64, block size
 16, float32). Timed: ``TorchAttentionBackend.forward`` of every layer (cache write + attention;
 the step plan is built on the first layer, as in the engine), once with
 ``paged_decode_kernel=False`` (``index_select`` of the flat slots, then SDPA over each length
-group) and once with the kernel (``kvpilot.kernels.cpu.paged_attention``). CPU time
+group, and one SDPA call per prompt) and once with the kernel
+(``kvpilot.kernels.cpu.paged_attention``). CPU time
 (``time.process_time``) at ``--threads`` torch threads; the median of ``--repeats`` steps after
 one warm-up step. Also prints the largest difference between the two outputs.
 
     python benchmarks/cpu_attention.py --threads 1
+    python benchmarks/cpu_attention.py --threads 1 --num-seqs 16 --min-len 128 --max-len 128 \
+        --new-tokens 128       # 16 prompts of 128 tokens, one prefill step
 
 Takes under a minute (plus the kernel's one-time build, about a minute).
 """
@@ -37,6 +41,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--min-len", type=int, default=128, help="shortest context (tokens)")
     parser.add_argument("--max-len", type=int, default=512, help="longest context (tokens)")
+    parser.add_argument(
+        "--new-tokens", type=int, default=1, help="new tokens per sequence (1: decode)"
+    )
     parser.add_argument("--num-heads", type=int, default=9)
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
@@ -49,7 +56,7 @@ def parse_args() -> argparse.Namespace:
 
 
 def make_step(args: argparse.Namespace, dtype: torch.dtype):
-    """Metadata of one decode step and each layer's (q, k, v, (k_cache, v_cache))."""
+    """Metadata of one step and each layer's (q, k, v, (k_cache, v_cache))."""
     gen = torch.Generator().manual_seed(args.seed)
     bs = args.block_size
     seq_lens = torch.randint(args.min_len, args.max_len + 1, (args.num_seqs,), generator=gen)
@@ -61,22 +68,29 @@ def make_step(args: argparse.Namespace, dtype: torch.dtype):
     for n in blocks_per_seq:
         tables.append([free.pop() for _ in range(n)] + [0] * (width - n))
     block_tables = torch.tensor(tables, dtype=torch.int32)
-    last = seq_lens - 1
-    slots = block_tables.long().gather(1, (last // bs)[:, None])[:, 0] * bs + last % bs
+    q_lens = seq_lens.clamp(max=args.new_tokens)
+    slots = torch.cat(
+        [
+            table.long()[positions // bs] * bs + positions % bs
+            for table, n, new in zip(block_tables, seq_lens, q_lens, strict=True)
+            for positions in [torch.arange(n - new, n)]
+        ]
+    )
     metadata = AttentionMetadata(
         slot_mapping=slots,
-        query_start_loc=torch.arange(args.num_seqs + 1, dtype=torch.int32),
+        query_start_loc=torch.cat([torch.zeros(1), q_lens.cumsum(0)]).to(torch.int32),
         seq_lens=seq_lens.to(torch.int32),
         block_tables=block_tables,
-        max_query_len=1,
+        max_query_len=int(q_lens.max()),
         max_seq_len=int(seq_lens.max()),
     )
+    num_tokens = int(q_lens.sum())
     cache_shape = (num_blocks, bs, args.num_kv_heads, args.head_dim)
     layers = []
     for _ in range(args.layers):
-        q = torch.randn(args.num_seqs, args.num_heads, args.head_dim, generator=gen).to(dtype)
-        k = torch.randn(args.num_seqs, args.num_kv_heads, args.head_dim, generator=gen).to(dtype)
-        v = torch.randn(args.num_seqs, args.num_kv_heads, args.head_dim, generator=gen).to(dtype)
+        q = torch.randn(num_tokens, args.num_heads, args.head_dim, generator=gen).to(dtype)
+        k = torch.randn(num_tokens, args.num_kv_heads, args.head_dim, generator=gen).to(dtype)
+        v = torch.randn(num_tokens, args.num_kv_heads, args.head_dim, generator=gen).to(dtype)
         caches = (
             torch.randn(cache_shape, generator=gen).to(dtype),
             torch.randn(cache_shape, generator=gen).to(dtype),
@@ -105,7 +119,8 @@ def main() -> None:
     print(f"machine: {describe_machine()}")
     print(f"threads: {args.threads}; load average at start: {os.getloadavg()[0]:.2f}")
     print(
-        f"step: {args.num_seqs} decode sequences x {args.layers} layers, contexts "
+        f"step: {args.num_seqs} sequences ({args.new_tokens} new tokens at most each) x "
+        f"{args.layers} layers, contexts "
         f"{args.min_len}-{args.max_len}, {args.num_heads} heads / {args.num_kv_heads} KV heads, "
         f"head_dim {args.head_dim}, block size {args.block_size}, {args.dtype}"
     )

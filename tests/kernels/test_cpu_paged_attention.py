@@ -245,11 +245,12 @@ def test_a_failed_build_warns_once_and_the_backend_keeps_the_torch_path(
         paged_attention.load_extension.cache_clear()
 
 
-def test_the_benchmark_runs_and_both_paths_agree():
+@pytest.mark.parametrize("new_tokens", [1, 40], ids=["decode", "prompts"])
+def test_the_benchmark_runs_and_both_paths_agree(new_tokens):
     script = pathlib.Path(__file__).parents[2] / "benchmarks" / "cpu_attention.py"
     done = subprocess.run(
         [sys.executable, str(script), "--num-seqs", "3", "--layers", "2", "--min-len", "1",
-         "--max-len", "40", "--repeats", "1"],
+         "--max-len", "40", "--repeats", "1", "--new-tokens", str(new_tokens)],
         capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
