@@ -258,7 +258,8 @@ __attribute__((always_inline)) inline void attend_one(
       for (int64_t t = t0; t < t1; t += aligned ? 16 : 1) {
         const int64_t row = (t - b * block_size) * row_stride;
         if (aligned) {
-          sixteen(rows + row, next + row, t - start, static_cast<int>(std::min<int64_t>(16, t1 - t)));
+          const int n = static_cast<int>(std::min<int64_t>(16, t1 - t));
+          sixteen(rows + row, next + row, t - start, n);
         } else {
           prefetch_row(next + row, head_dim);
           one(rows + row, t - start);
@@ -577,8 +578,9 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
                 "paged_attention: query_start_loc must rise within the query's rows");
     TORCH_CHECK(lens[seq] <= s.max_blocks_per_seq * s.block_size, "paged_attention: seq_lens[",
                 seq, "] = ", lens[seq], " exceeds its block table");
-    TORCH_CHECK(lens[seq] <= 0 || lens[seq] >= q_len, "paged_attention: seq_lens[", seq, "] = ", lens[seq],
-                " is shorter than its ", q_len, " query tokens");
+    TORCH_CHECK((q_len <= 1 && lens[seq] <= 0) || lens[seq] >= q_len,
+                "paged_attention: seq_lens[", seq, "] = ", lens[seq], " is shorter than its ",
+                q_len, " query tokens");
     for (int64_t kv_head = 0; kv_head < s.num_kv_heads; ++kv_head) {
       if (tiles && q_len > 1) {
         for (int64_t f0 = 0; f0 < q_len * group; f0 += kTileRows)
@@ -605,7 +607,8 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
 #if KVPILOT_X86
         if constexpr (std::is_same_v<scalar_t, float>) {
           if (item.f0 >= 0) {
-            const int rows = static_cast<int>(std::min<int64_t>(kTileRows, q_len * group - item.f0));
+            const int rows =
+                static_cast<int>(std::min<int64_t>(kTileRows, q_len * group - item.f0));
             attend_tile(q_ptr, q_stride, k_ptr, v_ptr, table, starts[item.seq], q_len,
                         lens[item.seq], item.kv_head, group, item.f0, rows,
                         static_cast<float>(scale), sliding_window, s, qt, st, ot, out_ptr,

@@ -189,6 +189,17 @@ def test_direct_call_reads_only_its_blocks_and_checks_its_inputs():
     with pytest.raises(RuntimeError, match="exceeds its block table"):
         too_long = torch.tensor([1, 16 * md.block_tables.shape[1] + 1], dtype=torch.int32)
         paged_attention.paged_attention(q, k_cache, v_cache, md.block_tables, too_long, 0.1)
+    for short in (1, 0):  # a sequence needs at least its new tokens as context
+        with pytest.raises(RuntimeError, match="is shorter than its 2 query tokens"):
+            paged_attention.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                md.block_tables,
+                torch.tensor([1, short], dtype=torch.int32),
+                0.125,
+                query_start_loc=torch.tensor([0, 0, 2], dtype=torch.int32),
+            )
     with pytest.raises(RuntimeError, match="share one dtype"):
         paged_attention.paged_attention(
             q.double(), k_cache, v_cache, md.block_tables, md.seq_lens, 0.125
