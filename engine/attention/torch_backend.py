@@ -254,9 +254,9 @@ class TorchAttentionBackend:
     mutate its metadata between layers (the model runner builds a new one every step).
 
     Args:
-        paged_decode_kernel: attend decode sequences with the in-place C++ kernel where it
-            applies (CPU, float32/bfloat16 cache, query of the cache's dtype) and builds; False
-            keeps the gather + SDPA path; None (default) follows
+        paged_decode_kernel: attend every token of a step (decodes and prompts) with the
+            in-place C++ kernel where it applies (CPU, float32/bfloat16 cache, query of the
+            cache's dtype) and builds; False keeps the gather + SDPA path; None (default) follows
             ``$KVPILOT_CPU_PAGED_ATTENTION`` (on unless ``0``).
     """
 
