@@ -13,13 +13,16 @@ values are quantized as they are written and dequantized to the activation dtype
 gathered (``reference.quantize_to_cache`` / ``dequantize_from_cache``), so attention itself
 runs as with a float cache.
 
-On the CPU, with a float32 or bfloat16 cache, every query token skips the gather and SDPA: the
-C++ kernel ``kvpilot.kernels.cpu.paged_attention`` reads the blocks in place through the block
-tables, one call per layer for the whole step (decodes, prompts, prompt chunks and drafts
-together), sliding windows included. A prompt's token at position ``p`` attends to positions
-``0..p`` of its sequence (causal attention); its result does not depend on the other sequences
-of the step nor on how the prompt is chunked (2.8x faster than the per-sequence SDPA calls on
-16 prompts of 128 tokens, 1.9x on one of 2,048, one thread). The gather + SDPA path
+On the CPU, with a float32 or bfloat16 cache, decode sequences skip the gather and SDPA: the C++
+kernel ``kvpilot.kernels.cpu.paged_attention`` reads their blocks in place through the block
+tables, one call per layer for all of them, sliding windows included. Where the kernel tiles
+prompts (a float32 cache, head and block sizes multiples of 16, an AVX-512 CPU:
+``paged_attention.tiles_prompts``) the prompts, prompt chunks and drafts go to it too, the
+whole step in one call: a prompt's token at position ``p`` attends to positions ``0..p`` of its
+sequence, computed on its own, so its result does not depend on the other sequences of the step
+nor on how the prompt is chunked (1.9-3.2x faster than the per-sequence SDPA calls on 16
+prompts of 128 tokens, 1.8x on one of 2,048). Elsewhere each prompt keeps its SDPA call, which
+beats the kernel's token-by-token path. The gather + SDPA path
 stays the reference and the fallback: for fp8 caches, when the kernel cannot be built (one
 warning), and when ``KVPILOT_CPU_PAGED_ATTENTION=0`` or ``TorchAttentionBackend(
 paged_decode_kernel=False)`` turns it off.
@@ -78,18 +81,22 @@ class DecodePlan:
 
 @dataclass
 class PagedQueryPlan:
-    """Every query token of a step for the in-place kernel (no slots, no padding): the batch
-    layout in the kernel's dtypes.
+    """Query tokens for the in-place kernel (no slots, no padding): every token of the step, or
+    the decode sequences' alone.
 
     Attributes:
         seq_lens: ``[num_seqs]`` int32 context lengths after the step (tokens).
-        query_start_loc: ``[num_seqs + 1]`` int32 first token row of each sequence.
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, contiguous.
+        query_start_loc: ``[num_seqs + 1]`` int32 first token row of each sequence; None when
+            each has one token (decodes: sequence ``i``'s is row ``i`` of the kernel's query).
+        rows: ``[num_decodes]`` int64 token rows of the decode sequences when the kernel takes
+            them alone (the prompts go to SDPA); None when it takes every token of the step.
     """
 
     seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
     block_tables: torch.Tensor
+    query_start_loc: torch.Tensor | None = None
+    rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -191,15 +198,20 @@ def group_by_length(lengths: list[int], overhead: int = GROUP_OVERHEAD_TOKENS) -
 
 
 def plan_step(
-    attn_metadata: AttentionMetadata, block_size: int, in_place: bool = False
+    attn_metadata: AttentionMetadata,
+    block_size: int,
+    in_place: bool = False,
+    prompts_in_place: bool = False,
 ) -> StepPlan:
     """Derive the per-step tensors of :class:`StepPlan` from the batch layout (one host sync).
 
     Args:
         attn_metadata: the batch layout.
         block_size: tokens per cache block.
-        in_place: plan every token for the in-place kernel (``StepPlan.in_place``) instead of
-            gathered decode groups and per-sequence prefills.
+        in_place: plan the decode sequences for the in-place kernel (``StepPlan.in_place``)
+            instead of gathered groups (``StepPlan.decodes``).
+        prompts_in_place: with ``in_place``, the sequences of several new tokens too (where
+            the kernel tiles them), instead of one SDPA call each (``StepPlan.prefills``).
     """
     device = attn_metadata.seq_lens.device
     starts = attn_metadata.query_start_loc.tolist()
@@ -210,9 +222,10 @@ def plan_step(
         write_rows = torch.nonzero(slot_mapping >= 0).flatten()
         slot_mapping = slot_mapping[write_rows]
 
-    if in_place:  # no slot of any position is needed
-        return StepPlan(write_rows, slot_mapping, [], [], _paged_queries(attn_metadata))
     decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    if in_place and (prompts_in_place or len(decode) == len(seq_lens)):
+        # Every token to the kernel (most steps: decodes only): no slot of any position needed.
+        return StepPlan(write_rows, slot_mapping, [], [], _paged_queries(attn_metadata, decode))
     max_len = max(seq_lens)
     positions = torch.arange(max_len, device=device)
     tables = attn_metadata.block_tables[:, : -(-max_len // block_size)].long()
@@ -223,6 +236,9 @@ def plan_step(
         for i, n in enumerate(seq_lens)
         if starts[i + 1] - starts[i] > 1
     ]
+    if in_place:
+        paged = _paged_decodes(attn_metadata, decode) if decode else None
+        return StepPlan(write_rows, slot_mapping, [], prefills, paged)
     decode_plans = []
     for group in group_by_length([seq_lens[i] for i in decode], GROUP_OVERHEAD_TOKENS):
         seqs = [decode[g] for g in group]
@@ -238,12 +254,24 @@ def plan_step(
     return StepPlan(write_rows, slot_mapping, decode_plans, prefills)
 
 
-def _paged_queries(attn_metadata: AttentionMetadata) -> PagedQueryPlan:
-    """The kernel's plan for every token of the step."""
+def _paged_queries(attn_metadata: AttentionMetadata, decode: list[int]) -> PagedQueryPlan:
+    """The kernel's plan for every token of the step (``decode``: the one-token sequences)."""
+    md = attn_metadata
+    every_one_token = len(decode) == len(md.seq_lens)
     return PagedQueryPlan(
-        attn_metadata.seq_lens.to(torch.int32).contiguous(),
-        attn_metadata.query_start_loc.to(torch.int32).contiguous(),
-        attn_metadata.block_tables.to(torch.int32).contiguous(),
+        md.seq_lens.to(torch.int32).contiguous(),
+        md.block_tables.to(torch.int32).contiguous(),
+        None if every_one_token else md.query_start_loc.to(torch.int32).contiguous(),
+    )
+
+
+def _paged_decodes(attn_metadata: AttentionMetadata, decode: list[int]) -> PagedQueryPlan:
+    """The kernel's plan for the decode sequences ``decode`` alone (indices, at least one)."""
+    index = torch.tensor(decode, device=attn_metadata.seq_lens.device)
+    return PagedQueryPlan(
+        attn_metadata.seq_lens[index].to(torch.int32),
+        attn_metadata.block_tables[index].to(torch.int32).contiguous(),
+        rows=attn_metadata.query_start_loc[index].long(),
     )
 
 
@@ -269,12 +297,17 @@ class TorchAttentionBackend:
         )
 
     def plan(
-        self, attn_metadata: AttentionMetadata, block_size: int, in_place: bool = False
+        self,
+        attn_metadata: AttentionMetadata,
+        block_size: int,
+        in_place: bool = False,
+        prompts_in_place: bool = False,
     ) -> StepPlan:
         """The step plan of ``attn_metadata``, computed on its first layer and then reused."""
-        if self._plan is None or self._plan[0] is not attn_metadata or self._plan[1] != in_place:
-            plan = plan_step(attn_metadata, block_size, in_place)
-            self._plan = (attn_metadata, in_place, plan)
+        key = (in_place, prompts_in_place)
+        if self._plan is None or self._plan[0] is not attn_metadata or self._plan[1] != key:
+            plan = plan_step(attn_metadata, block_size, in_place, prompts_in_place)
+            self._plan = (attn_metadata, key, plan)
         return self._plan[2]
 
     def uses_kernel(self, query: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -303,7 +336,8 @@ class TorchAttentionBackend:
         k_cache, v_cache = kv_cache
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         in_place = self.uses_kernel(query, k_cache)
-        plan = self.plan(attn_metadata, k_cache.shape[1], in_place)
+        prompts_in_place = in_place and paged_attention.tiles_prompts(query, k_cache)
+        plan = self.plan(attn_metadata, k_cache.shape[1], in_place, prompts_in_place)
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         if plan.write_rows is not None:
@@ -316,21 +350,16 @@ class TorchAttentionBackend:
         )
 
         paged = plan.in_place
-        if paged is not None:
-            return paged_attention.paged_attention(
-                query,
-                k_cache,
-                v_cache,
-                paged.block_tables,
-                paged.seq_lens,
-                scale,
-                sliding_window,
-                query_start_loc=paged.query_start_loc,
-            )
+        if paged is not None and paged.rows is None:
+            return _in_place(query, k_cache, v_cache, paged, scale, sliding_window)
         decode_masks, prefill_masks = plan.masks_for(sliding_window)
         if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
             return self._decode(query, k_flat, v_flat, plan.decodes[0], decode_masks[0], scale)
         out = torch.empty_like(query)
+        if paged is not None:
+            out[paged.rows] = _in_place(
+                query[paged.rows], k_cache, v_cache, paged, scale, sliding_window
+            )
         for d, mask in zip(plan.decodes, decode_masks, strict=True):
             out[d.rows] = self._decode(query[d.rows], k_flat, v_flat, d, mask, scale)
         for p, mask in zip(plan.prefills, prefill_masks, strict=True):
@@ -373,6 +402,27 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return o[:, :, 0, :]
+
+
+def _in_place(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    paged: PagedQueryPlan,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """The kernel's attention for the tokens of ``paged`` (``query`` holds just their rows)."""
+    return paged_attention.paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        paged.block_tables,
+        paged.seq_lens,
+        scale,
+        sliding_window,
+        query_start_loc=paged.query_start_loc,
+    )
 
 
 class _Gather:

@@ -693,7 +693,17 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
   }
 }
 
+bool tiles_supported() {
+#if KVPILOT_X86
+  return __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tiles_supported", &tiles_supported,
+        "Whether this CPU runs the prompt tiles (AVX-512F).");
   m.def("paged_attention", &paged_attention,
         "Paged attention of decode and prompt tokens over a block-table KV cache, in place "
         "(CPU).");

@@ -9,6 +9,7 @@ import torch
 
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend, torch_backend
 from kvpilot.engine.attention.torch_backend import group_by_length
+from kvpilot.kernels.cpu import paged_attention
 from kvpilot.kernels.reference import reshape_and_cache, unified_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 32
@@ -115,25 +116,37 @@ def test_decode_groups_are_padded_per_group_and_shortest_first():
     assert [(p.start, p.q_len, p.seq_len) for p in plan.prefills] == [(1, 6, 6), (7, 4, 9)]
 
 
-def test_in_place_plan_is_the_batch_layout_in_int32_without_slots():
+def test_in_place_plan_with_prompts_is_the_batch_layout_in_int32_without_slots():
     md = make_batch(torch.float32)[-1]
-    plan = torch_backend.plan_step(md, BLOCK_SIZE, in_place=True)
+    plan = torch_backend.plan_step(md, BLOCK_SIZE, in_place=True, prompts_in_place=True)
     assert plan.decodes == [] and plan.prefills == []
     paged = plan.in_place
+    assert paged.rows is None
     for name in ("seq_lens", "query_start_loc", "block_tables"):
         tensor = getattr(paged, name)
         assert tensor.dtype == torch.int32 and tensor.is_contiguous()
         assert torch.equal(tensor, getattr(md, name).int())
 
 
-@pytest.mark.parametrize(
-    "num_heads, num_kv_heads, head_dim, block_size",
-    [(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE), (9, 3, 64, 16)],
-    ids=["token-by-token", "tiles"],  # the kernel's two paths for prompts (see its docstring)
+def test_in_place_plan_without_prompts_keeps_every_decode_in_one_call_and_prompts_on_sdpa():
+    md = make_batch(torch.float32)[-1]
+    plan = torch_backend.plan_step(md, BLOCK_SIZE, in_place=True)
+    assert plan.decodes == []
+    paged = plan.in_place
+    assert paged.rows.tolist() == [0, 11, 12]  # sequences 0, 3 and 4, in batch order
+    assert paged.query_start_loc is None
+    assert paged.seq_lens.dtype == torch.int32 and paged.seq_lens.tolist() == [10, 2, 15]
+    assert paged.block_tables.dtype == torch.int32 and paged.block_tables.is_contiguous()
+    assert torch.equal(paged.block_tables, md.block_tables[[0, 3, 4]])
+    assert [(p.start, p.q_len, p.seq_len) for p in plan.prefills] == [(1, 6, 6), (7, 4, 9)]
+
+
+@pytest.mark.skipif(
+    not paged_attention.tiles_prompts(torch.zeros(1, 9, 64), torch.zeros(1, 16, 3, 64)),
+    reason="prompts go to the kernel where it tiles them: float32 on an AVX-512 CPU",
 )
-def test_a_prompt_attends_the_same_prefilled_whole_or_in_chunks(
-    num_heads, num_kv_heads, head_dim, block_size
-):
+def test_a_prompt_attends_the_same_prefilled_whole_or_in_chunks():
+    num_heads, num_kv_heads, head_dim, block_size = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(3)
     seq_len = 45
     num_blocks = -(-seq_len // block_size) + 4

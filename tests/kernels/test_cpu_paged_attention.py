@@ -128,12 +128,29 @@ def test_prompts_chunks_and_decodes_in_one_step_match_the_gather_and_sdpa_path(
     num_heads, num_kv_heads, head_dim, window, dtype
 ):
     # Float32 prompts go through tiles of 16 (token, head) rows (a tile may hold several tokens,
-    # or part of one token's heads when a KV head has more than 16), the rest token by token.
+    # or part of one token's heads when a KV head has more than 16), the rest token by token
+    # (which the engine leaves to SDPA, so the kernel is called directly here).
     seq_lens, q_lens = zip(*PROMPTS, strict=True)
-    batch = paged_decode_batch(
+    q, k, v, k_cache, v_cache, md = paged_decode_batch(
         list(seq_lens), num_heads, num_kv_heads, head_dim, dtype, seed=4, q_lens=list(q_lens)
     )
-    reference, out = both_paths(batch, scale=head_dim**-0.5, sliding_window=window)
+    scale = head_dim**-0.5
+    backend = TorchAttentionBackend(paged_decode_kernel=False)  # writes the new K/V too
+    reference = backend.forward(q, k, v, (k_cache, v_cache), md, scale=scale, sliding_window=window)
+    out = paged_attention.paged_attention(
+        q,
+        k_cache,
+        v_cache,
+        md.block_tables,
+        md.seq_lens,
+        scale,
+        window,
+        query_start_loc=md.query_start_loc,
+    )
+    avx512 = paged_attention.load_extension().tiles_supported()
+    assert paged_attention.tiles_prompts(q, k_cache) == (
+        avx512 and dtype == torch.float32 and head_dim % 16 == 0
+    )
     assert torch.isfinite(out).all(), "a NaN slot past some sequence's end leaked into an output"
     tolerance = 2e-6 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(out, reference, atol=tolerance, rtol=tolerance)
