@@ -87,15 +87,15 @@ class PagedQueryPlan:
     Attributes:
         seq_lens: ``[num_seqs]`` int32 context lengths after the step (tokens).
         block_tables: ``[num_seqs, max_blocks_per_seq]`` int32, contiguous.
-        query_start_loc: ``[num_seqs + 1]`` int32 first token row of each sequence; None when
-            each has one token (decodes: sequence ``i``'s is row ``i`` of the kernel's query).
+        query_start_loc: ``[num_seqs + 1]`` int32 first row of each sequence in the kernel's
+            query.
         rows: ``[num_decodes]`` int64 token rows of the decode sequences when the kernel takes
             them alone (the prompts go to SDPA); None when it takes every token of the step.
     """
 
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
-    query_start_loc: torch.Tensor | None = None
+    query_start_loc: torch.Tensor
     rows: torch.Tensor | None = None
 
 
@@ -225,7 +225,7 @@ def plan_step(
     decode = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
     if in_place and (prompts_in_place or len(decode) == len(seq_lens)):
         # Every token to the kernel (most steps: decodes only): no slot of any position needed.
-        return StepPlan(write_rows, slot_mapping, [], [], _paged_queries(attn_metadata, decode))
+        return StepPlan(write_rows, slot_mapping, [], [], _paged_queries(attn_metadata))
     max_len = max(seq_lens)
     positions = torch.arange(max_len, device=device)
     tables = attn_metadata.block_tables[:, : -(-max_len // block_size)].long()
@@ -254,23 +254,24 @@ def plan_step(
     return StepPlan(write_rows, slot_mapping, decode_plans, prefills)
 
 
-def _paged_queries(attn_metadata: AttentionMetadata, decode: list[int]) -> PagedQueryPlan:
-    """The kernel's plan for every token of the step (``decode``: the one-token sequences)."""
+def _paged_queries(attn_metadata: AttentionMetadata) -> PagedQueryPlan:
+    """The kernel's plan for every token of the step: its layout in the kernel's dtypes."""
     md = attn_metadata
-    every_one_token = len(decode) == len(md.seq_lens)
     return PagedQueryPlan(
         md.seq_lens.to(torch.int32).contiguous(),
         md.block_tables.to(torch.int32).contiguous(),
-        None if every_one_token else md.query_start_loc.to(torch.int32).contiguous(),
+        md.query_start_loc.to(torch.int32).contiguous(),
     )
 
 
 def _paged_decodes(attn_metadata: AttentionMetadata, decode: list[int]) -> PagedQueryPlan:
     """The kernel's plan for the decode sequences ``decode`` alone (indices, at least one)."""
-    index = torch.tensor(decode, device=attn_metadata.seq_lens.device)
+    device = attn_metadata.seq_lens.device
+    index = torch.tensor(decode, device=device)
     return PagedQueryPlan(
         attn_metadata.seq_lens[index].to(torch.int32),
         attn_metadata.block_tables[index].to(torch.int32).contiguous(),
+        torch.arange(len(decode) + 1, dtype=torch.int32, device=device),
         rows=attn_metadata.query_start_loc[index].long(),
     )
 

@@ -76,16 +76,17 @@ inline void from_float(float x, c10::BFloat16* out) { *out = c10::BFloat16(x); }
 // float in [-87, 0] (checked exhaustively), written as plain arithmetic so the softmax loop
 // vectorizes (std::exp does not without -ffast-math). Below -87 (exp < 2^-125: nothing next to
 // the maximum's 1) it returns 0; NaN stays NaN.
+// The constants, shared with the 16-lane version of the prompt tiles (exp_nonpositive16).
+constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
 inline float exp_nonpositive(float x) {
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float n = std::floor(x * kLog2e + 0.5f);
   const float clamped_n = std::max(n, -126.f);
-  const float r = x - clamped_n * 0.693359375f + clamped_n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
+  const float r = x - clamped_n * kLn2High + clamped_n * kLn2Low;
+  float p = kExpPoly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + kExpPoly[i];
   p = p * r * r + r + 1.f;
   const uint32_t bits = static_cast<uint32_t>(static_cast<int32_t>(clamped_n) + 127) << 23;
   float two_n;
@@ -209,13 +210,17 @@ __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
 #endif
 
 // Scores are kept in rows of a multiple of 16 floats (the padding holds -inf, whose exp is 0),
-// so the softmax loops run whole vectors, without a scalar remainder; with 15 more, the 16
-// scores of a sequence's last, partial group of positions fit wherever the group starts.
-inline int64_t padded_span(int64_t span) { return (span + 15 + 15) / 16 * 16; }
+// so the softmax loops run whole vectors, without a scalar remainder. The 16 scores of a
+// sequence's last, partial group of positions land at a multiple of 16 when the span starts on
+// one (no window, or one starting on a block); else the row holds 15 more.
+inline int64_t padded_span(int64_t start, int64_t seq_len) {
+  const int64_t span = seq_len - start + (start % 16 == 0 ? 0 : 15);
+  return (span + 15) / 16 * 16;
+}
 
 // One (sequence, KV head) pair: `group` query heads over positions [start, seq_len).
 // q: [group, head_dim] float32, already multiplied by the scale. scores: [group,
-// padded_span(seq_len - start)] scratch.
+// padded_span(start, seq_len)] scratch.
 // acc: [group, head_dim] scratch. out: [group, head_dim] rows of the output.
 template <typename scalar_t, int64_t kHeadDim>
 __attribute__((always_inline)) inline void attend_one(
@@ -225,7 +230,7 @@ __attribute__((always_inline)) inline void attend_one(
     float* __restrict acc, scalar_t* __restrict out) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : s.head_dim, block_size = s.block_size;
   const int64_t row_stride = s.num_kv_heads * head_dim;  // between positions of one block
-  const int64_t span = seq_len - start, stride = padded_span(span);
+  const int64_t span = seq_len - start, stride = padded_span(start, seq_len);
   const int64_t first_block = start / block_size, last_block = (seq_len - 1) / block_size;
 
   // The blocks are scattered, so the hardware prefetcher cannot guess the next one: while a
@@ -393,17 +398,14 @@ constexpr int kTileRows = 16;
 // exp_nonpositive on 16 lanes: the same range reduction and polynomial, in AVX-512.
 __attribute__((target("avx512f"), always_inline)) inline __m512 exp_nonpositive16(__m512 x) {
   const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+      _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
       _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
   const __m512 clamped_n = _mm512_max_ps(n, _mm512_set1_ps(-126.f));
-  const __m512 r = _mm512_fmadd_ps(clamped_n, _mm512_set1_ps(2.12194440e-4f),
-                                   _mm512_fnmadd_ps(clamped_n, _mm512_set1_ps(0.693359375f), x));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  const __m512 r = _mm512_fmadd_ps(clamped_n, _mm512_set1_ps(kLn2Low),
+                                   _mm512_fnmadd_ps(clamped_n, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+#pragma GCC unroll 5
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
   const __m512i bits = _mm512_slli_epi32(
       _mm512_add_epi32(_mm512_cvttps_epi32(clamped_n), _mm512_set1_epi32(127)), 23);
@@ -629,7 +631,7 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
         const scalar_t* qs = q_ptr + row * q_stride + item.kv_head * group * head_dim;
         for (int64_t d = 0; d < group * head_dim; ++d)
           q[d] = to_float(qs[d]) * static_cast<float>(scale);
-        scores.resize(group * padded_span(seq_len - start));
+        scores.resize(group * padded_span(start, seq_len));
         attend(q.data(), k_ptr, v_ptr, table, start, seq_len, item.kv_head, group, s,
                scores.data(), acc.data(), o);
       }

@@ -24,6 +24,7 @@ path (the engine's torch attention backend: ``index_select`` gather plus SDPA).
 
 from __future__ import annotations
 
+import functools
 import logging
 import pathlib
 
@@ -72,19 +73,23 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def tiles_prompts(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether :func:`paged_attention` takes the prompts of this query and cache in tiles of 16
-    rows (the kernel :func:`supports` them, float32, ``head_dim`` and ``block_size`` multiples of
-    16, an AVX-512 CPU). Elsewhere it runs a prompt one token at a time, slower than one SDPA
-    call for the prompt, so callers keep prompts on their own path there."""
-    extension = load_extension()
+    """Whether :func:`paged_attention`, given a query and cache it :func:`supports`, takes their
+    prompts in tiles of 16 rows (float32, ``head_dim`` and ``block_size`` multiples of 16, an
+    AVX-512 CPU). Elsewhere it runs a prompt one token at a time, slower than one SDPA call for
+    the prompt, so callers keep prompts on their own path there."""
     return (
-        extension is not None
-        and supports(query, k_cache)
-        and k_cache.dtype == torch.float32
+        k_cache.dtype == torch.float32
         and k_cache.shape[1] % 16 == 0
         and k_cache.shape[3] % 16 == 0
-        and extension.tiles_supported()
+        and _cpu_tiles()
     )
+
+
+@functools.cache
+def _cpu_tiles() -> bool:
+    """Whether the built kernel runs prompt tiles on this CPU (AVX-512F), asked once."""
+    extension = load_extension()
+    return extension is not None and extension.tiles_supported()
 
 
 def paged_attention(

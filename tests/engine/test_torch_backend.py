@@ -134,7 +134,7 @@ def test_in_place_plan_without_prompts_keeps_every_decode_in_one_call_and_prompt
     assert plan.decodes == []
     paged = plan.in_place
     assert paged.rows.tolist() == [0, 11, 12]  # sequences 0, 3 and 4, in batch order
-    assert paged.query_start_loc is None
+    assert paged.query_start_loc.tolist() == [0, 1, 2, 3]  # one row each in query[rows]
     assert paged.seq_lens.dtype == torch.int32 and paged.seq_lens.tolist() == [10, 2, 15]
     assert paged.block_tables.dtype == torch.int32 and paged.block_tables.is_contiguous()
     assert torch.equal(paged.block_tables, md.block_tables[[0, 3, 4]])
