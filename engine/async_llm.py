@@ -153,7 +153,7 @@ class AsyncLLM:
         self._requests.clear()
         if self.dead_error is None and open_requests:
             try:
-                self.stats = await self.client.abort(list(open_requests))
+                self._keep_stats(await self.client.abort(list(open_requests)))
             except EngineDeadError:
                 pass
         await self.client.shutdown(engine_dead=self.dead_error is not None)
@@ -199,7 +199,7 @@ class AsyncLLM:
         arrival_time = time.time() if arrival_time is None else arrival_time
         self._num_adding += 1
         try:
-            self.stats = await self.client.add_request(
+            stats = await self.client.add_request(
                 EngineCoreRequest(
                     request_id, prompt, params, arrival_time, cache_salt, lora_request
                 )
@@ -217,6 +217,7 @@ class AsyncLLM:
             raise
         finally:
             self._num_adding -= 1
+        self._keep_stats(stats)
         self._notify_stats()
         return RequestStream(self, request_id, tracked)
 
@@ -275,8 +276,14 @@ class AsyncLLM:
             if not isinstance(future.exception(), EngineDeadError):
                 logger.error("abort failed: %s", future.exception())
             return
-        self.stats = future.result()
+        self._keep_stats(future.result())
         self._notify_stats()
+
+    def _keep_stats(self, stats: EngineStats) -> None:
+        """Keep ``stats`` unless a later snapshot is held already: the reply to an add can
+        arrive after the outputs of the step that finished the request."""
+        if stats.snapshot >= self.stats.snapshot:
+            self.stats = stats
 
     def _notify_stats(self) -> None:
         for logger_ in self.stat_loggers:
@@ -298,10 +305,10 @@ class AsyncLLM:
 
     def _on_step(self, outputs: list[RequestOutput], stats: EngineStats) -> None:
         self.num_steps += 1
-        self.stats = stats
+        self._keep_stats(stats)
         now = time.time()
         for logger_ in self.stat_loggers:
-            logger_.record_step(outputs, stats, now)
+            logger_.record_step(outputs, self.stats, now)
         for output in outputs:
             tracked = self._requests.get(output.request_id)
             if tracked is None:
@@ -325,7 +332,7 @@ class AsyncLLM:
         failed = dict(self._requests)
         self._requests.clear()
         if stats is not None:
-            self.stats = stats
+            self._keep_stats(stats)
         self._notify_stats()
         if failed and self.dead_error is None:
             # Those the engine took after the failed step's aborts were not aborted there.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import pathlib
@@ -76,6 +77,7 @@ class LLMEngine:
 
         args.validate()
         self.args = args
+        self._stats_snapshots = itertools.count(1)  # EngineStats.snapshot
         # What the arguments decide without loading weights is checked first, before the
         # progress bar starts: a bad argument is one line of error, with no bar before it.
         self.model_dir = resolve_model(args.model, args.revision)
@@ -549,6 +551,7 @@ class LLMEngine:
             generation_tokens_total=self.output_processor.generation_tokens_total,
             max_lora=self.scheduler_config.max_loras,
             spec_decode=self.scheduler.spec_decoding_stats.snapshot() if self.proposer else None,
+            snapshot=next(self._stats_snapshots),
         )
 
     def check_health(self) -> None:

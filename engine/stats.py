@@ -47,6 +47,10 @@ class EngineStats(SchedulerStats):
         max_lora: ``max_loras``; 0 when LoRA is off.
         spec_decode: speculative decoding counters (``vllm:spec_decode_*``); None when
             speculative decoding is off.
+        snapshot: the engine's count of snapshots taken when this one was, from 1; a larger
+            number is a later state. Replies and step outputs reach the API process out of
+            order (a request's add reply after the step that finished it), so it keeps the
+            snapshot with the largest number (``AsyncLLM.stats``).
     """
 
     kv_capacity_tokens: int
@@ -55,3 +59,4 @@ class EngineStats(SchedulerStats):
     generation_tokens_total: int
     max_lora: int = 0
     spec_decode: SpecDecodingStats | None = None
+    snapshot: int = 0

@@ -116,3 +116,22 @@ async def test_generate_yields_cumulative_outputs_until_finished(llm):
     assert token_counts == sorted(token_counts) and token_counts[-1] == 4
     assert outputs[-1].finished and not any(o.finished for o in outputs[:-1])
     assert outputs[-1].outputs[0].finish_reason == "length"
+
+
+async def test_a_late_add_reply_leaves_the_later_step_stats(llm, monkeypatch):
+    """The reply to an add can reach the API process after the outputs of the step that
+    finished the request (the router's CI run saw ``vllm:prompt_tokens_total`` miss a finished
+    one-token request): the held stats stay the step's."""
+    add_request = llm.client.add_request
+
+    async def reply_after_the_step(request):
+        stats = await add_request(request)
+        steps = llm.num_steps
+        await eventually(lambda: llm.num_steps > steps)
+        return stats
+
+    monkeypatch.setattr(llm.client, "add_request", reply_after_the_step)
+    before = llm.stats.prompt_tokens_total
+    outputs = [o async for o in await llm.add_request("late", PROMPT, params(1))]
+    assert outputs[-1].finished
+    assert llm.stats.prompt_tokens_total == before + len(PROMPT["prompt_token_ids"])
