@@ -22,8 +22,9 @@
 // alone would leave the FMA units waiting on two or four accumulator chains, so for up to 6 rows
 // several chunks of the same panel are summed at once (rows x chunks <= 12, each its own
 // accumulators) and combined in chunk order afterwards, which gives the same sums as one chunk
-// after the other. The next weights are prefetched 16 k ahead: for decode-sized batches the
-// weights stream from memory once per step and the kernel is bound by memory bandwidth.
+// after the other. The weights are prefetched ahead (kPrefetchFromMemory, kPrefetchNear): for
+// decode-sized batches they stream from memory once per step, and a prefetch as near as the
+// next 16 k left the kernel waiting on the memory's latency.
 //
 // Work split. Rows are taken in chunks of 240 (so the chunk of x stays in the L3 cache while the
 // panels pass, each panel in L2 for all of them) and, within one, the panels are split over ATen's OpenMP threads
@@ -54,7 +55,13 @@ constexpr int64_t kPanel = 32;             // output features per panel
 constexpr int kVecs = kPanel / 16;         // AVX-512 vectors per panel row
 constexpr int64_t kChunk = 128;            // input features per partial sum (the summation order)
 constexpr int64_t kRowChunk = 240;         // rows of x per pass over the panels
-constexpr int64_t kPrefetch = 16;          // k steps ahead the weights are prefetched
+// k steps ahead the weights are prefetched. A panel's first call streams it from memory: one
+// chunk at a time (more than kMaxRows / 2 rows) looks 128 k (16 KiB) ahead, which covers the
+// memory's latency at its bandwidth (1.15-1.2x at 16-64 rows against 16 k ahead); several chunks
+// at once, each 16 k ahead (farther, each would fetch what the next chunk's stream is reading).
+// Later calls find the panel in L2 and look 16 k ahead.
+constexpr int64_t kPrefetchFromMemory = 128;
+constexpr int64_t kPrefetchNear = 16;
 constexpr int kMaxAcc = 24;                // accumulator registers per call
 constexpr int kMaxRows = kMaxAcc / kVecs;  // rows per micro-kernel call (12)
 constexpr int kMaxChains = kMaxRows;       // rows x concurrent chunks per call
@@ -78,8 +85,9 @@ __attribute__((target("avx512f,fma"))) void chunk_group(const float* __restrict 
                                                          const float* __restrict panel,
                                                          int64_t k0, int64_t len,
                                                          float* __restrict y, int64_t ldy,
-                                                         int cols, bool first) {
+                                                         int cols, bool first, int64_t prefetch) {
   __m512 acc[CH][ROWS][kVecs];
+  const int64_t ahead = prefetch * kPanel;
 #pragma GCC unroll 16
   for (int h = 0; h < CH; ++h) {
 #pragma GCC unroll 16
@@ -97,7 +105,7 @@ __attribute__((target("avx512f,fma"))) void chunk_group(const float* __restrict 
       __m512 wv[kVecs];
 #pragma GCC unroll 4
       for (int v = 0; v < kVecs; ++v) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + kPrefetch * kPanel + 16 * v), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 16 * v), _MM_HINT_T0);
         wv[v] = _mm512_loadu_ps(w + 16 * v);
       }
 #pragma GCC unroll 16
@@ -128,7 +136,7 @@ __attribute__((target("avx512f,fma"))) void chunk_group(const float* __restrict 
 }
 
 using ChunkGroup = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*,
-                            int64_t, int, bool);
+                            int64_t, int, bool, int64_t);
 
 template <int ROWS, int CH>
 constexpr ChunkGroup group_or_null() {
@@ -153,19 +161,21 @@ constexpr std::array<std::array<ChunkGroup, kMaxChains>, kMaxRows> group_table(
 // kGroups[rows - 1][chunks - 1]: null where rows x chunks > 12, or chunks > 1 with rows > 6.
 constexpr auto kGroups = group_table(std::make_integer_sequence<int, kMaxRows>{});
 
-// y[rows, cols] of one panel: every chunk, several at once where the rows are few.
+// y[rows, cols] of one panel: every chunk, several at once where the rows are few; the weights
+// are prefetched `prefetch` k steps ahead.
 void panel_rows(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int rows,
-                int cols) {
+                int cols, int64_t prefetch) {
   const int64_t num_chunks = (K + kChunk - 1) / kChunk, whole = K / kChunk;
   const int64_t at_once = 2 * rows <= kMaxRows ? kMaxChains / rows : 1;
   int64_t c = 0;
   while (c < whole) {
     const int64_t n = std::min(at_once, whole - c);
-    kGroups[rows - 1][n - 1](x, K, panel, c * kChunk, kChunk, y, ldy, cols, c == 0);
+    kGroups[rows - 1][n - 1](x, K, panel, c * kChunk, kChunk, y, ldy, cols, c == 0, prefetch);
     c += n;
   }
   if (c < num_chunks) {
-    kGroups[rows - 1][0](x, K, panel, c * kChunk, K - c * kChunk, y, ldy, cols, c == 0);
+    kGroups[rows - 1][0](x, K, panel, c * kChunk, K - c * kChunk, y, ldy, cols, c == 0,
+                         prefetch);
   }
 }
 
@@ -236,7 +246,9 @@ void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor&
           // The rows left, spread evenly over the calls left (no call of one or two rows).
           const int64_t left = m0 + rows_here - m, calls_left = calls - call;
           const int rows = static_cast<int>((left + calls_left - 1) / calls_left);
-          panel_rows(xp + m * K, K, wp + p * K * kPanel, yp + m * N + p * kPanel, N, rows, cols);
+          const bool far = call == 0 && 2 * rows > kMaxRows;
+          panel_rows(xp + m * K, K, wp + p * K * kPanel, yp + m * N + p * kPanel, N, rows, cols,
+                     far ? kPrefetchFromMemory : kPrefetchNear);
           m += rows;
         }
       }
