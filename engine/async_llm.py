@@ -149,6 +149,13 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         """Abort and end every open stream, then shut the engine core down."""
+        await self.abort_all("the server is shutting down")
+        await self.client.shutdown(engine_dead=self.dead_error is not None)
+
+    async def abort_all(self, message: str) -> int:
+        """Abort every request in flight in the engine and end its stream with
+        ``EngineError(message)``; returns how many there were. Requests added later are
+        served as usual."""
         open_requests = dict(self._requests)
         self._requests.clear()
         if self.dead_error is None and open_requests:
@@ -156,9 +163,10 @@ class AsyncLLM:
                 self._keep_stats(await self.client.abort(list(open_requests)))
             except EngineDeadError:
                 pass
-        await self.client.shutdown(engine_dead=self.dead_error is not None)
+            self._notify_stats()
         for tracked in open_requests.values():
-            tracked.queue.put_nowait(EngineError("the server is shutting down"))
+            tracked.queue.put_nowait(EngineError(message))
+        return len(open_requests)
 
     @property
     def is_running(self) -> bool:

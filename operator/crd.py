@@ -94,6 +94,7 @@ MANAGED_FLAGS = (
     "--max-num-seqs",
     "--max-num-batched-tokens",
     "--block-size",
+    "--shutdown-timeout",
     "--enable-prefix-caching",
     "--no-enable-prefix-caching",
     "--enable-chunked-prefill",

@@ -70,6 +70,9 @@ TERMINATION_GRACE_SECONDS = 300
 DRAIN_MARGIN_SECONDS = 10
 """The drain gives up this long before the grace period ends: SIGTERM still comes early
 enough for the engine to close its connections itself."""
+ENGINE_SHUTDOWN_SECONDS = DRAIN_MARGIN_SECONDS // 2
+"""The engine's ``--shutdown-timeout``: after SIGTERM it aborts what the drain left running
+this soon (each stream ends with an error event), and exits before the kubelet's SIGKILL."""
 
 
 def selector_labels(name: str) -> dict[str, str]:
@@ -159,6 +162,7 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
         "--max-num-seqs", str(plan.max_num_seqs),
         "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
         "--block-size", str(plan.block_size),
+        "--shutdown-timeout", str(ENGINE_SHUTDOWN_SECONDS),
     ]  # fmt: skip
     if plan.gpu_memory_utilization is None:
         args += ["--kv-cache-memory", str(plan.kv_cache_bytes_per_gpu)]

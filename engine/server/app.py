@@ -151,6 +151,12 @@ def create_app(
     app = FastAPI(title="kvpilot", version=__version__, lifespan=lifespan)
     install_error_handlers(app)
 
+    async def abort_all(message: str) -> int:
+        return 0 if state.engine is None else await state.engine.abort_all(message)
+
+    # For the server's bounded drain (engine/server/shutdown.py): AsyncLLM.abort_all.
+    app.state.abort_all = abort_all
+
     async def authenticate(request: Request) -> None:
         if not config.api_key:
             return

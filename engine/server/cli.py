@@ -49,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "runs it on a thread of the server's process",
     )
     server.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="on SIGTERM or Ctrl-C, wait at most this long for the requests in flight, then "
+        "abort them (0: at once, as vLLM's default); default: wait for every one to finish (an "
+        "engine pod's preStop drain and terminationGracePeriodSeconds bound the wait there)",
+    )
+    server.add_argument(
         "--uvicorn-log-level",
         default="info",
         choices=UVICORN_LOG_LEVELS,
@@ -90,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from kvpilot.engine.server.app import ServerConfig, create_app
+    from kvpilot.engine.server.shutdown import DrainingServer
     from kvpilot.engine.tokenization import load_chat_template
 
     if args.model_tag is not None:
@@ -100,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         args.model = args.model_tag
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise SystemExit("kvpilot serve: --max-waiting-requests must be at least 1")
+    if args.shutdown_timeout is not None and not args.shutdown_timeout >= 0:
+        raise SystemExit("kvpilot serve: --shutdown-timeout must be 0 or more seconds")
     args.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     try:
         engine_args = EngineArgs.from_cli_args(args)
@@ -146,10 +158,12 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise SystemExit(f"kvpilot serve: {exc}") from None
     app = create_app(load_engine, config, on_load_error=on_load_error)
-    server = uvicorn.Server(
+    server = DrainingServer(
         uvicorn.Config(
             app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=True
-        )
+        ),
+        args.shutdown_timeout,
+        app.state.abort_all,
     )
     server.run()
     if failed:

@@ -1,0 +1,75 @@
+"""A bounded drain at shutdown: ``kvpilot serve --shutdown-timeout SECONDS`` (vLLM's flag).
+
+On SIGTERM or Ctrl-C uvicorn stops accepting connections and waits for the requests in flight
+(its graceful shutdown), then the app's lifespan stops the engine. Without a limit that wait
+lasts as long as the longest generation. With one, :class:`DrainingServer` aborts every request
+still in flight once the timeout has passed (``AsyncLLM.abort_all``): a stream ends with an error
+event and ``[DONE]``, any other request with an error answer, and their connections close.
+uvicorn's own ``timeout_graceful_shutdown`` stays behind it as a backstop (it cancels the
+handlers, each with a traceback in the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+
+import uvicorn
+
+logger = logging.getLogger(__name__)
+
+BACKSTOP_SECONDS = 5.0
+"""How long after the abort uvicorn itself cancels the handlers that are still running."""
+
+MESSAGE = "the server is shutting down: --shutdown-timeout passed before the request finished"
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server whose graceful shutdown waits at most ``shutdown_timeout`` seconds.
+
+    Args:
+        config: uvicorn's configuration (its ``timeout_graceful_shutdown`` is set here).
+        shutdown_timeout: seconds to wait for the requests in flight before aborting them
+            (0: abort at once); None waits for every one, as uvicorn does.
+        abort_all: aborts every request in flight with the message given and returns how many
+            (the app's ``app.state.abort_all``, ``AsyncLLM.abort_all``).
+    """
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        shutdown_timeout: float | None,
+        abort_all: Callable[[str], Awaitable[int]],
+    ) -> None:
+        if shutdown_timeout is not None:
+            config.timeout_graceful_shutdown = shutdown_timeout + BACKSTOP_SECONDS
+        super().__init__(config)
+        self.shutdown_timeout = shutdown_timeout
+        self.abort_all = abort_all
+        self._abort: asyncio.Task[None] | None = None
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's shutdown, with the requests still in flight aborted after the timeout."""
+        timer = None
+        if self.shutdown_timeout is not None:
+            loop = asyncio.get_running_loop()
+            timer = loop.call_later(self.shutdown_timeout, self._start_abort, loop)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _start_abort(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._abort = loop.create_task(self._abort_in_flight())
+
+    async def _abort_in_flight(self) -> None:
+        aborted = await self.abort_all(MESSAGE)
+        if aborted:
+            logger.warning(
+                "--shutdown-timeout (%g s) passed: aborted %d requests in flight",
+                self.shutdown_timeout,
+                aborted,
+            )
