@@ -93,8 +93,12 @@ def test_greedy_answers_equal_the_replicas_direct_answers(replicas, client, stre
         options = {**GREEDY, "stream": True, "stream_options": {"include_usage": True}}
         ours = [c.model_dump(exclude={"id", "created"}) for c in make(client, **options)]
         theirs = [c.model_dump(exclude={"id", "created"}) for c in make(direct, **options)]
-        assert len(ours) > 3 and len(theirs) > 3
+        # How many chunks depends on timing (see merged); each stream has at least one with
+        # tokens and ends with the usage chunk. That the router passes chunks on as they come,
+        # not at the end, is shown by the mid-stream disconnect test below.
+        assert ours[-1]["usage"] and theirs[-1]["usage"] and len(ours) >= 2
         assert merged(ours) == merged(theirs)
+        assert merged(ours)["choices"][0]["text"]
 
 
 def merged(chunks: list[dict]) -> dict:
