@@ -111,7 +111,9 @@ def test_streamed_completion_equals_non_streamed(client):
     )
     assert texts == {0: full.choices[0].text}
     assert reasons == {0: full.choices[0].finish_reason}
-    assert len(chunks) > 3  # really incremental
+    # The chunk count depends on how far the reader lags (steps not yet read are merged, as in
+    # vLLM); that chunks come before the end is shown by the mid-stream disconnect tests.
+    assert len(chunks) >= 2
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
 
 
