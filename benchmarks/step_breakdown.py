@@ -5,7 +5,9 @@ Runs ``benchmarks/throughput.py``'s workload (same prompts, same flags for it) t
 head, the CPU kernels (GEMM, attention, the fused elementwise ops), the attention layer (cache
 writes included), the sampler and the input preparation. Prints the milliseconds per step of
 each, averaged over the decode steps ``--first-step`` to ``--last-step`` (the prefill steps
-come first), and the whole run's wall and CPU seconds.
+come first), and the whole run's wall and CPU seconds. ``--shuffle-free-blocks`` hands the
+KV blocks out in random order, as in a server that has run a while (a fresh engine's come in
+order, so a sequence's blocks are mostly adjacent).
 
     taskset -c 1 python benchmarks/step_breakdown.py --threads 1
     taskset -c 0-1 python benchmarks/step_breakdown.py --threads 2
@@ -18,6 +20,7 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 import time
 from collections import defaultdict
@@ -38,6 +41,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--first-step", type=int, default=10, help="first decode step averaged")
     parser.add_argument("--last-step", type=int, default=60, help="step the average stops at")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shuffle-free-blocks",
+        action="store_true",
+        help="hand out KV blocks in random order, as a server does after a while (default: "
+        "in order, as a fresh engine does)",
+    )
     return parser.parse_args()
 
 
@@ -87,6 +96,12 @@ def main() -> None:
     llm.generate(
         [{"prompt_token_ids": prompts[0][:8]}], SamplingParams(max_tokens=2), use_tqdm=False
     )
+    if args.shuffle_free_blocks:
+        free = engine.kv_cache_manager.block_pool.free_blocks
+        order = list(free.items())
+        random.Random(args.seed).shuffle(order)
+        free.clear()
+        free.update(order)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"bench-{i}", {"prompt_token_ids": prompt}, params)

@@ -109,9 +109,11 @@ def paged_attention(
     Sequence ``i``'s query tokens are rows ``query_start_loc[i]..query_start_loc[i + 1] - 1``,
     its last ``q_len`` positions: its token at position ``p`` attends to positions ``0..p``
     (the last ``sliding_window`` of them with a window). A one-token sequence (a decode) is one
-    work item per KV head; on an AVX-512 CPU with a float32 cache and ``head_dim`` and
-    ``block_size`` multiples of 16, a longer one is cut into tiles of 16 (token, head) rows that
-    share each K/V load (else each of its tokens is an item as a decode is). A token's result
+    work item per KV head, or one for all its KV heads when the step has at least 4 such tokens
+    a thread (whole blocks read on one thread); on an AVX-512 CPU with a float32 cache and
+    ``head_dim`` and ``block_size`` multiples of 16, a longer one is cut into tiles of 16
+    (token, head) rows that share each K/V load (else each of its tokens is an item as a decode
+    is). A token's result
     does not depend on the step it is in: the same bits for a prompt prefilled whole or in
     chunks, and for each of its tokens whatever the batch.
 

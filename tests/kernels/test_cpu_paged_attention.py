@@ -156,6 +156,36 @@ def test_prompts_chunks_and_decodes_in_one_step_match_the_gather_and_sdpa_path(
     torch.testing.assert_close(out, reference, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 7])
+def test_a_decodes_bits_do_not_depend_on_how_many_share_its_step(dtype, window):
+    # Ten decodes on one thread are one item a token (every KV head); one decode alone is an
+    # item per KV head. Same arithmetic a row: the same bits.
+    q, k, v, k_cache, v_cache, md = paged_decode_batch(RAGGED, 9, 3, 64, dtype, seed=6)
+    k_cache.view(-1, 3, 64)[md.slot_mapping] = k
+    v_cache.view(-1, 3, 64)[md.slot_mapping] = v
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        together = paged_attention.paged_attention(
+            q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125, window
+        )
+        for i in range(len(RAGGED)):
+            alone = paged_attention.paged_attention(
+                q[i : i + 1],
+                k_cache,
+                v_cache,
+                md.block_tables[i : i + 1],
+                md.seq_lens[i : i + 1],
+                0.125,
+                window,
+            )
+            assert torch.equal(alone[0], together[i]), i
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.isfinite(together).all()
+
+
 def test_decodes_beside_a_prefill_and_a_length_one_sequence():
     # A prefill between decodes: the kernel gets the decode rows, SDPA the prefill.
     q, k, v, k_cache, v_cache, md = paged_decode_batch([20, 1, 37], 9, 3, 64, torch.float32)
