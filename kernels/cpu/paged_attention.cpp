@@ -288,10 +288,10 @@ __attribute__((always_inline)) inline void attend_one(
       },
       [&](const scalar_t* k, const scalar_t* next, int64_t i, int) __attribute__((always_inline)) {
 #if KVPILOT_X86
-        for (int64_t h = 0; h < num_kv; ++h)
-          for (int64_t g = h * group; g < (h + 1) * group; ++g)
-            dot16(q + g * head_dim, k + h * head_dim, next + h * head_dim, row_stride, head_dim,
-                  scores + g * stride + i);
+        for (int64_t g = 0; g < rows; ++g) {
+          const int64_t h = g / group * head_dim;  // its KV head's offset in a position's row
+          dot16(q + g * head_dim, k + h, next + h, row_stride, head_dim, scores + g * stride + i);
+        }
 #endif
       },
       [&](const scalar_t* k, int64_t i) __attribute__((always_inline)) {
@@ -590,6 +590,7 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
   const int64_t q_stride = query.stride(0), out_stride = out.stride(0);
   const bool tiles = std::is_same_v<scalar_t, float> && s.dot16;
 
+  auto in_tiles = [&](int64_t q_len) { return tiles && q_len > 1; };
   // A token's KV heads in one item when there are enough tokens to share out (see Item).
   int64_t single_tokens = 0;  // query tokens that are items of their own (not in tiles)
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
@@ -601,14 +602,14 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
     TORCH_CHECK((q_len <= 1 && lens[seq] <= 0) || lens[seq] >= q_len,
                 "paged_attention: seq_lens[", seq, "] = ", lens[seq], " is shorter than its ",
                 q_len, " query tokens");
-    if (!(tiles && q_len > 1)) single_tokens += q_len;
+    if (!in_tiles(q_len)) single_tokens += q_len;
   }
   const int64_t num_kv =
       single_tokens >= kTokensPerThreadForWholeItems * at::get_num_threads() ? s.num_kv_heads : 1;
   std::vector<Item> items;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t q_len = starts[seq + 1] - starts[seq];
-    if (tiles && q_len > 1) {
+    if (in_tiles(q_len)) {
       for (int64_t kv_head = 0; kv_head < s.num_kv_heads; ++kv_head)
         for (int64_t f0 = 0; f0 < q_len * group; f0 += kTileRows)
           items.push_back({seq, kv_head, f0, 0, 1});

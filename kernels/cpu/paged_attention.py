@@ -113,9 +113,8 @@ def paged_attention(
     a thread (whole blocks read on one thread); on an AVX-512 CPU with a float32 cache and
     ``head_dim`` and ``block_size`` multiples of 16, a longer one is cut into tiles of 16
     (token, head) rows that share each K/V load (else each of its tokens is an item as a decode
-    is). A token's result
-    does not depend on the step it is in: the same bits for a prompt prefilled whole or in
-    chunks, and for each of its tokens whatever the batch.
+    is). A token's result does not depend on the step it is in: the same bits for a prompt
+    prefilled whole or in chunks, and for each of its tokens whatever the batch.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` float32 or bfloat16 on the CPU (copied
