@@ -199,6 +199,9 @@ class MPClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._dead: EngineDeadError | None = None
         self._closing = False
+        # Both the receiving thread and shutdown wait for the process; two threads reaping it at
+        # once race in waitpid, and the loser sees a live process that is gone.
+        self._join_lock = threading.Lock()
 
     @property
     def pid(self) -> int | None:
@@ -267,7 +270,7 @@ class MPClient:
                 break
             if not self._call_on_loop(self._dispatch, message):
                 return
-        self._process.join(timeout=SHUTDOWN_TIMEOUT_S)
+        self._join_process()
         self._call_on_loop(self._on_exit, self._process.exitcode)
 
     def _call_on_loop(self, function: Callable[..., None], *args: Any) -> bool:
@@ -310,9 +313,13 @@ class MPClient:
         if not self._closing:
             self._on_failure(dead, None)
 
+    def _join_process(self, timeout: float | None = SHUTDOWN_TIMEOUT_S) -> None:
+        with self._join_lock:
+            self._process.join(timeout)
+
     def _stop_process(self) -> None:
-        self._process.join(timeout=SHUTDOWN_TIMEOUT_S)
+        self._join_process()
         if self._process.is_alive():
             logger.warning("the engine-core process did not stop; killing it")
             self._process.kill()
-            self._process.join()
+            self._join_process(timeout=None)

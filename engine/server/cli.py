@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="on SIGTERM or Ctrl-C, wait at most this long for the requests in flight, then "
         "abort them (0: at once, as vLLM's default); default: wait for every one to finish (an "
-        "engine pod's preStop drain and terminationGracePeriodSeconds bound the wait there)",
+        "engine pod's preStop drain and terminationGracePeriodSeconds bound the wait there); a "
+        "second Ctrl-C aborts them at once",
     )
     server.add_argument(
         "--uvicorn-log-level",
@@ -93,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start the server; returns the process exit code (1 when the model failed to load)."""
+    """Start the server; returns the process exit code (1 when the model failed to load, 130
+    after Ctrl-C, as a shell reports an interrupted command)."""
     import logging
 
     import uvicorn
@@ -165,7 +167,12 @@ def run(args: argparse.Namespace) -> int:
         args.shutdown_timeout,
         app.state.abort_all,
     )
-    server.run()
+    interrupted = False
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        # uvicorn raises the Ctrl-C it deferred once the server has stopped (engine included).
+        interrupted = True
     if failed:
         raise SystemExit(f"kvpilot serve: loading the model failed: {failed[0]}")
-    return 0
+    return 130 if interrupted else 0

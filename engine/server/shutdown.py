@@ -7,12 +7,17 @@ still in flight once the timeout has passed (``AsyncLLM.abort_all``): a stream e
 event and ``[DONE]``, any other request with an error answer, and their connections close.
 uvicorn's own ``timeout_graceful_shutdown`` stays behind it as a backstop (it cancels the
 handlers, each with a traceback in the log).
+
+Ctrl-C works the same way, with a second Ctrl-C during the drain ending it at once: the requests in
+flight are aborted as if the timeout had passed and the engine still stops cleanly. Only a third
+Ctrl-C is uvicorn's force quit (no engine shutdown, the handlers cancelled).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -24,6 +29,7 @@ BACKSTOP_SECONDS = 5.0
 """How long after the abort uvicorn itself cancels the handlers that are still running."""
 
 MESSAGE = "the server is shutting down: --shutdown-timeout passed before the request finished"
+INTERRUPTED_MESSAGE = "the server is shutting down: interrupted twice before the request finished"
 
 
 class DrainingServer(uvicorn.Server):
@@ -49,27 +55,51 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
         self.abort_all = abort_all
         self._abort: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._interrupted_again = False
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's serve, remembering its event loop for the signal handler."""
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: object) -> None:
+        """A second Ctrl-C aborts the requests in flight; other signals are uvicorn's."""
+        if (
+            sig == signal.SIGINT
+            and self.should_exit
+            and not self._interrupted_again
+            and self._loop is not None
+        ):
+            self._interrupted_again = True
+            self._loop.call_soon_threadsafe(
+                self._start_abort, self._loop, INTERRUPTED_MESSAGE, "interrupted twice"
+            )
+            return
+        super().handle_exit(sig, frame)  # type: ignore[arg-type]
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """uvicorn's shutdown, with the requests still in flight aborted after the timeout."""
         timer = None
         if self.shutdown_timeout is not None:
             loop = asyncio.get_running_loop()
-            timer = loop.call_later(self.shutdown_timeout, self._start_abort, loop)
+            timer = loop.call_later(
+                self.shutdown_timeout,
+                self._start_abort,
+                loop,
+                MESSAGE,
+                f"--shutdown-timeout ({self.shutdown_timeout:g} s) passed",
+            )
         try:
             await super().shutdown(sockets)
         finally:
             if timer is not None:
                 timer.cancel()
 
-    def _start_abort(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._abort = loop.create_task(self._abort_in_flight())
+    def _start_abort(self, loop: asyncio.AbstractEventLoop, message: str, why: str) -> None:
+        self._abort = loop.create_task(self._abort_in_flight(message, why))
 
-    async def _abort_in_flight(self) -> None:
-        aborted = await self.abort_all(MESSAGE)
+    async def _abort_in_flight(self, message: str, why: str) -> None:
+        aborted = await self.abort_all(message)
         if aborted:
-            logger.warning(
-                "--shutdown-timeout (%g s) passed: aborted %d requests in flight",
-                self.shutdown_timeout,
-                aborted,
-            )
+            logger.warning("%s: aborted %d requests in flight", why, aborted)

@@ -1,8 +1,8 @@
-"""SIGTERM to ``kvpilot serve`` (what the kubelet sends after the preStop drain): the server
-stops taking connections (uvicorn's graceful shutdown) but the streams in flight run to their
-end before the engine loop stops (the app's lifespan ends after the last connection); with
-``--shutdown-timeout`` (vLLM's flag) they are aborted once it has passed, each ending with an
-error event, and the log holds no traceback."""
+"""SIGTERM to ``kvpilot serve`` (what the kubelet sends after the preStop drain) or Ctrl-C: the
+server stops taking connections (uvicorn's graceful shutdown) but the streams in flight run to
+their end before the engine loop stops (the app's lifespan ends after the last connection); with
+``--shutdown-timeout`` (vLLM's flag), or at a second Ctrl-C, they are aborted, each ending with an
+error event, the engine still stops cleanly, and the log holds no traceback."""
 
 from __future__ import annotations
 
@@ -26,11 +26,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def stream_through_sigterm(model: str, log_path, max_tokens: int, *flags: str) -> list[str]:
+def stream_through_signals(
+    model: str, log_path, max_tokens: int, signals: list[int], *flags: str
+) -> tuple[list[str], int]:
     """Start ``kvpilot serve``, open a streamed completion of ``max_tokens`` tokens, send
-    SIGTERM after its first event, and return the stream's lines once the server has exited."""
+    ``signals`` after its first event (each one after the server logged its shutdown), and
+    return the stream's lines and the server's exit code once it has exited."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    # A --max-model-len in flags wins over the one here.
     argv = [sys.executable, "-m", "kvpilot", "serve", model, "--port", str(port),
             "--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
             *flags]  # fmt: skip
@@ -52,28 +56,59 @@ def stream_through_sigterm(model: str, log_path, max_tokens: int, *flags: str) -
         )
         with urllib.request.urlopen(request, timeout=120) as answer:
             assert answer.readline().startswith(b"data: ")
-            server.send_signal(signal.SIGTERM)
+            for i, sig in enumerate(signals):
+                # A signal caught before the last one was handled would count once.
+                while i and "Shutting down" not in log_path.read_text():
+                    assert server.poll() is None and time.monotonic() < deadline, "no shutdown"
+                    time.sleep(0.05)
+                server.send_signal(sig)
             lines = [raw.decode().strip() for raw in answer]
-        server.wait(60)
-        return lines
+        return lines, server.wait(60)
     finally:
         if server.poll() is None:
             server.kill()
             server.wait()
 
 
-def test_sigterm_lets_a_stream_in_flight_finish(tiny_model_dir, tmp_path):
-    lines = stream_through_sigterm(str(tiny_model_dir("llama")), tmp_path / "serve.log", 300)
+@pytest.mark.parametrize(
+    ("sig", "exit_code"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)]
+)
+def test_sigterm_or_ctrl_c_lets_a_stream_in_flight_finish(tiny_model_dir, tmp_path, sig, exit_code):
+    log_path = tmp_path / "serve.log"
+    lines, code = stream_through_signals(str(tiny_model_dir("llama")), log_path, 300, [sig])
     chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert "data: [DONE]" in lines
     assert chunks[-1]["usage"]["completion_tokens"] == 300
+    assert code == exit_code
+    log = log_path.read_text()
+    assert "Application shutdown complete" in log
+    assert "Traceback" not in log and "did not stop" not in log
+
+
+def test_a_second_ctrl_c_aborts_the_streams_in_flight_and_still_stops_the_engine(
+    tiny_model_dir, tmp_path
+):
+    log_path = tmp_path / "serve.log"
+    # 100,000 tokens (minutes): the stream cannot end before the second Ctrl-C.
+    model = tiny_model_dir("llama", max_position_embeddings=100_008)
+    lines, code = stream_through_signals(
+        str(model), log_path, 100_000, [signal.SIGINT, signal.SIGINT], "--max-model-len", "100008"
+    )
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert "data: [DONE]" in lines
+    assert "interrupted twice" in events[-1]["error"]["message"]
+    assert code == 130
+    log = log_path.read_text()
+    assert "interrupted twice: aborted 1 requests in flight" in log
+    assert "Application shutdown complete" in log  # the engine was stopped, not abandoned
+    assert "Traceback" not in log and "did not stop" not in log
 
 
 def test_shutdown_timeout_aborts_the_streams_in_flight(tiny_model_dir, tmp_path):
     log_path = tmp_path / "serve.log"
     # 1,000 tokens take the tiny model far longer than a timeout of 0 s.
-    lines = stream_through_sigterm(
-        str(tiny_model_dir("llama")), log_path, 1000, "--shutdown-timeout", "0"
+    lines, _ = stream_through_signals(
+        str(tiny_model_dir("llama")), log_path, 1000, [signal.SIGTERM], "--shutdown-timeout", "0"
     )
     events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert "data: [DONE]" in lines
