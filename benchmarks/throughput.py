@@ -44,6 +44,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from kvpilot.engine.config import CPU_MAX_NUM_BATCHED_TOKENS
 from kvpilot.machine import describe_machine
 
 
@@ -228,7 +229,7 @@ def run_hf_batch(args, prompts, model) -> tuple[Timer, list[list[int]]]:
     cb_config = ContinuousBatchingConfig(
         num_blocks=blocks,
         page_size=args.block_size,
-        max_batch_tokens=args.max_num_batched_tokens or 2048,
+        max_batch_tokens=args.max_num_batched_tokens or CPU_MAX_NUM_BATCHED_TOKENS,
     )
     with Timer() as timer:
         results = model.generate_batch(

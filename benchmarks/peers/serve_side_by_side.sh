@@ -9,6 +9,7 @@
 #
 # SERVERS: vllm; kvpilot (its engine core in a process of its own, the default);
 # kvpilot-thread (`--no-engine-core-process`: the engine core on a thread of the API's process).
+# KVPILOT_ARGS: more flags for kvpilot's server (e.g. "--max-num-batched-tokens 512").
 # Prints vLLM bench's own report per run; JSON results under $OUT (default /tmp/serve-bench).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -43,10 +44,11 @@ start_server() {  # name port -> pid
   else
     local mode=()
     [[ $1 == kvpilot-thread ]] && mode=(--no-engine-core-process)
+    read -ra extra <<< "${KVPILOT_ARGS:-}"
     KVPILOT_NUM_THREADS=$THREADS OMP_NUM_THREADS=$THREADS \
       setsid taskset -c "$CORES" "$REPO/.venv/bin/kvpilot" serve --model "$MODEL" \
       --served-model-name "$NAME" --max-model-len 2048 --host 127.0.0.1 --port "$2" \
-      "${mode[@]}" > "$OUT/$1.log" 2>&1 &
+      "${mode[@]}" "${extra[@]}" > "$OUT/$1.log" 2>&1 &
   fi
   echo $!
 }

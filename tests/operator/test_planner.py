@@ -125,11 +125,11 @@ def test_mistral_7b_32k_context_on_l4_takes_two_gpus():
 
 def test_smollm2_on_cpu_sizes_kv_from_the_memory_limit():
     p = plan(spec("SmolLM2-135M-Instruct"), gpu=None, memory_bytes=3 * GiB, max_model_len=4096)
-    # float32 on CPU; budget 3 GiB - 1.5 GiB runtime; 2048 batched tokens, 64 sequences.
+    # float32 on CPU; budget 3 GiB - 1.5 GiB runtime; 512 batched tokens, 64 sequences.
     weights = 4 * 134_515_008
-    reserve = 2048 * (3 * 1536 + 4 * 576) * 4 + 64 * 49152 * 4
+    reserve = 512 * (3 * 1536 + 4 * 576) * 4 + 64 * 49152 * 4
     blocks = (3 * GiB - 3 * GiB // 2 - weights - reserve) // (2 * 30 * 3 * 64 * 4 * 16)
-    assert blocks == 1360
+    assert blocks == 1418
     assert (p.gpu_type, p.dtype, p.tensor_parallel_size, p.gpus_per_replica) == (
         "cpu",
         "float32",
@@ -137,8 +137,8 @@ def test_smollm2_on_cpu_sizes_kv_from_the_memory_limit():
         0,
     )
     assert p.gpu_memory_utilization is None
-    assert p.kv_cache_bytes_per_gpu == 1360 * 16 * 46_080
-    assert (p.kv_capacity_tokens, p.max_concurrency) == (21_760, 5)
+    assert p.kv_cache_bytes_per_gpu == 1418 * 16 * 46_080
+    assert (p.kv_capacity_tokens, p.max_concurrency) == (22_688, 5)
     assert "gpuMemoryUtilization" not in p.to_status()
 
 
@@ -202,7 +202,7 @@ def test_model_too_large_on_cpu_names_the_memory_limit():
     assert caught.value.reason == "ModelTooLarge"
     # float32 on CPU: 4 * 8,030,261,248 bytes = 29.9 GiB; budget 8 - 1.5 GiB.
     assert caught.value.message.startswith(
-        "8.0B parameters in float32: weights 29.9 GiB + activations 0.5 GiB per process exceed "
+        "8.0B parameters in float32: weights 29.9 GiB + activations 0.1 GiB per process exceed "
         "the 6.5 GiB budget (8.0 GiB memory limit less 1.5 GiB runtime)"
     )
     assert "tensor parallel" not in caught.value.message
@@ -447,7 +447,7 @@ def test_plan_cli_table_on_cpu_speaks_per_replica(capsys):
     assert run_plan_cli(config, "--gpu", "cpu", "--memory", "3Gi", "--max-model-len", "4096") == 0
     table = capsys.readouterr().out
     # The numbers of test_smollm2_on_cpu_sizes_kv_from_the_memory_limit.
-    assert "KV cache per replica" in table and "21,760 tokens" in table
+    assert "KV cache per replica" in table and "22,688 tokens" in table
     assert "weights per replica" in table and "per GPU" not in table
 
 
