@@ -40,6 +40,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--first-step", type=int, default=10, help="first decode step averaged")
     parser.add_argument("--last-step", type=int, default=60, help="step the average stops at")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="step budget (the engine's)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--shuffle-free-blocks",
@@ -77,7 +80,12 @@ def main() -> None:
     from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
     from kvpilot.kernels.cpu import elementwise, gemm, paged_attention
 
-    llm = LLM(args.model, max_model_len=args.max_len + args.output_len, seed=args.seed)
+    llm = LLM(
+        args.model,
+        max_model_len=args.max_len + args.output_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+    )
     engine = llm.llm_engine
     runner = engine.model_runner
     prompts = make_prompts(args, engine.model_shape.vocab_size)
