@@ -39,6 +39,11 @@ class EngineError(RuntimeError):
     the loop goes on serving new ones), or the server is shutting down."""
 
 
+class EngineShutdownError(EngineError):
+    """The request was aborted because the server is shutting down (``abort_all``); the API
+    answers 503, as for a server that is unavailable, not 500."""
+
+
 class StatLogger(Protocol):
     """Receives what the engine loop observes (implemented by ``engine.metrics``)."""
 
@@ -153,9 +158,9 @@ class AsyncLLM:
         await self.client.shutdown(engine_dead=self.dead_error is not None)
 
     async def abort_all(self, message: str) -> int:
-        """Abort every request in flight in the engine and end its stream with
-        ``EngineError(message)``; returns how many there were. Requests added later are
-        served as usual."""
+        """Abort every request in flight in the engine (the server is shutting down) and end
+        its stream with ``EngineShutdownError(message)``; returns how many there were. Requests
+        added later are served as usual."""
         open_requests = dict(self._requests)
         self._requests.clear()
         if self.dead_error is None and open_requests:
@@ -165,7 +170,7 @@ class AsyncLLM:
                 pass
             self._notify_stats()
         for tracked in open_requests.values():
-            tracked.queue.put_nowait(EngineError(message))
+            tracked.queue.put_nowait(EngineShutdownError(message))
         return len(open_requests)
 
     @property

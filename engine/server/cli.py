@@ -167,12 +167,12 @@ def run(args: argparse.Namespace) -> int:
         args.shutdown_timeout,
         app.state.abort_all,
     )
-    interrupted = False
     try:
         server.run()
     except KeyboardInterrupt:
-        # uvicorn raises the Ctrl-C it deferred once the server has stopped (engine included).
-        interrupted = True
+        # uvicorn raises the Ctrl-C it deferred once the server has stopped (engine included);
+        # not where SIGINT was ignored at launch (a background job), hence server.interrupted.
+        pass
     if failed:
         raise SystemExit(f"kvpilot serve: loading the model failed: {failed[0]}")
-    return 130 if interrupted else 0
+    return 130 if server.interrupted else 0

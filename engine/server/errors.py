@@ -83,7 +83,13 @@ def error_response(
     headers: dict[str, str] | None = None,
 ) -> JSONResponse:
     """The JSON response for one error."""
-    body = ErrorResponse(
+    body = error_body(status, message, param)
+    return JSONResponse(body.model_dump(), status_code=int(status), headers=headers)
+
+
+def error_body(status: HTTPStatus, message: str, param: str | None = None) -> ErrorResponse:
+    """OpenAI's error body for ``status``: its type as the openai client names it."""
+    return ErrorResponse(
         error=ErrorInfo(
             message=message,
             type=_ERROR_TYPES.get(status, "APIError"),
@@ -91,7 +97,6 @@ def error_response(
             code=int(status),
         )
     )
-    return JSONResponse(body.model_dump(), status_code=int(status), headers=headers)
 
 
 def validation_error(exc: RequestValidationError, content_type: str | None) -> OpenAIError:

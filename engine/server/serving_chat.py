@@ -271,7 +271,7 @@ class OpenAIServingChat(OpenAIServing):
                     )
                 )
         except EngineError as exc:
-            yield sse_error(str(exc))
+            yield sse_error(exc)
         finally:
             stream.close()
         yield sse("[DONE]")

@@ -262,5 +262,5 @@ class OpenAIServingCompletion(OpenAIServing):
                 usage = self.usage(sum(len(p.token_ids) for p in prompts), sum(num_tokens))
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         except EngineError as exc:
-            yield sse_error(str(exc))
+            yield sse_error(exc)
         yield sse("[DONE]")

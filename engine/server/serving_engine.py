@@ -14,14 +14,20 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from kvpilot.engine.async_llm import AsyncLLM, EngineError, QueueFullError, RequestStream
+from kvpilot.engine.async_llm import (
+    AsyncLLM,
+    EngineError,
+    EngineShutdownError,
+    QueueFullError,
+    RequestStream,
+)
 from kvpilot.engine.input_processor import check_token_ids
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import Logprob, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
-from kvpilot.engine.server.errors import OpenAIError, bad_request
-from kvpilot.engine.server.protocol import ErrorInfo, ErrorResponse, PromptLogprobs, UsageInfo
+from kvpilot.engine.server.errors import OpenAIError, bad_request, error_body
+from kvpilot.engine.server.protocol import PromptLogprobs, UsageInfo
 from kvpilot.engine.server.serving_models import OpenAIServingModels
 
 # JSON has no -inf; vLLM reports impossible tokens with this floor.
@@ -185,7 +191,7 @@ class OpenAIServing:
             async for output in stream:
                 final = output
         except EngineError as exc:
-            raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, str(exc)) from None
+            raise OpenAIError(engine_error_status(exc), str(exc)) from None
         if final is None or not final.finished:
             raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the request ended unfinished")
         return final
@@ -258,15 +264,18 @@ def sse(payload: BaseModel | str) -> str:
     return f"data: {data}\n\n"
 
 
-def sse_error(message: str) -> str:
+def engine_error_status(exc: EngineError) -> HTTPStatus:
+    """The status of a request the engine could not finish: 503 when the server is shutting
+    down, 500 when a step failed."""
+    if isinstance(exc, EngineShutdownError):
+        return HTTPStatus.SERVICE_UNAVAILABLE
+    return HTTPStatus.INTERNAL_SERVER_ERROR
+
+
+def sse_error(exc: EngineError) -> str:
     """An error that happens after the stream started (status 200 already sent): one event
-    with OpenAI's error body, as vLLM sends it."""
-    status = HTTPStatus.INTERNAL_SERVER_ERROR
-    return sse(
-        ErrorResponse(
-            error=ErrorInfo(message=message, type="InternalServerError", code=int(status))
-        )
-    )
+    with OpenAI's error body, as vLLM sends it (its code as :func:`engine_error_status`)."""
+    return sse(error_body(engine_error_status(exc), str(exc)))
 
 
 async def merge_streams(

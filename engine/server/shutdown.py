@@ -56,6 +56,7 @@ class DrainingServer(uvicorn.Server):
         self.abort_all = abort_all
         self._abort: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.interrupted = False  # a Ctrl-C (SIGINT) arrived
         self._interrupted_again = False
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -65,6 +66,7 @@ class DrainingServer(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: object) -> None:
         """A second Ctrl-C aborts the requests in flight; other signals are uvicorn's."""
+        self.interrupted = self.interrupted or sig == signal.SIGINT
         if (
             sig == signal.SIGINT
             and self.should_exit

@@ -27,11 +27,18 @@ def _free_port() -> int:
 
 
 def stream_through_signals(
-    model: str, log_path, max_tokens: int, signals: list[int], *flags: str
+    model: str,
+    log_path,
+    max_tokens: int,
+    signals: list[int],
+    *flags: str,
+    sigint_ignored_at_launch: bool = False,
 ) -> tuple[list[str], int]:
     """Start ``kvpilot serve``, open a streamed completion of ``max_tokens`` tokens, send
     ``signals`` after its first event (each one after the server logged its shutdown), and
-    return the stream's lines and the server's exit code once it has exited."""
+    return the stream's lines and the server's exit code once it has exited.
+    ``sigint_ignored_at_launch``: started as a shell starts a background job (SIGINT ignored,
+    which uvicorn's own handler overrides)."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     # A --max-model-len in flags wins over the one here.
@@ -39,7 +46,14 @@ def stream_through_signals(
             "--device", "cpu", "--max-model-len", "1024", "--kv-cache-memory", "64MiB",
             *flags]  # fmt: skip
     with log_path.open("wb") as log:
-        server = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
+        server = subprocess.Popen(
+            argv,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+            if sigint_ignored_at_launch
+            else None,
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -71,11 +85,21 @@ def stream_through_signals(
 
 
 @pytest.mark.parametrize(
-    ("sig", "exit_code"), [(signal.SIGTERM, -signal.SIGTERM), (signal.SIGINT, 130)]
+    ("sig", "exit_code", "ignored"),
+    [
+        (signal.SIGTERM, -signal.SIGTERM, False),
+        (signal.SIGINT, 130, False),
+        (signal.SIGINT, 130, True),
+    ],
+    ids=["sigterm", "ctrl-c", "ctrl-c-background-job"],
 )
-def test_sigterm_or_ctrl_c_lets_a_stream_in_flight_finish(tiny_model_dir, tmp_path, sig, exit_code):
+def test_sigterm_or_ctrl_c_lets_a_stream_in_flight_finish(
+    tiny_model_dir, tmp_path, sig, exit_code, ignored
+):
     log_path = tmp_path / "serve.log"
-    lines, code = stream_through_signals(str(tiny_model_dir("llama")), log_path, 300, [sig])
+    lines, code = stream_through_signals(
+        str(tiny_model_dir("llama")), log_path, 300, [sig], sigint_ignored_at_launch=ignored
+    )
     chunks = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert "data: [DONE]" in lines
     assert chunks[-1]["usage"]["completion_tokens"] == 300
@@ -97,6 +121,11 @@ def test_a_second_ctrl_c_aborts_the_streams_in_flight_and_still_stops_the_engine
     events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert "data: [DONE]" in lines
     assert "interrupted twice" in events[-1]["error"]["message"]
+    # A server going away is unavailable (503), not failing (500).
+    assert (events[-1]["error"]["code"], events[-1]["error"]["type"]) == (
+        503,
+        "ServiceUnavailableError",
+    )
     assert code == 130
     log = log_path.read_text()
     assert "interrupted twice: aborted 1 requests in flight" in log
@@ -113,6 +142,7 @@ def test_shutdown_timeout_aborts_the_streams_in_flight(tiny_model_dir, tmp_path)
     events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert "data: [DONE]" in lines
     assert "--shutdown-timeout passed" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["code"] == 503
     assert not any("usage" in e and e["usage"] for e in events)  # it did not run to its end
     log = log_path.read_text()
     assert "aborted 1 requests in flight" in log
