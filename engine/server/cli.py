@@ -26,8 +26,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "same as --model",
     )
     server = parser.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    server.add_argument("--port", type=int, default=8000, help="port to listen on")
+    server.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+    )
+    server.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     server.add_argument(
         "--api-key",
         default=None,
