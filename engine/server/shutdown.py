@@ -3,8 +3,8 @@
 On SIGTERM or Ctrl-C uvicorn stops accepting connections and waits for the requests in flight
 (its graceful shutdown), then the app's lifespan stops the engine. Without a limit that wait
 lasts as long as the longest generation. With one, :class:`DrainingServer` aborts every request
-still in flight once the timeout has passed (``AsyncLLM.abort_all``): a stream ends with an error
-event and ``[DONE]``, any other request with an error answer, and their connections close.
+still in flight once the timeout has passed (``AsyncLLM.abort_all``): a stream ends with a 503
+error event and ``[DONE]``, any other request with a 503 answer, and their connections close.
 uvicorn's own ``timeout_graceful_shutdown`` stays behind it as a backstop (it cancels the
 handlers, each with a traceback in the log).
 
