@@ -75,7 +75,7 @@ class DrainingServer(uvicorn.Server):
         ):
             self._interrupted_again = True
             self._loop.call_soon_threadsafe(
-                self._start_abort, self._loop, INTERRUPTED_MESSAGE, "interrupted twice"
+                self._start_abort, INTERRUPTED_MESSAGE, "interrupted twice"
             )
             return
         super().handle_exit(sig, frame)  # type: ignore[arg-type]
@@ -84,11 +84,9 @@ class DrainingServer(uvicorn.Server):
         """uvicorn's shutdown, with the requests still in flight aborted after the timeout."""
         timer = None
         if self.shutdown_timeout is not None:
-            loop = asyncio.get_running_loop()
-            timer = loop.call_later(
+            timer = asyncio.get_running_loop().call_later(
                 self.shutdown_timeout,
                 self._start_abort,
-                loop,
                 MESSAGE,
                 f"--shutdown-timeout ({self.shutdown_timeout:g} s) passed",
             )
@@ -98,8 +96,9 @@ class DrainingServer(uvicorn.Server):
             if timer is not None:
                 timer.cancel()
 
-    def _start_abort(self, loop: asyncio.AbstractEventLoop, message: str, why: str) -> None:
-        self._abort = loop.create_task(self._abort_in_flight(message, why))
+    def _start_abort(self, message: str, why: str) -> None:
+        """On the server's loop: abort the requests in flight (``why`` goes to the log)."""
+        self._abort = asyncio.get_running_loop().create_task(self._abort_in_flight(message, why))
 
     async def _abort_in_flight(self, message: str, why: str) -> None:
         aborted = await self.abort_all(message)
