@@ -16,7 +16,8 @@
 //
 // - one token and KV head, or one token and all its KV heads when a step has many such tokens
 //   (decodes; prompts where tiles do not apply; see Item): the num_heads / num_kv_heads query heads
-//   that share a KV head (GQA), in a pass over the K blocks and one over the V blocks. Decode
+//   that share a KV head (GQA), in a pass over the K blocks and one over the V blocks (each V
+//   row loaded once for up to four of those heads), the softmax between them in AVX-512. Decode
 //   attention reads each K/V row once for little arithmetic, so it is bound by memory: the rows of
 //   the block two ahead are prefetched while a block is read (the blocks are scattered, the
 //   hardware prefetcher cannot follow). Groups of 16 positions from a block's start go through
@@ -74,10 +75,10 @@ inline void from_float(float x, c10::BFloat16* out) { *out = c10::BFloat16(x); }
 
 // exp(x) for x <= 0 (a score minus the row's maximum): Cephes' expf (range reduction to
 // x = n ln2 + r, |r| <= ln2 / 2, then a degree-6 polynomial), within 1 ulp of std::exp on every
-// float in [-87, 0] (checked exhaustively), written as plain arithmetic so the softmax loop
-// vectorizes (std::exp does not without -ffast-math). Below -87 (exp < 2^-125: nothing next to
-// the maximum's 1) it returns 0; NaN stays NaN.
-// The constants, shared with the 16-lane version of the prompt tiles (exp_nonpositive16).
+// float in [-87, 0] (checked exhaustively), as plain arithmetic that exp_nonpositive16 repeats
+// on 16 lanes, operation for operation (the same bits; the scalar loop is for CPUs without
+// AVX-512). Below -87 (exp < 2^-125: nothing next to the maximum's 1) it returns 0; NaN stays
+// NaN. The constants, shared with the 16-lane version (exp_nonpositive16).
 constexpr float kLog2e = 1.44269504088896341f, kLn2High = 0.693359375f, kLn2Low = 2.12194440e-4f;
 constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
                                4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
@@ -141,6 +142,39 @@ KVPILOT_AVX512 __m512 add_lanes(__m512 a, __m512 b) {
                        _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// exp_nonpositive on 16 lanes: the same range reduction and polynomial, in AVX-512.
+__attribute__((target("avx512f"), always_inline)) inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(
+      _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 clamped_n = _mm512_max_ps(n, _mm512_set1_ps(-126.f));
+  const __m512 r = _mm512_fmadd_ps(clamped_n, _mm512_set1_ps(kLn2Low),
+                                   _mm512_fnmadd_ps(clamped_n, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+#pragma GCC unroll 5
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(
+      _mm512_add_epi32(_mm512_cvttps_epi32(clamped_n), _mm512_set1_epi32(127)), 23);
+  const __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+  // Below -87 (-inf included): 0; NaN stays NaN (the comparison is false for it).
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ), result,
+                              _mm512_setzero_ps());
+}
+
+// row[t] = exp_nonpositive(row[t] - max(row)) for t < n, n a multiple of 16: the same bits as
+// the scalar loop (a NaN score is passed over by the maximum, as std::max does, and gives NaN).
+__attribute__((target("avx512f"))) void exp_minus_max16(float* __restrict row, int64_t n) {
+  // _mm512_max_ps returns its second operand where either is NaN: the running maximum.
+  __m512 lanes = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < n; t += 16) lanes = _mm512_max_ps(_mm512_loadu_ps(row + t), lanes);
+  const __m512 max_score = _mm512_set1_ps(_mm512_reduce_max_ps(lanes));
+  for (int64_t t = 0; t < n; t += 16) {
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(row + t), max_score);
+    _mm512_storeu_ps(row + t, exp_nonpositive16(x));
+  }
+}
+
 // scores[i] = q . k_i for the rows k_i = k + i * row_stride, i < 16; q: head_dim floats. The
 // same rows at `next` are prefetched along the way.
 template <typename scalar_t>
@@ -168,12 +202,14 @@ __attribute__((target("avx512f"))) void dot16(const float* __restrict q,
   _mm512_storeu_ps(scores, add_lanes(add_lanes(quads[0], quads[1]), add_lanes(quads[2], quads[3])));
 }
 
-// acc[0..head_dim) += sum_i p[i] * v_i for the rows v_i = v + i * row_stride, i < n (16 when
-// kWhole), with the accumulators in registers across the rows (four independent chains of 16
-// floats); the same rows at `next` are prefetched along the way. Rows from n on are not read.
-template <bool kWhole, typename scalar_t>
+// acc_r[0..head_dim) += sum_i p_r[i] * v_i for the R query heads r < R that share a KV head
+// (acc_r = acc + r * head_dim, p_r = p + r * p_stride), over the rows v_i = v + i * row_stride,
+// i < n (16 when kWhole): each V element is loaded once for the R heads, and the accumulators
+// stay in registers across the rows (4 x R independent chains of 16 floats). The same rows at
+// `next` are prefetched along the way. Rows from n on are not read.
+template <int R, bool kWhole, typename scalar_t>
 __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
-                                                     const float* __restrict p,
+                                                     const float* __restrict p, int64_t p_stride,
                                                      const scalar_t* __restrict v,
                                                      const scalar_t* __restrict next,
                                                      int64_t row_stride, int64_t head_dim,
@@ -181,33 +217,67 @@ __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
   const int rows = kWhole ? 16 : n;
   int64_t c = 0;
   for (; c + 64 <= head_dim; c += 64) {
-    __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
-    __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
-#pragma GCC unroll 16
+    __m512 a[R][4];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_loadu_ps(acc + r * head_dim + c + 16 * j);
+    }
+#pragma GCC unroll 2
     for (int i = 0; i < rows; ++i) {
-      const __m512 pi = _mm512_set1_ps(p[i]);
       const scalar_t* vi = v + i * row_stride + c;
       prefetch_row(next + i * row_stride + c, 64);
-      a0 = _mm512_fmadd_ps(pi, load16(vi), a0);
-      a1 = _mm512_fmadd_ps(pi, load16(vi + 16), a1);
-      a2 = _mm512_fmadd_ps(pi, load16(vi + 32), a2);
-      a3 = _mm512_fmadd_ps(pi, load16(vi + 48), a3);
+      __m512 vv[4];
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) vv[j] = load16(vi + 16 * j);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512 pi = _mm512_set1_ps(p[r * p_stride + i]);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) a[r][j] = _mm512_fmadd_ps(pi, vv[j], a[r][j]);
+      }
     }
-    _mm512_storeu_ps(acc + c, a0);
-    _mm512_storeu_ps(acc + c + 16, a1);
-    _mm512_storeu_ps(acc + c + 32, a2);
-    _mm512_storeu_ps(acc + c + 48, a3);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * head_dim + c + 16 * j, a[r][j]);
+    }
   }
   for (; c < head_dim; c += 16) {
-    __m512 a = _mm512_loadu_ps(acc + c);
-#pragma GCC unroll 16
+    __m512 a[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) a[r] = _mm512_loadu_ps(acc + r * head_dim + c);
+#pragma GCC unroll 2
     for (int i = 0; i < rows; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T0);
-      a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), load16(v + i * row_stride + c), a);
+      const __m512 vv = load16(v + i * row_stride + c);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + i]), vv, a[r]);
     }
-    _mm512_storeu_ps(acc + c, a);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * head_dim + c, a[r]);
   }
 }
+
+// Query heads that share one pass over a block's V rows in accumulate16.
+constexpr int kHeadsPerPass = 4;
+
+template <typename scalar_t>
+using Accumulate16 = void (*)(float*, const float*, int64_t, const scalar_t*, const scalar_t*,
+                              int64_t, int64_t, int);
+
+// kAccumulate16<scalar_t>[R - 1][whole]: accumulate16 for R heads, 16 rows or fewer.
+template <typename scalar_t, int... R>
+constexpr std::array<std::array<Accumulate16<scalar_t>, 2>, sizeof...(R)> accumulate_table(
+    std::integer_sequence<int, R...>) {
+  return {std::array<Accumulate16<scalar_t>, 2>{&accumulate16<R + 1, false, scalar_t>,
+                                                &accumulate16<R + 1, true, scalar_t>}...};
+}
+
+template <typename scalar_t>
+constexpr auto kAccumulate16 =
+    accumulate_table<scalar_t>(std::make_integer_sequence<int, kHeadsPerPass>{});
 #endif
 
 // Scores are kept in rows of a multiple of 16 floats (the padding holds -inf, whose exp is 0),
@@ -306,21 +376,24 @@ __attribute__((always_inline)) inline void attend_one(
       });
 
   // Numerically stable softmax numerators; the normalisation waits for the output.
-  std::vector<float> inv_sum(rows);
   for (int64_t g = 0; g < rows; ++g) {
     float* sg = scores + g * stride;
     std::fill(sg + span, sg + stride, -std::numeric_limits<float>::infinity());
-    float max_score = -std::numeric_limits<float>::infinity();
-#pragma omp simd reduction(max : max_score)
-    for (int64_t t = 0; t < stride; ++t) max_score = std::max(max_score, sg[t]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < stride; ++t) {
-      sg[t] = exp_nonpositive(sg[t] - max_score);
-      sum += sg[t];
+#if KVPILOT_X86
+    if (s.dot16) {
+      exp_minus_max16(sg, stride);
+      continue;
     }
-    inv_sum[g] = 1.f / sum;
+#endif
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < stride; ++t) max_score = std::max(max_score, sg[t]);
+    for (int64_t t = 0; t < stride; ++t) sg[t] = exp_nonpositive(sg[t] - max_score);
   }
+  // Each row's sum in position order, the rows side by side (independent chains).
+  std::vector<float> inv_sum(rows, 0.f);
+  for (int64_t t = 0; t < span; ++t)
+    for (int64_t g = 0; g < rows; ++g) inv_sum[g] += scores[g * stride + t];
+  for (int64_t g = 0; g < rows; ++g) inv_sum[g] = 1.f / inv_sum[g];
 
   // Pass 2: weighted sum of the values.
   std::fill(acc, acc + rows * head_dim, 0.f);
@@ -332,15 +405,14 @@ __attribute__((always_inline)) inline void attend_one(
       [&](const scalar_t* v, const scalar_t* next, int64_t i, int n)
           __attribute__((always_inline)) {
 #if KVPILOT_X86
-        for (int64_t g = 0; g < rows; ++g) {
-          float* ag = acc + g * head_dim;
-          const float* pg = scores + g * stride + i;
+        for (int64_t g = 0; g < rows;) {
+          // Up to kHeadsPerPass heads of one KV head at a time.
+          const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g % group);
           const int64_t h = g / group * head_dim;
-          if (n == 16) {
-            accumulate16<true>(ag, pg, v + h, next + h, row_stride, head_dim, n);
-          } else {
-            accumulate16<false>(ag, pg, v + h, next + h, row_stride, head_dim, n);
-          }
+          kAccumulate16<scalar_t>[heads - 1][n == 16](acc + g * head_dim, scores + g * stride + i,
+                                                      stride, v + h, next + h, row_stride,
+                                                      head_dim, n);
+          g += heads;
         }
 #endif
       },
@@ -404,25 +476,6 @@ inline AttendOne<c10::BFloat16> pick_attend_one(const Shape& s, c10::BFloat16*) 
 
 constexpr int kTileRows = 16;
 
-// exp_nonpositive on 16 lanes: the same range reduction and polynomial, in AVX-512.
-__attribute__((target("avx512f"), always_inline)) inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 n = _mm512_roundscale_ps(
-      _mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
-      _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 clamped_n = _mm512_max_ps(n, _mm512_set1_ps(-126.f));
-  const __m512 r = _mm512_fmadd_ps(clamped_n, _mm512_set1_ps(kLn2Low),
-                                   _mm512_fnmadd_ps(clamped_n, _mm512_set1_ps(kLn2High), x));
-  __m512 p = _mm512_set1_ps(kExpPoly[0]);
-#pragma GCC unroll 5
-  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
-  p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(
-      _mm512_add_epi32(_mm512_cvttps_epi32(clamped_n), _mm512_set1_epi32(127)), 23);
-  const __m512 result = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
-  // Below -87 (-inf included): 0; NaN stays NaN (the comparison is false for it).
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.f), _CMP_LT_OQ), result,
-                              _mm512_setzero_ps());
-}
 constexpr int kTilePositions = 8;  // positions scored at once: 8 accumulators, 8 chains
 
 // st[i][0..16) = sum_d k_i[d] * qt[d][0..16) for the N positions k_i = k + i * row_stride.

@@ -88,8 +88,8 @@ RAGGED = [1, 16, 17, 5, 48, 33, 2, 64, 31, 100]
 
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim",
-    [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80)],
-    ids=["smollm2", "gqa4-d128", "mha-d32", "mqa-d80"],
+    [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (14, 2, 64), (32, 4, 128)],
+    ids=["smollm2", "gqa4-d128", "mha-d32", "mqa-d80", "gqa7-d64", "gqa8-d128"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_the_gather_and_sdpa_path(num_heads, num_kv_heads, head_dim, dtype):
