@@ -10,6 +10,7 @@ import torch
 from kvpilot.engine.logits_processors import apply_logits_processors, compute_logprobs
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.kernels.cpu import elementwise
 
 
 @dataclass
@@ -24,6 +25,22 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: list[tuple[float, dict[int, tuple[float, int]]] | None]
+
+
+def greedy_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(dim=-1)`` (``[num_reqs, vocab_size]`` -> ``[num_reqs]`` int64): through
+    the CPU kernel ``kvpilot.kernels.cpu.elementwise.argmax`` (the same indices, ~10x faster
+    than ATen's on a 49,152-token vocabulary) where it takes the logits, else torch's."""
+    if (
+        logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[0] > 0
+        and logits.shape[1] > 0
+        and elementwise.enabled()
+        and elementwise.supports(logits)
+    ):
+        return elementwise.argmax(logits)
+    return logits.argmax(dim=-1)
 
 
 CANDIDATES = 64
@@ -79,7 +96,7 @@ class Sampler:
             [r.output_token_ids for r in requests],
             self.eos_token_ids,
         )
-        sampled = logits.argmax(dim=-1)
+        sampled = greedy_argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:
             sampled[random_rows] = self._sample_random(

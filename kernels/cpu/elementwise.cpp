@@ -360,6 +360,58 @@ void rotary_rows(scalar_t* out, const scalar_t* x, int64_t token_stride, const s
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// Argmax of float32 rows, as torch.argmax(dim=-1): the first index of the largest value, or of
+// the first NaN (which torch ranks above every number). Greedy sampling's pick: ATen's CPU
+// argmax compares one element at a time; here the maximum is found a vector at a time, then
+// the first element equal to it.
+
+// The first NaN's index in x[0..n), or -1.
+inline int64_t first_nan(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (std::isnan(x[i])) return i;
+  return -1;
+}
+
+#if KVPILOT_X86
+__attribute__((target("avx512f"))) int64_t argmax_row16(const float* x, int64_t n) {
+  const int64_t whole = n / 16 * 16;
+  __m512 lanes = _mm512_set1_ps(-INFINITY);
+  __mmask16 nan = 0;
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    lanes = _mm512_max_ps(v, lanes);  // a NaN v leaves the lanes as they were
+  }
+  float best = _mm512_reduce_max_ps(lanes);
+  for (int64_t i = whole; i < n; ++i) {
+    if (std::isnan(x[i])) nan = 1;
+    best = std::max(best, x[i]);
+  }
+  if (nan) return first_nan(x, n);
+  const __m512 target = _mm512_set1_ps(best);
+  for (int64_t i = 0; i < whole; i += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + i), target, _CMP_EQ_OQ);
+    if (hit) return i + __builtin_ctz(hit);
+  }
+  for (int64_t i = whole; i < n; ++i)
+    if (x[i] == best) return i;
+  return 0;  // not reached: some element equals the maximum
+}
+#endif
+
+int64_t argmax_row(const float* x, int64_t n) {
+#if KVPILOT_X86
+  if (__builtin_cpu_supports("avx512f")) return argmax_row16(x, n);
+#endif
+  int64_t index = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (std::isnan(x[i])) return i;
+    if (x[i] > x[index]) index = i;
+  }
+  return index;
+}
+
 // Calls f with a value of the tensor's element type (float or c10::BFloat16; check_dtype first).
 template <typename F>
 void dispatch(const torch::Tensor& t, F&& f) {
@@ -459,8 +511,26 @@ void rotary_neox(torch::Tensor out, torch::Tensor x, torch::Tensor cos, torch::T
   });
 }
 
+// See kernels/cpu/elementwise.py (argmax) for the contract.
+void argmax(torch::Tensor out, torch::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == torch::kFloat32 && x.dim() == 2 &&
+                  x.is_contiguous() && x.size(1) > 0,
+              "argmax: x must be a contiguous, non-empty [rows, n] float32 CPU tensor, got ",
+              x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(out.scalar_type() == torch::kInt64 && out.dim() == 1 && out.size(0) == x.size(0) &&
+                  out.is_contiguous(),
+              "argmax: out must be a contiguous [rows] int64 tensor");
+  const int64_t rows = x.size(0), n = x.size(1);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, grain_rows(n), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = argmax_row(xp + r * n, n);
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm, the residual add fused, into out (CPU).");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up into out (CPU).");
   m.def("rotary_neox", &rotary_neox, "GPT-NeoX rotary embedding of x into out (CPU).");
+  m.def("argmax", &argmax, "torch.argmax(x, dim=-1) of float32 rows into out (CPU).");
 }

@@ -1,5 +1,5 @@
 """Fused elementwise ops of a decoder layer on the CPU (a C++ PyTorch extension): RMSNorm with the
-residual add, SiLU-and-mul and the GPT-NeoX rotary embedding.
+residual add, SiLU-and-mul and the GPT-NeoX rotary embedding; and the sampler's greedy argmax.
 
 The engine's torch path runs each of these as several PyTorch ops, each a pass over memory and
 a dispatch; here each is one pass per row (vLLM's CPU build fuses them likewise). Each follows
@@ -180,6 +180,28 @@ def rotary_neox(
         ext.rotary_neox(out, x, cos, sin)
         outs.append(out)
     return outs[0], outs[1]
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``torch.argmax(x, dim=-1)`` of float32 rows: the first index of each row's largest
+    value, or of its first NaN (ranked above every number, as torch ranks it). Greedy
+    sampling's pick; ATen's CPU argmax compares an element at a time (~0.9 ms for 32 rows of
+    a 49,152-token vocabulary on one thread), this finds the maximum a vector at a time, then
+    the first element equal to it (~0.1 ms).
+
+    Args:
+        x: ``[rows, n]`` float32 on the CPU, ``n >= 1`` (copied first if not contiguous).
+
+    Returns:
+        ``[rows]`` int64 indices, a new tensor.
+
+    Raises:
+        RuntimeError: the extension could not be built, or another dtype, rank or device, or
+            empty rows.
+    """
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _extension().argmax(out, x.contiguous())
+    return out
 
 
 if __name__ == "__main__":

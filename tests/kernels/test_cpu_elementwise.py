@@ -1,5 +1,5 @@
-"""The C++ CPU elementwise kernels (RMSNorm + residual, SiLU-and-mul, the NeoX rotary embedding)
-against ``kvpilot.kernels.reference`` and the torch path of the engine's layers.
+"""The C++ CPU elementwise kernels (RMSNorm + residual, SiLU-and-mul, the NeoX rotary embedding,
+the greedy argmax) against ``kvpilot.kernels.reference`` and the torch path of the engine's layers.
 
 The kernel builds on first use (under a minute the first time on a machine, cached after);
 these tests need a C++ compiler, like the engine's default CPU path. RMSNorm and the rotary
@@ -221,6 +221,43 @@ def test_layers_fall_back_where_the_kernel_does_not_apply(monkeypatch):
     _close(off(x), reference.rms_norm(x, off.weight, 1e-6))
 
 
+@pytest.mark.parametrize("n", [1, 7, 16, 17, 49152, 49155])
+def test_argmax_matches_torch(n):
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(9, n, generator=gen)
+    x[1] = x[1].round()  # ties: the first of the largest wins
+    x[2] = float("-inf")  # all -inf: index 0
+    x[3, n // 2] = float("nan")  # a NaN ranks above every number
+    x[3, n - 1] = float("inf")
+    x[4] = 0.0
+    x[4, n - 1] = -0.0  # -0.0 == 0.0: still the first
+    x[5, -1] = float("inf")  # the maximum in the scalar tail
+    x[6, 0] = float("nan")
+    x[6, -1] = float("nan")  # the first of two NaNs
+    x[7] = -x[7].abs() - 1  # every value negative
+    x[8, -1] = float("nan")  # a NaN in the tail
+    torch.testing.assert_close(elementwise.argmax(x), x.argmax(dim=-1), atol=0, rtol=0)
+    # Not contiguous: copied first.
+    wide = torch.randn(3, 2 * n, generator=gen)[:, ::2]
+    torch.testing.assert_close(elementwise.argmax(wide), wide.argmax(dim=-1), atol=0, rtol=0)
+
+
+def test_greedy_sampling_takes_the_argmax_kernel(monkeypatch):
+    from kvpilot.engine.sampler import greedy_argmax
+
+    calls = []
+    original = elementwise.argmax
+    monkeypatch.setattr(elementwise, "argmax", lambda x: calls.append(x.shape) or original(x))
+    logits = _randn(32, 49152, seed=40)
+    torch.testing.assert_close(greedy_argmax(logits), logits.argmax(dim=-1), atol=0, rtol=0)
+    assert calls == [(32, 49152)]
+    # Other dtypes and no rows keep torch's argmax.
+    half = logits.bfloat16()
+    torch.testing.assert_close(greedy_argmax(half), half.argmax(dim=-1), atol=0, rtol=0)
+    assert greedy_argmax(logits[:0]).shape == (0,)
+    assert calls == [(32, 49152)]
+
+
 def test_bad_inputs_are_named():
     x = _randn(4, 16, seed=25)
     with pytest.raises(RuntimeError, match="weight must be"):
@@ -245,6 +282,10 @@ def test_bad_inputs_are_named():
         elementwise.rotary_neox(q, k, cos.bfloat16(), sin.bfloat16())
     with pytest.raises(RuntimeError, match=r"\[num_tokens, num_heads, head_dim\]"):
         elementwise.rotary_neox(q.flatten(1), k, cos, sin)
+    with pytest.raises(RuntimeError, match="argmax: x must be"):
+        elementwise.argmax(x.bfloat16())
+    with pytest.raises(RuntimeError, match="argmax: x must be"):
+        elementwise.argmax(x[:, :0])
 
 
 def test_a_failed_build_warns_once_and_the_layers_keep_the_torch_path(
