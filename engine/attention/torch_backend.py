@@ -339,20 +339,17 @@ class TorchAttentionBackend:
         in_place = self.uses_kernel(query, k_cache)
         prompts_in_place = in_place and paged_attention.tiles_prompts(query, k_cache)
         plan = self.plan(attn_metadata, k_cache.shape[1], in_place, prompts_in_place)
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        if plan.write_rows is not None:
-            key, value = key[plan.write_rows], value[plan.write_rows]
-        write_slots(k_flat, plan.write_slots, quantize_to_cache(key, k_scale, k_cache.dtype))
-        write_slots(v_flat, plan.write_slots, quantize_to_cache(value, v_scale, v_cache.dtype))
-        k_flat, v_flat = (
-            _Gather(k_flat, k_scale, query.dtype),
-            _Gather(v_flat, v_scale, query.dtype),
-        )
-
         paged = plan.in_place
-        if paged is not None and paged.rows is None:
-            return _in_place(query, k_cache, v_cache, paged, scale, sliding_window)
+        if in_place:  # the cache in the query's dtype: rows copied as they are, -1 slots skipped
+            paged_attention.reshape_and_cache(
+                key, value, k_cache, v_cache, attn_metadata.slot_mapping
+            )
+            if paged is not None and paged.rows is None:
+                return _in_place(query, k_cache, v_cache, paged, scale, sliding_window)
+        else:
+            _write(key, value, k_cache, v_cache, plan, k_scale, v_scale)
+        k_flat = _Gather(k_cache.view(-1, num_kv_heads, head_dim), k_scale, query.dtype)
+        v_flat = _Gather(v_cache.view(-1, num_kv_heads, head_dim), v_scale, query.dtype)
         decode_masks, prefill_masks = plan.masks_for(sliding_window)
         if len(plan.decodes) == 1 and plan.decodes[0].rows is None:
             return self._decode(query, k_flat, v_flat, plan.decodes[0], decode_masks[0], scale)
@@ -403,6 +400,24 @@ class TorchAttentionBackend:
             enable_gqa=True,
         )
         return o[:, :, 0, :]
+
+
+def _write(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: StepPlan,
+    k_scale: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+) -> None:
+    """Cache the step's new K/V (``[num_tokens, num_kv_heads, head_dim]``) at the plan's
+    slots, quantized first for an fp8 cache."""
+    if plan.write_rows is not None:
+        key, value = key[plan.write_rows], value[plan.write_rows]
+    for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
+        flat = cache.view(-1, cache.shape[2], cache.shape[3])
+        write_slots(flat, plan.write_slots, quantize_to_cache(new, scale, cache.dtype))
 
 
 def _in_place(

@@ -775,6 +775,54 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
   }
 }
 
+// See kernels/cpu/paged_attention.py (reshape_and_cache) for the contract: each new token's K
+// and V rows copied into its slot of the paged caches (vLLM's reshape_and_cache), both caches in
+// one call.
+void reshape_and_cache(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
+                       torch::Tensor v_cache, torch::Tensor slot_mapping) {
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu() && key.device().is_cpu() &&
+                  value.device().is_cpu() && slot_mapping.device().is_cpu(),
+              "reshape_and_cache: CPU tensors only");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "reshape_and_cache: caches must be contiguous [num_blocks, block_size, "
+              "num_kv_heads, head_dim], one shape");
+  const int64_t num_tokens = slot_mapping.size(0);
+  const int64_t row = k_cache.size(2) * k_cache.size(3);
+  for (const auto& t : {key, value}) {
+    TORCH_CHECK(t.dim() == 3 && t.size(0) == num_tokens && t.size(1) == k_cache.size(2) &&
+                    t.size(2) == k_cache.size(3) && t.stride(2) == 1 &&
+                    (t.size(1) == 1 || t.stride(1) == t.size(2)),
+                "reshape_and_cache: key and value must be [num_tokens, num_kv_heads, head_dim] "
+                "with each token's row contiguous, got ",
+                t.sizes());
+    TORCH_CHECK(t.scalar_type() == k_cache.scalar_type() &&
+                    v_cache.scalar_type() == k_cache.scalar_type(),
+                "reshape_and_cache: key, value and caches must share one dtype");
+  }
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kInt64 && slot_mapping.dim() == 1 &&
+                  slot_mapping.is_contiguous(),
+              "reshape_and_cache: slot_mapping must be contiguous int64 [num_tokens]");
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  const int64_t bytes = row * k_cache.element_size();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    TORCH_CHECK(slots[t] < num_slots, "reshape_and_cache: slot ", slots[t], " out of range [0, ",
+                num_slots, ")");
+  }
+  const auto* k_src = static_cast<const char*>(key.data_ptr());
+  const auto* v_src = static_cast<const char*>(value.data_ptr());
+  auto* k_dst = static_cast<char*>(k_cache.data_ptr());
+  auto* v_dst = static_cast<char*>(v_cache.data_ptr());
+  const int64_t k_stride = key.stride(0) * key.element_size();
+  const int64_t v_stride = value.stride(0) * value.element_size();
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    if (slots[t] < 0) continue;  // -1: no write (padding)
+    std::memcpy(k_dst + slots[t] * bytes, k_src + t * k_stride, bytes);
+    std::memcpy(v_dst + slots[t] * bytes, v_src + t * v_stride, bytes);
+  }
+}
+
 bool tiles_supported() {
 #if KVPILOT_X86
   return __builtin_cpu_supports("avx512f");
@@ -786,6 +834,8 @@ bool tiles_supported() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tiles_supported", &tiles_supported,
         "Whether this CPU runs the prompt tiles (AVX-512F).");
+  m.def("reshape_and_cache", &reshape_and_cache,
+        "Each new token's K and V rows into its slot of the paged caches (CPU).");
   m.def("paged_attention", &paged_attention,
         "Paged attention of decode and prompt tokens over a block-table KV cache, in place "
         "(CPU).");

@@ -11,6 +11,7 @@ the ``num_heads / num_kv_heads`` query heads that share the KV head (GQA) comput
 ``softmax(scale * q . k) . v`` with float32 accumulation: scores of every position, their
 maximum subtracted before ``exp`` (numerically stable), then the weighted sum of the values.
 A sliding window limits the context to its last ``sliding_window`` positions.
+:func:`reshape_and_cache` writes a step's new keys and values into their slots first.
 
 The source is ``paged_attention.cpp`` beside this file (package data); its library is loaded
 from the prebuilt-kernel folder that ``python -m kvpilot.kernels.cpu`` fills (``make install``,
@@ -164,6 +165,39 @@ def paged_attention(
         0 if sliding_window is None else int(sliding_window),
     )
     return out
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Write each new token's keys and values into its slot of the paged caches, in place
+    (vLLM's ``reshape_and_cache``): one call for both caches, a row copy per token, where
+    ``index_copy_`` costs a dispatch per cache and layer.
+
+    Args:
+        key, value: ``[num_tokens, num_kv_heads, head_dim]``, the caches' dtype, on the CPU
+            (copied first unless each token's ``[num_kv_heads, head_dim]`` is contiguous; a
+            view of a fused QKV output is fine as it is).
+        k_cache, v_cache: ``[num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+        slot_mapping: ``[num_tokens]`` int64 flat slots (``block * block_size + offset``);
+            a negative slot skips its token (``-1``: padding).
+
+    Raises:
+        RuntimeError: the extension could not be built, or a shape, dtype, layout or slot
+            out of range (the message names it; nothing is written then).
+    """
+    extension = load_extension()
+    if extension is None:
+        raise RuntimeError("the CPU paged attention extension could not be built")
+    key, value = (
+        t if t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]) else t.contiguous()
+        for t in (key, value)
+    )
+    extension.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.to(torch.int64))
 
 
 if __name__ == "__main__":

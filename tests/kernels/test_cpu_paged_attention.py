@@ -257,6 +257,39 @@ def test_direct_call_reads_only_its_blocks_and_checks_its_inputs():
         )
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reshape_and_cache_writes_each_token_at_its_slot(dtype):
+    gen = torch.Generator().manual_seed(7)
+    num_blocks, num_kv_heads, head_dim = 6, 3, 64
+    k_cache = torch.randn(num_blocks, BLOCK_SIZE, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(k_cache.shape, generator=gen).to(dtype)
+    # K and V as views of a fused QKV output (rows strided), one padding token (-1).
+    qkv = torch.randn(5, (9 + 2 * num_kv_heads) * head_dim, generator=gen).to(dtype)
+    key = qkv[:, 9 * head_dim : 12 * head_dim].view(5, num_kv_heads, head_dim)
+    value = qkv[:, 12 * head_dim :].view(5, num_kv_heads, head_dim)
+    slots = torch.tensor([17, 0, -1, 95, 40])
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            want_k.view(-1, num_kv_heads, head_dim)[slot] = key[t]
+            want_v.view(-1, num_kv_heads, head_dim)[slot] = value[t]
+    paged_attention.reshape_and_cache(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    # Heads not contiguous within a token: copied first, the same rows land.
+    k_t = key.transpose(1, 2).contiguous().transpose(1, 2)
+    paged_attention.reshape_and_cache(k_t * 2, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim)[17], key[0] * 2)
+    # A slot past the cache: refused, and nothing written.
+    before = k_cache.clone()
+    with pytest.raises(RuntimeError, match="slot 96 out of range"):
+        paged_attention.reshape_and_cache(key, value, k_cache, v_cache, slots.clamp(max=96) + 1)
+    assert torch.equal(k_cache, before)
+    with pytest.raises(RuntimeError, match="share one dtype"):
+        paged_attention.reshape_and_cache(key.double(), value, k_cache, v_cache, slots)
+    with pytest.raises(RuntimeError, match="num_tokens, num_kv_heads, head_dim"):
+        paged_attention.reshape_and_cache(key[:4], value, k_cache, v_cache, slots)
+
+
 def test_fp8_caches_and_the_switch_keep_the_torch_path(monkeypatch):
     q = torch.randn(2, 4, 64)
     assert TorchAttentionBackend().uses_kernel(q, torch.zeros(3, 16, 2, 64))
