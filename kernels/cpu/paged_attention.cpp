@@ -16,8 +16,8 @@
 //
 // - one token and KV head, or one token and all its KV heads when a step has many such tokens
 //   (decodes; prompts where tiles do not apply; see Item): the num_heads / num_kv_heads query heads
-//   that share a KV head (GQA), in a pass over the K blocks and one over the V blocks (each V
-//   row loaded once for up to four of those heads), the softmax between them in AVX-512. Decode
+//   that share a KV head (GQA), in a pass over the K blocks and one over the V blocks, the
+//   softmax between them in AVX-512. Decode
 //   attention reads each K/V row once for little arithmetic, so it is bound by memory: the rows of
 //   the block two ahead are prefetched while a block is read (the blocks are scattered, the
 //   hardware prefetcher cannot follow). Groups of 16 positions from a block's start go through
@@ -202,14 +202,12 @@ __attribute__((target("avx512f"))) void dot16(const float* __restrict q,
   _mm512_storeu_ps(scores, add_lanes(add_lanes(quads[0], quads[1]), add_lanes(quads[2], quads[3])));
 }
 
-// acc_r[0..head_dim) += sum_i p_r[i] * v_i for the R query heads r < R that share a KV head
-// (acc_r = acc + r * head_dim, p_r = p + r * p_stride), over the rows v_i = v + i * row_stride,
-// i < n (16 when kWhole): each V element is loaded once for the R heads, and the accumulators
-// stay in registers across the rows (4 x R independent chains of 16 floats). The same rows at
-// `next` are prefetched along the way. Rows from n on are not read.
-template <int R, bool kWhole, typename scalar_t>
+// acc[0..head_dim) += sum_i p[i] * v_i for the rows v_i = v + i * row_stride, i < n (16 when
+// kWhole), with the accumulators in registers across the rows (four independent chains of 16
+// floats); the same rows at `next` are prefetched along the way. Rows from n on are not read.
+template <bool kWhole, typename scalar_t>
 __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
-                                                     const float* __restrict p, int64_t p_stride,
+                                                     const float* __restrict p,
                                                      const scalar_t* __restrict v,
                                                      const scalar_t* __restrict next,
                                                      int64_t row_stride, int64_t head_dim,
@@ -217,67 +215,33 @@ __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
   const int rows = kWhole ? 16 : n;
   int64_t c = 0;
   for (; c + 64 <= head_dim; c += 64) {
-    __m512 a[R][4];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) a[r][j] = _mm512_loadu_ps(acc + r * head_dim + c + 16 * j);
-    }
-#pragma GCC unroll 2
+    __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
+    __m512 a2 = _mm512_loadu_ps(acc + c + 32), a3 = _mm512_loadu_ps(acc + c + 48);
+#pragma GCC unroll 16
     for (int i = 0; i < rows; ++i) {
+      const __m512 pi = _mm512_set1_ps(p[i]);
       const scalar_t* vi = v + i * row_stride + c;
       prefetch_row(next + i * row_stride + c, 64);
-      __m512 vv[4];
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) vv[j] = load16(vi + 16 * j);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m512 pi = _mm512_set1_ps(p[r * p_stride + i]);
-#pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) a[r][j] = _mm512_fmadd_ps(pi, vv[j], a[r][j]);
-      }
+      a0 = _mm512_fmadd_ps(pi, load16(vi), a0);
+      a1 = _mm512_fmadd_ps(pi, load16(vi + 16), a1);
+      a2 = _mm512_fmadd_ps(pi, load16(vi + 32), a2);
+      a3 = _mm512_fmadd_ps(pi, load16(vi + 48), a3);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) {
-#pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) _mm512_storeu_ps(acc + r * head_dim + c + 16 * j, a[r][j]);
-    }
+    _mm512_storeu_ps(acc + c, a0);
+    _mm512_storeu_ps(acc + c + 16, a1);
+    _mm512_storeu_ps(acc + c + 32, a2);
+    _mm512_storeu_ps(acc + c + 48, a3);
   }
   for (; c < head_dim; c += 16) {
-    __m512 a[R];
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) a[r] = _mm512_loadu_ps(acc + r * head_dim + c);
-#pragma GCC unroll 2
+    __m512 a = _mm512_loadu_ps(acc + c);
+#pragma GCC unroll 16
     for (int i = 0; i < rows; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T0);
-      const __m512 vv = load16(v + i * row_stride + c);
-#pragma GCC unroll 4
-      for (int r = 0; r < R; ++r)
-        a[r] = _mm512_fmadd_ps(_mm512_set1_ps(p[r * p_stride + i]), vv, a[r]);
+      a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), load16(v + i * row_stride + c), a);
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * head_dim + c, a[r]);
+    _mm512_storeu_ps(acc + c, a);
   }
 }
-
-// Query heads that share one pass over a block's V rows in accumulate16.
-constexpr int kHeadsPerPass = 4;
-
-template <typename scalar_t>
-using Accumulate16 = void (*)(float*, const float*, int64_t, const scalar_t*, const scalar_t*,
-                              int64_t, int64_t, int);
-
-// kAccumulate16<scalar_t>[R - 1][whole]: accumulate16 for R heads, 16 rows or fewer.
-template <typename scalar_t, int... R>
-constexpr std::array<std::array<Accumulate16<scalar_t>, 2>, sizeof...(R)> accumulate_table(
-    std::integer_sequence<int, R...>) {
-  return {std::array<Accumulate16<scalar_t>, 2>{&accumulate16<R + 1, false, scalar_t>,
-                                                &accumulate16<R + 1, true, scalar_t>}...};
-}
-
-template <typename scalar_t>
-constexpr auto kAccumulate16 =
-    accumulate_table<scalar_t>(std::make_integer_sequence<int, kHeadsPerPass>{});
 #endif
 
 // Scores are kept in rows of a multiple of 16 floats (the padding holds -inf, whose exp is 0),
@@ -405,14 +369,15 @@ __attribute__((always_inline)) inline void attend_one(
       [&](const scalar_t* v, const scalar_t* next, int64_t i, int n)
           __attribute__((always_inline)) {
 #if KVPILOT_X86
-        for (int64_t g = 0; g < rows;) {
-          // Up to kHeadsPerPass heads of one KV head at a time.
-          const int64_t heads = std::min<int64_t>(kHeadsPerPass, group - g % group);
+        for (int64_t g = 0; g < rows; ++g) {
+          float* ag = acc + g * head_dim;
+          const float* pg = scores + g * stride + i;
           const int64_t h = g / group * head_dim;
-          kAccumulate16<scalar_t>[heads - 1][n == 16](acc + g * head_dim, scores + g * stride + i,
-                                                      stride, v + h, next + h, row_stride,
-                                                      head_dim, n);
-          g += heads;
+          if (n == 16) {
+            accumulate16<true>(ag, pg, v + h, next + h, row_stride, head_dim, n);
+          } else {
+            accumulate16<false>(ag, pg, v + h, next + h, row_stride, head_dim, n);
+          }
         }
 #endif
       },
