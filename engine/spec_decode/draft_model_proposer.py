@@ -17,6 +17,7 @@ import torch
 
 from kvpilot.engine.model_runner import allocate_kv_caches, build_model_inputs
 from kvpilot.engine.request import Request
+from kvpilot.engine.sampler import greedy_argmax
 from kvpilot.engine.scheduler_output import SchedulerOutput
 
 
@@ -119,7 +120,7 @@ class DraftModelProposer:
         return hidden, metadata.query_start_loc[1:].long() - 1
 
     def _argmax(self, hidden: torch.Tensor) -> list[int]:
-        return self.model.compute_logits(hidden).argmax(dim=-1).tolist()
+        return greedy_argmax(self.model.compute_logits(hidden)).tolist()
 
 
 def check_draft_vocabulary(target_dir: pathlib.Path, draft_dir: pathlib.Path) -> None:

@@ -27,7 +27,7 @@ from kvpilot.engine.logits_processors import (
     compute_logprobs,
 )
 from kvpilot.engine.request import Request
-from kvpilot.engine.sampler import Sampler, compute_probs
+from kvpilot.engine.sampler import Sampler, compute_probs, greedy_argmax
 
 
 @dataclass
@@ -231,7 +231,7 @@ def rejection_sample(
     greedy = torch.tensor(list(is_greedy), dtype=torch.bool, device=device)
     greedy_of_draft = greedy[req_of_draft]
 
-    target_argmax = target_probs.argmax(dim=-1)
+    target_argmax = greedy_argmax(target_probs)
     p_draft = target_probs[draft_rows]
     p_of_d = p_draft.gather(1, draft_token_ids.unsqueeze(1)).squeeze(1)
     if draft_probs is None:
