@@ -13,7 +13,9 @@ must be finite: JSON's ``NaN``/``Infinity``, which Python's parser accepts, are 
 
 from __future__ import annotations
 
+import functools
 import time
+import typing
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -39,7 +41,34 @@ GUIDED_FIELDS = (
 
 
 class OpenAIModel(BaseModel):
+    """A request body's base: unknown fields ignored, and an explicit ``null`` for a field
+    whose default is not ``null`` (``n``, ``stream``, ``echo``, chat's ``logprobs``,
+    ``parallel_tool_calls``, ...) read as that default, as OpenAI's API and vLLM read it (the
+    ``openai`` client sends ``null`` for a parameter given as ``None``). Fields that take
+    ``null`` keep it (completions' ``max_tokens: null``: no limit but the context, as vLLM)."""
+
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        defaulted = _non_nullable_defaults(cls)
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
+
+@functools.cache
+def _non_nullable_defaults(model: type[BaseModel]) -> frozenset[str]:
+    """Names and aliases of ``model``'s optional fields whose type does not take ``None``."""
+    names = set()
+    for name, info in model.model_fields.items():
+        nullable = info.annotation is Any or type(None) in typing.get_args(info.annotation)
+        if not info.is_required() and not nullable and info.annotation is not type(None):
+            names.add(name)
+            if info.alias:
+                names.add(info.alias)
+    return frozenset(names)
 
 
 class StreamOptions(OpenAIModel):

@@ -142,6 +142,25 @@ def test_n_choices_streamed_and_not(client):
     assert reasons == {0: "length", 1: "length", 2: "length"}
 
 
+def test_null_parameters_mean_their_defaults(client):
+    # The openai client sends null for a parameter given as None; OpenAI and vLLM read it as
+    # the default (n 1, no stream, no logprobs, no echo), never as a 400.
+    chat_kwargs = dict(model=MODEL, messages=CHAT, max_tokens=5, temperature=0)
+    chat = client.chat.completions.create(
+        **chat_kwargs, n=None, stream=None, logprobs=None, parallel_tool_calls=None
+    )
+    plain = client.chat.completions.create(**chat_kwargs)
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+    assert chat.choices[0].message.content == plain.choices[0].message.content
+    completion_kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0)
+    completion = client.completions.create(**completion_kwargs, n=None, echo=None, stream=None)
+    assert len(completion.choices) == 1
+    assert (
+        completion.choices[0].text == client.completions.create(**completion_kwargs).choices[0].text
+    )
+    assert not completion.choices[0].text.startswith(PROMPT)  # echo off
+
+
 def test_seed_reproduces_sampled_output(client):
     kwargs = dict(model=MODEL, messages=CHAT, max_tokens=16, temperature=0.9)
     first = client.chat.completions.create(seed=1234, **kwargs).choices[0].message.content
