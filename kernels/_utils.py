@@ -1,4 +1,4 @@
-"""Input checks shared by the Triton kernel wrappers.
+"""Input checks shared by the kernel wrappers (Triton, and the layouts the CPU kernels take).
 
 A Triton kernel trusts its arguments: a wrong dtype or shape gives garbage, an out-of-range
 index an illegal memory access (or, under ``TRITON_INTERPRET=1``, a crashed process). The
@@ -70,6 +70,12 @@ def check_tensor(
         ):
             want = tuple("*" if s is None else s for s in shape)
             raise ValueError(f"{fn}: {name} must have shape {want}, got {tuple(t.shape)}")
+
+
+def rows_contiguous(x: torch.Tensor) -> bool:
+    """Whether each token's ``[num_heads, head_dim]`` of a ``[num_tokens, num_heads, head_dim]``
+    tensor is contiguous (views of a fused QKV output are): the layout the CPU kernels read."""
+    return x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
 def check_inner_contiguous(fn: str, name: str, t: torch.Tensor) -> None:

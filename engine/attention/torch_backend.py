@@ -122,7 +122,9 @@ class StepPlan:
 
     Attributes:
         write_rows: ``[n]`` int64 rows whose K/V are cached, or None for all rows.
-        write_slots: ``[n]`` int64 their flat slots.
+        write_slots: ``[n]`` int64 their flat slots. (Both for ``index_copy_`` writes; where
+            the in-place kernel attends, ``reshape_and_cache`` reads the metadata's
+            ``slot_mapping`` and skips its -1 slots itself.)
         decodes: the decode sequences, in groups of similar length (empty when ``in_place``
             holds them).
         prefills: the other sequences (empty when ``in_place`` holds them).

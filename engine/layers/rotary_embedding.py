@@ -21,6 +21,7 @@ from transformers import PretrainedConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from kvpilot.engine.layers.custom_op import CustomOp
+from kvpilot.kernels._utils import rows_contiguous
 from kvpilot.kernels.cpu import elementwise
 
 
@@ -181,8 +182,8 @@ class RotaryEmbedding(CustomOp):
             self.cpu_kernel
             and rope.cos is not None
             and query.dim() == key.dim() == 3
-            and _rows_contiguous(query)
-            and _rows_contiguous(key)
+            and rows_contiguous(query)
+            and rows_contiguous(key)
             and elementwise.supports(rope.cos, rope.sin)
             and query.dtype == key.dtype == rope.cos.dtype
             and query.is_cpu
@@ -210,11 +211,6 @@ class RotaryEmbedding(CustomOp):
 
         rotary_embedding(rope.positions, query, key, self.cos_sin_cache, is_neox=True)
         return query, key
-
-
-def _rows_contiguous(x: torch.Tensor) -> bool:
-    # Each token's [num_heads, head_dim] contiguous (views of a fused QKV output are).
-    return x.stride(2) == 1 and (x.shape[1] == 1 or x.stride(1) == x.shape[2])
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

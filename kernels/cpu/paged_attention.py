@@ -31,6 +31,7 @@ import pathlib
 
 import torch
 
+from kvpilot.kernels._utils import rows_contiguous
 from kvpilot.kernels.cpu import extension
 
 ENV_VAR = "KVPILOT_CPU_PAGED_ATTENTION"
@@ -193,10 +194,7 @@ def reshape_and_cache(
     extension = load_extension()
     if extension is None:
         raise RuntimeError("the CPU paged attention extension could not be built")
-    key, value = (
-        t if t.stride(2) == 1 and (t.shape[1] == 1 or t.stride(1) == t.shape[2]) else t.contiguous()
-        for t in (key, value)
-    )
+    key, value = (t if rows_contiguous(t) else t.contiguous() for t in (key, value))
     extension.reshape_and_cache(key, value, k_cache, v_cache, slot_mapping.to(torch.int64))
 
 
