@@ -47,7 +47,7 @@ def _order_of_the_docs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("M", "N", "K"),
-    [(1, 32, 128), (3, 33, 300), (7, 31, 257), (13, 64, 129), (32, 40, 1)],
+    [(1, 32, 128), (3, 33, 300), (7, 31, 257), (13, 64, 129), (32, 40, 1), (45, 70, 300)],
 )
 def test_the_summation_order_is_the_documented_one_bit_for_bit(M, N, K):
     x, w = _randn(M, K, seed=M), _randn(N, K, seed=N)
