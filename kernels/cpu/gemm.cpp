@@ -86,59 +86,69 @@ bool cpu_supported() {
 
 // Chunks [first_chunk, first_chunk + CH) of one panel for ROWS rows of x: their partial sums
 // (`len` input features each; CH > 1 only for whole chunks), added in chunk order to y, or
-// stored as the start of it when first_chunk is chunk 0. `cols` of the 32 are written. Several
-// chunks at once (CH > 1) only for up to kMaxRows / 2 rows.
-template <int ROWS, int CH>
+// stored as the start of it when `first` (first_chunk is chunk 0). `cols` of the 32 are
+// written. Several chunks at once (CH > 1) only for up to kMaxRows / 2 rows. With RUN, the
+// `len` features from k0 are any number of chunks, one after the other in this one call (a
+// call a chunk cost 2.5-4% at prefill sizes in calls and write-backs).
+template <int ROWS, int CH, bool RUN = false>
 __attribute__((target("avx512f,fma"))) void chunk_group(const float* __restrict x, int64_t ldx,
                                                          const float* __restrict panel,
                                                          int64_t k0, int64_t len,
                                                          float* __restrict y, int64_t ldy,
                                                          int cols, bool first, int64_t prefetch) {
+  static_assert(!RUN || CH == 1, "a run is one chunk at a time");
   __m512 acc[CH][ROWS][kVecs];
   const int64_t ahead = prefetch * kPanel;
-#pragma GCC unroll 16
-  for (int h = 0; h < CH; ++h) {
-#pragma GCC unroll 16
-    for (int i = 0; i < ROWS; ++i) {
-#pragma GCC unroll 4
-      for (int v = 0; v < kVecs; ++v) acc[h][i][v] = _mm512_setzero_ps();
-    }
-  }
-#pragma GCC unroll 2
-  for (int64_t k = 0; k < len; ++k) {
-#pragma GCC unroll 16
-    for (int h = 0; h < CH; ++h) {
-      const int64_t kk = k0 + h * kChunk + k;
-      const float* w = panel + kk * kPanel;
-      __m512 wv[kVecs];
-#pragma GCC unroll 4
-      for (int v = 0; v < kVecs; ++v) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 16 * v), _MM_HINT_T0);
-        wv[v] = _mm512_loadu_ps(w + 16 * v);
-      }
-#pragma GCC unroll 16
-      for (int i = 0; i < ROWS; ++i) {
-        const __m512 a = _mm512_set1_ps(x[i * ldx + kk]);
-#pragma GCC unroll 4
-        for (int v = 0; v < kVecs; ++v) acc[h][i][v] = _mm512_fmadd_ps(a, wv[v], acc[h][i][v]);
-      }
-    }
-  }
   __mmask16 mask[kVecs];
 #pragma GCC unroll 4
   for (int v = 0; v < kVecs; ++v) {
     const int n = std::clamp(cols - 16 * v, 0, 16);
     mask[v] = n == 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
   }
+  for (int64_t start = 0; start < (RUN ? len : 1); start += kChunk) {
+    const int64_t n = RUN ? std::min(kChunk, len - start) : len;
 #pragma GCC unroll 16
-  for (int i = 0; i < ROWS; ++i) {
+    for (int h = 0; h < CH; ++h) {
+#pragma GCC unroll 16
+      for (int i = 0; i < ROWS; ++i) {
 #pragma GCC unroll 4
-    for (int v = 0; v < kVecs; ++v) {
-      __m512 sum = acc[0][i][v];
-      if (!first) sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], y + i * ldy + 16 * v), sum);
+        for (int v = 0; v < kVecs; ++v) acc[h][i][v] = _mm512_setzero_ps();
+      }
+    }
+#pragma GCC unroll 2
+    for (int64_t k = 0; k < n; ++k) {
 #pragma GCC unroll 16
-      for (int h = 1; h < CH; ++h) sum = _mm512_add_ps(sum, acc[h][i][v]);
-      _mm512_mask_storeu_ps(y + i * ldy + 16 * v, mask[v], sum);
+      for (int h = 0; h < CH; ++h) {
+        const int64_t kk = k0 + start + h * kChunk + k;
+        const float* w = panel + kk * kPanel;
+        __m512 wv[kVecs];
+#pragma GCC unroll 4
+        for (int v = 0; v < kVecs; ++v) {
+          _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 16 * v), _MM_HINT_T0);
+          wv[v] = _mm512_loadu_ps(w + 16 * v);
+        }
+#pragma GCC unroll 16
+        for (int i = 0; i < ROWS; ++i) {
+          const __m512 a = _mm512_set1_ps(x[i * ldx + kk]);
+#pragma GCC unroll 4
+          for (int v = 0; v < kVecs; ++v) {
+            acc[h][i][v] = _mm512_fmadd_ps(a, wv[v], acc[h][i][v]);
+          }
+        }
+      }
+    }
+    const bool store = first && start == 0;
+#pragma GCC unroll 16
+    for (int i = 0; i < ROWS; ++i) {
+#pragma GCC unroll 4
+      for (int v = 0; v < kVecs; ++v) {
+        float* out = y + i * ldy + 16 * v;
+        __m512 sum = acc[0][i][v];
+        if (!store) sum = _mm512_add_ps(_mm512_maskz_loadu_ps(mask[v], out), sum);
+#pragma GCC unroll 16
+        for (int h = 1; h < CH; ++h) sum = _mm512_add_ps(sum, acc[h][i][v]);
+        _mm512_mask_storeu_ps(out, mask[v], sum);
+      }
     }
   }
 }
@@ -166,6 +176,13 @@ constexpr std::array<std::array<ChunkGroup, kMaxChains>, kMaxRows> group_table(
   return {groups_of<ROWS + 1>(std::make_integer_sequence<int, kMaxChains>{})...};
 }
 
+// kRuns[rows - 1]: all of a panel's chunks in one call, one after the other.
+template <int... ROWS>
+constexpr std::array<ChunkGroup, kMaxRows> run_table(std::integer_sequence<int, ROWS...>) {
+  return {&chunk_group<ROWS + 1, 1, true>...};
+}
+constexpr auto kRuns = run_table(std::make_integer_sequence<int, kMaxRows>{});
+
 // kGroups[rows - 1][chunks - 1]: null where rows x chunks > 12, or chunks > 1 with rows > 6.
 constexpr auto kGroups = group_table(std::make_integer_sequence<int, kMaxRows>{});
 
@@ -173,8 +190,12 @@ constexpr auto kGroups = group_table(std::make_integer_sequence<int, kMaxRows>{}
 // are prefetched `prefetch` k steps ahead.
 void panel_rows(const float* x, int64_t K, const float* panel, float* y, int64_t ldy, int rows,
                 int cols, int64_t prefetch) {
-  const int64_t num_chunks = (K + kChunk - 1) / kChunk, whole = K / kChunk;
   const int64_t at_once = 2 * rows <= kMaxRows ? kMaxChains / rows : 1;
+  if (at_once == 1) {
+    kRuns[rows - 1](x, K, panel, 0, K, y, ldy, cols, true, prefetch);
+    return;
+  }
+  const int64_t num_chunks = (K + kChunk - 1) / kChunk, whole = K / kChunk;
   int64_t c = 0;
   while (c < whole) {
     const int64_t n = std::min(at_once, whole - c);
