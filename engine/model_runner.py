@@ -28,6 +28,7 @@ from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.engine.spec_decode.rejection_sampler import RejectionSampler
 from kvpilot.engine.structured_output import apply_grammar_bitmask
+from kvpilot.kernels.cpu import huge_pages
 
 if TYPE_CHECKING:
     from kvpilot.engine.lora.manager import LoRAManager
@@ -366,9 +367,16 @@ def allocate_kv_caches(
     ``[num_blocks, block_size, num_kv_heads, head_dim]`` in ``cache_dtype`` (None: the model's
     dtype; fp8 holds one byte an element, the attention layers' scales say what it means).
 
-    Zeroed rather than empty: attention kernels may read (and mask) slots past a sequence's end,
+    On the CPU the cache is in transparent huge pages where the system gives them
+    (:mod:`kvpilot.kernels.cpu.huge_pages`). Zeroed rather than empty: attention kernels may read (and mask) slots past a sequence's end,
     and uninitialised memory could hold NaNs that survive a multiplication by 0.
     """
     shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
-    cache = torch.zeros(shape, dtype=cache_dtype or model.dtype, device=device)
+    dtype = cache_dtype or model.dtype
+    if torch.device(device).type == "cpu":
+        # Each decode step streams the cache in use from memory: in huge pages where the system
+        # gives them (fewer TLB misses, prefetchers not stopped every 4 KiB).
+        cache = huge_pages.zeros(shape, dtype)
+    else:
+        cache = torch.zeros(shape, dtype=dtype, device=device)
     return [(cache[layer, 0], cache[layer, 1]) for layer in range(model.num_layers)]

@@ -22,10 +22,13 @@ seen through ``Tensor._version``). Other dtypes and devices go to ``F.linear`` u
 
 from __future__ import annotations
 
+import itertools
+import math
+
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels.cpu import gemm
+from kvpilot.kernels.cpu import gemm, huge_pages
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_reorder_linear_weight"
@@ -49,22 +52,35 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """The packed copy of a float32 CPU ``weight``, or None where neither the kernel nor oneDNN
-    is used.
+def prepack(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
+    """The packed copies of float32 CPU weights; None for each where neither the kernel nor
+    oneDNN is used (another dtype or device).
 
-    The result has the weight's shape and dtype and no dense values: a
+    Each result has its weight's shape and dtype and no dense values: a
     :class:`kvpilot.kernels.cpu.gemm.PackedWeight` (AVX-512) or an opaque ``torch._mkldnn``
-    tensor. Only :func:`linear` reads it, so the caller drops the dense weight for it.
+    tensor. Only :func:`linear` reads it, so the caller drops the dense weight for it. The
+    kernel's panels of all the weights are slices of one buffer in transparent huge pages where
+    the system gives them (:mod:`kvpilot.kernels.cpu.huge_pages`): a decode step streams them
+    all from memory, and most single weights are too small to hold a whole 2 MiB page.
 
     Args:
-        weight: ``[out_features, in_features]``.
+        weights: each ``[out_features, in_features]``.
     """
-    if not (weight.device.type == "cpu" and weight.dtype == torch.float32):
-        return None
+    eligible = [w.device.type == "cpu" and w.dtype == torch.float32 for w in weights]
     if not (gemm.available() or _ONEDNN):
-        return None
-    return _pack(weight)
+        return [None] * len(weights)
+    if not gemm.available():
+        return [_pack(w) if ok else None for w, ok in zip(weights, eligible, strict=True)]
+    shapes = [gemm.packed_shape(*w.shape) for w in weights]
+    sizes = [math.prod(shape) if ok else 0 for shape, ok in zip(shapes, eligible, strict=True)]
+    arena = huge_pages.empty((sum(sizes),), torch.float32)
+    packed: list[torch.Tensor | None] = []
+    for weight, shape, start, size in zip(
+        weights, shapes, itertools.accumulate(sizes, initial=0), sizes, strict=False
+    ):
+        panels = arena[start : start + size].view(shape)
+        packed.append(gemm.pack_weight(weight, panels) if size else None)
+    return packed
 
 
 def is_packed(weight: torch.Tensor) -> bool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -533,15 +534,38 @@ def prepack_linear_weights(model: nn.Module) -> int:
         Bytes of dense weights released (0 where nothing was packed).
     """
     holders = Counter(id(p) for _, p in model.named_parameters(remove_duplicate=False))
-    released = 0
+    modules = []
     for module in model.modules():
         weight = module._parameters.get("weight")
         if not (isinstance(module, Linear) or getattr(module, "matmul_only_weight", False)):
             continue
         if weight is None or is_packed(weight) or holders[id(weight)] > 1:
             continue
-        packed = prepack(weight)
-        if packed is not None:
-            released += weight.nbytes
-            module.weight = nn.Parameter(packed, requires_grad=False)
+        modules.append(module)
+    released = 0
+    for batch in _batches(modules, PREPACK_BATCH_BYTES):
+        for module, packed in zip(batch, prepack([m.weight for m in batch]), strict=True):
+            if packed is not None:
+                released += module.weight.nbytes
+                module.weight = nn.Parameter(packed, requires_grad=False)
     return released
+
+
+PREPACK_BATCH_BYTES = 256 * 1024**2
+"""Dense bytes packed at a time into one buffer: the packed copies of a batch exist beside
+their dense weights until the batch is done, so this bounds the extra memory of packing."""
+
+
+def _batches(modules: list[nn.Module], limit: int) -> Iterator[list[nn.Module]]:
+    """Consecutive runs of ``modules`` whose weights hold at most ``limit`` bytes (a larger
+    weight alone)."""
+    batch: list[nn.Module] = []
+    size = 0
+    for module in modules:
+        if batch and size + module.weight.nbytes > limit:
+            yield batch
+            batch, size = [], 0
+        batch.append(module)
+        size += module.weight.nbytes
+    if batch:
+        yield batch

@@ -242,26 +242,28 @@ void check(bool ok, const std::string& message) { TORCH_CHECK(ok, "kvpilot cpu g
 
 bool supported() { return cpu_supported(); }
 
-torch::Tensor pack_weight(const torch::Tensor& weight) {
+void pack_weight(const torch::Tensor& weight, torch::Tensor packed) {
   check(weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
         "the weight must be a 2-D float32 CPU tensor");
   const int64_t N = weight.size(0), K = weight.size(1);
   const int64_t panels = (N + kPanel - 1) / kPanel;
-  auto packed = torch::zeros({panels, K, kPanel}, weight.options());
+  check(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == K &&
+            packed.size(2) == kPanel && packed.is_contiguous() &&
+            packed.scalar_type() == torch::kFloat32 && packed.device().is_cpu(),
+        "the packed tensor must be a contiguous float32 [ceil(N / 32), K, 32] CPU tensor");
   const auto dense = weight.contiguous();
   const float* src = dense.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       const int64_t rows = std::min(kPanel, N - p * kPanel);
-      for (int64_t j = 0; j < rows; ++j) {
-        const float* row = src + (p * kPanel + j) * K;
-        float* out = dst + p * K * kPanel + j;
-        for (int64_t k = 0; k < K; ++k) out[k * kPanel] = row[k];
+      for (int64_t k = 0; k < K; ++k) {
+        float* out = dst + (p * K + k) * kPanel;
+        for (int64_t j = 0; j < rows; ++j) out[j] = src[(p * kPanel + j) * K + k];
+        for (int64_t j = rows; j < kPanel; ++j) out[j] = 0.0f;
       }
     }
   });
-  return packed;
 }
 
 void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& packed,
@@ -318,6 +320,7 @@ void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor&
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "Whether this CPU runs the kernel (AVX-512F and FMA).");
-  m.def("pack_weight", &pack_weight, "W[N, K] -> panels [ceil(N / 32), K, 32], zero-padded.");
+  m.def("pack_weight", &pack_weight,
+        "W[N, K] -> panels [ceil(N / 32), K, 32] (every element written; zero-padded).");
   m.def("packed_linear", &packed_linear, "y[M, N] = x[M, K] W^T with W packed (float32).");
 }

@@ -32,7 +32,7 @@ from types import ModuleType
 
 import torch
 
-from kvpilot.kernels.cpu import extension
+from kvpilot.kernels.cpu import extension, huge_pages
 
 ENV_VAR = "KVPILOT_CPU_GEMM"
 SOURCE = pathlib.Path(__file__).with_name("gemm.cpp")
@@ -107,17 +107,36 @@ class PackedWeight(torch.Tensor):
         )
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight:
+def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
+    """The panels' shape of a packed ``[out_features, in_features]`` weight:
+    ``(ceil(out_features / 32), in_features, 32)``."""
+    return (math.ceil(out_features / PANEL), in_features, PANEL)
+
+
+def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> PackedWeight:
     """``weight`` ``[out_features, in_features]`` float32 on the CPU, packed for the kernel (a
     copy; ``weight`` is not kept).
 
+    Args:
+        weight: ``[out_features, in_features]`` float32 on the CPU.
+        out: where to pack it: a contiguous float32 CPU tensor of :func:`packed_shape` (a slice
+            of one buffer for all of a model's weights, say); None for a new tensor, in
+            transparent huge pages where the system gives them
+            (:mod:`~kvpilot.kernels.cpu.huge_pages`).
+
     Raises:
         RuntimeError: the kernel is not available (see :func:`available`), or another dtype,
-            device or rank.
+            device or rank, or an ``out`` of another shape (the message names it).
     """
     ext = _extension()
+    if weight.dim() != 2:
+        raise RuntimeError(f"kvpilot cpu gemm: the weight must be 2-D, not {weight.dim()}-D")
+    if out is None:
+        out = torch.empty(packed_shape(*weight.shape))
+        huge_pages.advise(out)  # streamed from memory every decode step
     with torch.no_grad():
-        return PackedWeight(ext.pack_weight(weight.detach()), weight.shape[0])
+        ext.pack_weight(weight.detach(), out)
+    return PackedWeight(out, weight.shape[0])
 
 
 def packed_linear(

@@ -428,3 +428,33 @@ def test_prepacked_linear_weights_keep_one_copy_and_the_same_logits(
     assert prepack_linear_weights(model) == 0  # nothing left to pack
     logits = PagedBatch(model).forward(model, [("a", PROMPT_A)])
     torch.testing.assert_close(logits, hf_logits(hf, PROMPT_A), atol=ATOL, rtol=ATOL)
+
+
+def test_prepacked_weights_share_one_buffer_a_batch(tiny_model_dir, monkeypatch):
+    from kvpilot.engine.layers import linear as linear_module
+    from kvpilot.engine.layers.linear import Linear, prepack_linear_weights
+    from kvpilot.kernels.cpu import gemm
+
+    if not gemm.available():
+        pytest.skip("the panels (and their buffers) are the AVX-512 kernel's")
+    model, hf = load_both(tiny_model_dir("llama", tie_word_embeddings=False))
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    largest = max(m.weight.nbytes for m in linears)
+    # Batches of at most two of the largest weights: several buffers, each shared.
+    monkeypatch.setattr(linear_module, "PREPACK_BATCH_BYTES", 2 * largest)
+    prepack_linear_weights(model)
+    buffers = [m.weight.panels.untyped_storage().data_ptr() for m in linears]
+    assert 1 < len(set(buffers)) < len(linears)
+    for m in linears:  # each weight's panels are a contiguous slice of its batch's buffer
+        assert m.weight.panels.is_contiguous()
+    logits = PagedBatch(model).forward(model, [("a", PROMPT_A)])
+    torch.testing.assert_close(logits, hf_logits(hf, PROMPT_A), atol=ATOL, rtol=ATOL)
+
+
+def test_prepack_batches_hold_at_most_the_limit_or_one_larger_weight():
+    from kvpilot.engine.layers.linear import _batches
+
+    modules = [torch.nn.Linear(n, 1, bias=False) for n in (4, 4, 9, 1, 2)]  # 16, 16, 36, 4, 8 B
+    sizes = [[m.weight.nbytes for m in batch] for batch in _batches(modules, 32)]
+    assert sizes == [[16, 16], [36], [4, 8]]
+    assert list(_batches([], 32)) == []
