@@ -78,8 +78,10 @@ def prepack(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
     for weight, shape, start, size in zip(
         weights, shapes, itertools.accumulate(sizes, initial=0), sizes, strict=False
     ):
-        panels = arena[start : start + size].view(shape)
-        packed.append(gemm.pack_weight(weight, panels) if size else None)
+        if size == 0:  # another dtype or device (a quantized layer's weight, say)
+            packed.append(None)
+            continue
+        packed.append(gemm.pack_weight(weight, arena[start : start + size].view(shape)))
     return packed
 
 

@@ -451,6 +451,23 @@ def test_prepacked_weights_share_one_buffer_a_batch(tiny_model_dir, monkeypatch)
     torch.testing.assert_close(logits, hf_logits(hf, PROMPT_A), atol=ATOL, rtol=ATOL)
 
 
+def test_prepack_leaves_other_dtypes_dense_beside_packed_float32():
+    from kvpilot.engine.layers.cpu_gemm import is_packed, linear, prepack
+
+    gen = torch.Generator().manual_seed(3)
+    weights = [
+        torch.randn(40, 24, generator=gen),
+        torch.randn(8, 24, generator=gen).bfloat16(),  # a quantized layer's would be fp8
+        torch.randn(33, 24, generator=gen),
+    ]
+    packed = prepack(weights)
+    assert packed[1] is None
+    x = torch.randn(5, 24, generator=gen)
+    for weight, copy in zip(weights[::2], packed[::2], strict=True):
+        assert copy is not None and is_packed(copy) and copy.shape == weight.shape
+        torch.testing.assert_close(linear(x, copy), x @ weight.T, atol=1e-5, rtol=1e-5)
+
+
 def test_prepack_batches_hold_at_most_the_limit_or_one_larger_weight():
     from kvpilot.engine.layers.linear import _batches
 

@@ -60,3 +60,12 @@ def test_zeros_and_empty_are_tensors_like_torchs():
     assert zeros.is_contiguous() and not zeros.any()
     empty = huge_pages.empty((7,), torch.bfloat16)
     assert empty.shape == (7,) and empty.dtype == torch.bfloat16
+
+
+def test_the_environment_variable_turns_the_advice_off(monkeypatch):
+    tensor = torch.empty(16 * MIB // 4)
+    monkeypatch.setenv(huge_pages.ENV_VAR, "0")
+    assert huge_pages.advise(tensor) == 0
+    monkeypatch.setenv(huge_pages.ENV_VAR, "off")
+    assert huge_pages.advise(tensor) == 0
+    assert not huge_pages.zeros((4 * MIB,), torch.float32).any()  # still zeros, 4 KiB pages
