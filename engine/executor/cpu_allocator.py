@@ -14,6 +14,8 @@ instead of shrinking between steps.
 
 Applied once per process by the CPU workers (:func:`tune_for_cpu_engine`); a process whose C
 library is not glibc is left alone, as is one started with ``KVPILOT_CPU_MALLOC_TUNING=0``.
+Memory freed for good once (the dense linear weights, replaced by their packed copies at
+start-up) would then stay resident; :func:`release_free_memory` hands it back.
 """
 
 from __future__ import annotations
@@ -36,14 +38,32 @@ TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024
 
 
 @functools.cache
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+    return libc if hasattr(libc, "gnu_get_libc_version") else None
+
+
+def release_free_memory() -> bool:
+    """Return the free pages of glibc's heap to the system (``malloc_trim(0)``: the whole pages
+    inside free chunks, not only the heap's top); True when glibc did. Never raises."""
+    libc = _glibc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    return libc.malloc_trim(0) == 1
+
+
+@functools.cache
 def tune_for_cpu_engine() -> bool:
     """Set glibc's mmap and trim thresholds for this process (see the module docstring); True
     when they were set. Never raises: anything unexpected leaves the allocator as it was."""
     if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "off", "no"):
         return False
+    libc = _glibc()
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        if not hasattr(libc, "mallopt") or not hasattr(libc, "gnu_get_libc_version"):
+        if libc is None or not hasattr(libc, "mallopt"):
             return False
         ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
         ok = libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1 and ok

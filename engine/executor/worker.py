@@ -18,7 +18,7 @@ import torch
 
 from kvpilot.engine.attention.layer import enable_kv_scale_calculation
 from kvpilot.engine.distributed import get_pp_state, init_distributed_environment
-from kvpilot.engine.executor.cpu_allocator import tune_for_cpu_engine
+from kvpilot.engine.executor.cpu_allocator import release_free_memory, tune_for_cpu_engine
 from kvpilot.engine.executor.worker_input import CachedRequestStates, WorkerInput
 from kvpilot.engine.layers.linear import prepack_linear_weights
 from kvpilot.engine.model_loader import load_model
@@ -148,7 +148,9 @@ class Worker:
             quantization=config.quantization,
         )
         self._weight_bytes = sum(p.nbytes for p in self.model.parameters())
-        prepack_linear_weights(self.model)
+        if prepack_linear_weights(self.model) and self.device.type == "cpu":
+            # The dense weights freed for their packed copies, in the heap glibc now keeps.
+            release_free_memory()
         self.sampler = Sampler(config.seed, self.device, set(config.eos_token_ids))
         self.model_runner: ModelRunner | None = None
         self.requests = CachedRequestStates()
