@@ -368,8 +368,9 @@ def allocate_kv_caches(
     dtype; fp8 holds one byte an element, the attention layers' scales say what it means).
 
     On the CPU the cache is in transparent huge pages where the system gives them
-    (:mod:`kvpilot.kernels.cpu.huge_pages`). Zeroed rather than empty: attention kernels may read (and mask) slots past a sequence's end,
-    and uninitialised memory could hold NaNs that survive a multiplication by 0.
+    (:mod:`kvpilot.kernels.cpu.huge_pages`). Zeroed rather than empty: attention kernels may
+    read (and mask) slots past a sequence's end, and uninitialised memory could hold NaNs that
+    survive a multiplication by 0.
     """
     shape = (model.num_layers, 2, num_blocks, block_size, model.num_kv_heads, model.head_dim)
     dtype = cache_dtype or model.dtype
