@@ -148,7 +148,7 @@ class Worker:
             quantization=config.quantization,
         )
         self._weight_bytes = sum(p.nbytes for p in self.model.parameters())
-        if prepack_linear_weights(self.model) and self.device.type == "cpu":
+        if prepack_linear_weights(self.model):  # only CPU weights are packed
             # The dense weights freed for their packed copies, in the heap glibc now keeps.
             release_free_memory()
         self.sampler = Sampler(config.seed, self.device, set(config.eos_token_ids))

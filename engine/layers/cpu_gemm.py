@@ -71,18 +71,17 @@ def prepack(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
         return [None] * len(weights)
     if not gemm.available():
         return [_pack(w) if ok else None for w, ok in zip(weights, eligible, strict=True)]
-    shapes = [gemm.packed_shape(*w.shape) for w in weights]
-    sizes = [math.prod(shape) if ok else 0 for shape, ok in zip(shapes, eligible, strict=True)]
+    # None for another dtype or device (a quantized layer's weight, of any shape).
+    shapes = [
+        gemm.packed_shape(*w.shape) if ok else None for w, ok in zip(weights, eligible, strict=True)
+    ]
+    sizes = [0 if shape is None else math.prod(shape) for shape in shapes]
     arena = huge_pages.empty((sum(sizes),), torch.float32)
-    packed: list[torch.Tensor | None] = []
-    for weight, shape, start, size in zip(
-        weights, shapes, itertools.accumulate(sizes, initial=0), sizes, strict=False
-    ):
-        if size == 0:  # another dtype or device (a quantized layer's weight, say)
-            packed.append(None)
-            continue
-        packed.append(gemm.pack_weight(weight, arena[start : start + size].view(shape)))
-    return packed
+    starts = itertools.accumulate(sizes, initial=0)
+    return [
+        None if shape is None else gemm.pack_weight(w, arena[at : at + size].view(shape))
+        for w, shape, at, size in zip(weights, shapes, starts, sizes, strict=False)
+    ]
 
 
 def is_packed(weight: torch.Tensor) -> bool:

@@ -459,11 +459,12 @@ def test_prepack_leaves_other_dtypes_dense_beside_packed_float32():
         torch.randn(40, 24, generator=gen),
         torch.randn(8, 24, generator=gen).bfloat16(),  # a quantized layer's would be fp8
         torch.randn(33, 24, generator=gen),
+        torch.zeros(10, dtype=torch.uint8),  # packed int4 bytes, say: any shape
     ]
     packed = prepack(weights)
-    assert packed[1] is None
+    assert packed[1] is None and packed[3] is None
     x = torch.randn(5, 24, generator=gen)
-    for weight, copy in zip(weights[::2], packed[::2], strict=True):
+    for weight, copy in zip(weights[0:3:2], packed[0:3:2], strict=True):
         assert copy is not None and is_packed(copy) and copy.shape == weight.shape
         torch.testing.assert_close(linear(x, copy), x @ weight.T, atol=1e-5, rtol=1e-5)
 
