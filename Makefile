@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-stamp
 HOST   ?= 127.0.0.1
 PORT   ?= 8000
 
-.PHONY: install tools control-plane cluster crd e2e serve generate test test-engine test-cluster test-fast test-kernels lint format bench bench-vllm bench-vllm-serve bench-serve bench-kernels bench-autoscaling bench-lora bench-soak clean
+.PHONY: install tools control-plane cluster crd e2e serve generate test test-engine test-core test-server test-cluster test-fast test-kernels lint format bench bench-vllm bench-vllm-serve bench-serve bench-kernels bench-autoscaling bench-lora bench-soak clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard kernels/cpu/*.cpp)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -34,7 +34,7 @@ tools: $(TOOLS)
 
 ## The test control plane: kube-apiserver, kube-controller-manager, kube-scheduler, etcd, kwok
 ## and the LeaderWorkerSet controller, built once per machine from the pinned Go modules in hack/control-plane/ into
-## ~/.cache/kvpilot/k8s/ (needs Go; tens of minutes cold, instant once built).
+## ~/.cache/kvpilot/k8s/ (needs Go; ~10 minutes cold, instant once built).
 control-plane:
 	hack/control-plane/build.sh >/dev/null
 	hack/control-plane/build-lws.sh >/dev/null
@@ -58,26 +58,42 @@ serve: install
 generate: install
 	$(BIN)/kvpilot generate --prompt "What is a GPU?"
 
-## The whole suite, as two jobs at once (each job's output is printed when it ends):
-## - test-engine: the main run, then the Triton kernel tests in their own process (an
-##   out-of-bounds load under the interpreter can take the process down);
+## The whole suite as four pytest runs, two at a time: make starts the next run as soon as one
+## ends, so the two cores stay busy to the end; each run's output is printed when it ends.
+## - test-core: the engine, operator, autoscaler and chart tests (not the server's);
 ## - test-cluster: the tests against the test control plane, in a process of their own (its
 ##   processes run only then); they mostly wait on the control plane, so they overlap the
-##   CPU-bound engine tests well.
+##   CPU-bound runs well;
+## - test-server: the OpenAI server and the router, on real engines over HTTP;
+## - test-kernels: the Triton kernel tests in their own process (an out-of-bounds load under
+##   the interpreter can take the process down).
+## `make test-engine` runs the last three one after another.
+UNIT_TESTS   := -m "not kernel and not e2e and not cluster"
+SERVER_TESTS := tests/server tests/router
+# Inside `make test` (SUITE=1) the prerequisites are met already: without any left to run, the
+# runs start in the order listed (test-core and test-cluster first, the longest two).
+NEEDS         := $(if $(SUITE),,install)
+CLUSTER_NEEDS := $(if $(SUITE),,install tools control-plane)
+
 test: install tools control-plane
-	$(MAKE) --no-print-directory -j2 --output-sync=target test-engine test-cluster
+	$(MAKE) --no-print-directory -j2 --output-sync=target SUITE=1 \
+		test-core test-cluster test-server test-kernels
 
-test-engine: install
-	$(BIN)/pytest -m "not kernel and not e2e and not cluster"
-	$(BIN)/pytest -m kernel tests/kernels
+test-engine: test-core test-server test-kernels
 
-test-cluster: install tools control-plane
+test-core: $(NEEDS)
+	$(BIN)/pytest $(UNIT_TESTS) $(addprefix --ignore=,$(SERVER_TESTS))
+
+test-server: $(NEEDS)
+	$(BIN)/pytest $(UNIT_TESTS) $(SERVER_TESTS)
+
+test-cluster: $(CLUSTER_NEEDS)
 	$(BIN)/pytest -m "cluster and not e2e"
 
 test-fast: install tools control-plane
 	$(BIN)/pytest -m "not kernel and not e2e and not slow"
 
-test-kernels: install
+test-kernels: $(NEEDS)
 	$(BIN)/pytest -m kernel tests/kernels
 
 ## Offline throughput: kvpilot vs transformers generate() and generate_batch() (issue 2 figures).

@@ -39,7 +39,9 @@ if built; then
 fi
 
 tmp=$(mktemp -d "$cache_root/.build-lws-XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
+# A build cache of its own, removed afterwards (as in build.sh).
+export GOCACHE=$(mktemp -d "$cache_root/.gocache-XXXXXX")
+trap 'rm -rf "$tmp" "$GOCACHE"' EXIT
 chmod 755 "$tmp"
 start=$SECONDS
 echo "[lws build] sigs.k8s.io/lws $version" >&2
@@ -54,6 +56,7 @@ cp "$module_dir/config/rbac/role.yaml" "$tmp/manager-role.yaml"
 chmod u+w "$tmp"/*.yaml
 rm -rf "$out"
 mv "$tmp" "$out"
+rm -rf "$GOCACHE"
 trap - EXIT
 echo "[lws build $((SECONDS - start))s] done: $out" >&2
 echo "$out"

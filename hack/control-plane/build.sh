@@ -12,8 +12,9 @@
 # outside the clone, so a fresh clone on the same machine reuses them and a change of any pin
 # builds a new folder. Binaries are never committed.
 #
-# Cold, on a 2-core machine: module downloads (~1.5 GB in the Go module cache) and the compile
-# take tens of minutes; a cached run returns at once.
+# Cold, on a 2-core machine: module downloads (~1.3 GB in the Go module cache) and the compile
+# take ~10 minutes; a cached run returns at once. The compile uses a build cache of its own,
+# removed afterwards (~4 GB that would otherwise stay in ~/.cache/go-build).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -45,7 +46,10 @@ if built; then
 fi
 
 tmp=$(mktemp -d "$cache_root/.build-XXXXXX")
-trap 'rm -rf "$tmp"' EXIT
+# A build cache of its own (~4 GB of compiled packages), removed with the build folder: only the
+# binaries are kept, so a CI machine's disk is not held by what it will never reuse.
+export GOCACHE=$(mktemp -d "$cache_root/.gocache-XXXXXX")
+trap 'rm -rf "$tmp" "$GOCACHE"' EXIT
 start=$SECONDS
 log() { echo "[control-plane build $((SECONDS - start))s] $*" >&2; }
 
@@ -72,6 +76,7 @@ log "kwok $kwok_version"
 rm -rf "$out"
 mkdir -p "$out"
 mv "$tmp" "$out/bin"
+rm -rf "$GOCACHE"
 trap - EXIT
 log "done: $out/bin"
 echo "$out/bin"
