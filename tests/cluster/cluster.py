@@ -120,12 +120,19 @@ class Cluster:
         }
 
     def run(
-        self, tool: str, *args: str, check: bool = True, input: str | None = None
+        self,
+        tool: str,
+        *args: str,
+        check: bool = True,
+        input: str | None = None,
+        timeout: float = 300,
     ) -> subprocess.CompletedProcess[str]:
-        """Run ``kubectl`` or ``helm`` (from ``.tools/bin``) against the cluster.
+        """Run ``kubectl`` or ``helm`` (from ``.tools/bin``) against the cluster, for at most
+        ``timeout`` seconds.
 
         Raises:
             subprocess.CalledProcessError: with ``check`` and a non-zero exit (output included).
+            subprocess.TimeoutExpired: past ``timeout``.
         """
         result = subprocess.run(
             [str(TOOLS / tool), *args],
@@ -133,7 +140,7 @@ class Cluster:
             capture_output=True,
             text=True,
             input=input,
-            timeout=300,
+            timeout=timeout,
         )
         if check and result.returncode != 0:
             raise ToolError(result.returncode, result.args, result.stdout, result.stderr)
@@ -302,17 +309,21 @@ class Cluster:
                 self.helm("uninstall", release, "--namespace", namespace, "--wait", check=False)
 
     def describe_namespace(self, namespace: str, log_lines: int = 40) -> str:
-        """Objects, Events and the tail of every pod's log in ``namespace`` (for failures)."""
+        """Objects, Events and the tail of every pod's log in ``namespace`` (for failures).
+        Each ``kubectl`` gets 30 s: an API server that stopped answering (a full disk stops
+        etcd) is reported as such instead of holding the report for minutes."""
         assert self.kubelet is not None
-        parts = [
-            self.kubectl(
-                "get", "llmd,deploy,rs,pods,pvc", "-o", "wide", "-n", namespace, check=False
-            ).stdout,
-            self.kubectl("get", "llmd", "-o", "yaml", "-n", namespace, check=False).stdout,
-            self.kubectl(
-                "get", "events", "-n", namespace, "--sort-by=.lastTimestamp", check=False
-            ).stdout,
+        queries = [
+            ("get", "llmd,deploy,rs,pods,pvc", "-o", "wide"),
+            ("get", "llmd", "-o", "yaml"),
+            ("get", "events", "--sort-by=.lastTimestamp"),
         ]
+        parts = []
+        for query in queries:
+            try:
+                parts.append(self.kubectl(*query, "-n", namespace, check=False, timeout=30).stdout)
+            except subprocess.TimeoutExpired:
+                parts.append(f"kubectl {' '.join(query)}: no answer from the API server in 30 s")
         for path in sorted(self.workdir.glob(f"pods/{namespace}_*/logs/*.log")):
             tail = path.read_text(errors="replace").splitlines()[-log_lines:]
             parts.append(f"--- {path.relative_to(self.workdir)} ---\n" + "\n".join(tail))
