@@ -68,7 +68,7 @@ generate: install
 ## - test-kernels: the Triton kernel tests in their own process (an out-of-bounds load under
 ##   the interpreter can take the process down).
 ## `make test-engine` runs the last three one after another.
-UNIT_TESTS   := -m "not kernel and not e2e and not cluster"
+NOT_CLUSTER  := -m "not kernel and not e2e and not cluster"
 SERVER_TESTS := tests/server tests/router
 # Inside `make test` (SUITE=1) the prerequisites are met already: without any left to run, the
 # runs start in the order listed (test-core and test-cluster first, the longest two).
@@ -82,10 +82,10 @@ test: install tools control-plane
 test-engine: test-core test-server test-kernels
 
 test-core: $(NEEDS)
-	$(BIN)/pytest $(UNIT_TESTS) $(addprefix --ignore=,$(SERVER_TESTS))
+	$(BIN)/pytest $(NOT_CLUSTER) $(addprefix --ignore=,$(SERVER_TESTS))
 
 test-server: $(NEEDS)
-	$(BIN)/pytest $(UNIT_TESTS) $(SERVER_TESTS)
+	$(BIN)/pytest $(NOT_CLUSTER) $(SERVER_TESTS)
 
 test-cluster: $(CLUSTER_NEEDS)
 	$(BIN)/pytest -m "cluster and not e2e"

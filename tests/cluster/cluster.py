@@ -32,6 +32,8 @@ REPO = pathlib.Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "kvpilot"
 TOOLS = REPO / ".tools" / "bin"
 LLMD_API = "kvpilot.dev/v1alpha1"
+DESCRIBE_TIMEOUT = 30
+"""Seconds each ``kubectl`` of a failed test's namespace report may take."""
 _counter = itertools.count(1)
 
 
@@ -310,8 +312,9 @@ class Cluster:
 
     def describe_namespace(self, namespace: str, log_lines: int = 40) -> str:
         """Objects, Events and the tail of every pod's log in ``namespace`` (for failures).
-        Each ``kubectl`` gets 30 s: an API server that stopped answering (a full disk stops
-        etcd) is reported as such instead of holding the report for minutes."""
+        Each ``kubectl`` gets ``DESCRIBE_TIMEOUT`` seconds: an API server that stopped
+        answering (a full disk stops etcd) is reported as such instead of holding the report
+        for minutes."""
         assert self.kubelet is not None
         queries = [
             ("get", "llmd,deploy,rs,pods,pvc", "-o", "wide"),
@@ -321,9 +324,10 @@ class Cluster:
         parts = []
         for query in queries:
             try:
-                parts.append(self.kubectl(*query, "-n", namespace, check=False, timeout=30).stdout)
+                out = self.kubectl(*query, "-n", namespace, check=False, timeout=DESCRIBE_TIMEOUT)
+                parts.append(out.stdout)
             except subprocess.TimeoutExpired:
-                parts.append(f"kubectl {' '.join(query)}: no answer from the API server in 30 s")
+                parts.append(f"kubectl {' '.join(query)}: no answer in {DESCRIBE_TIMEOUT} s")
         for path in sorted(self.workdir.glob(f"pods/{namespace}_*/logs/*.log")):
             tail = path.read_text(errors="replace").splitlines()[-log_lines:]
             parts.append(f"--- {path.relative_to(self.workdir)} ---\n" + "\n".join(tail))
