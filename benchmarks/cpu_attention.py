@@ -31,6 +31,7 @@ import torch
 
 from kvpilot.engine.attention import AttentionMetadata
 from kvpilot.engine.attention.torch_backend import TorchAttentionBackend
+from kvpilot.engine.config import CPU_BLOCK_SIZE
 from kvpilot.kernels.cpu import paged_attention
 from kvpilot.machine import describe_machine
 
@@ -47,7 +48,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num-heads", type=int, default=9)
     parser.add_argument("--num-kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--block-size", type=int, default=CPU_BLOCK_SIZE, help="tokens per KV block"
+    )
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     parser.add_argument("--repeats", type=int, default=7)

@@ -44,7 +44,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from kvpilot.engine.config import CPU_MAX_NUM_BATCHED_TOKENS
+from kvpilot.engine.config import CPU_BLOCK_SIZE, CPU_MAX_NUM_BATCHED_TOKENS
 from kvpilot.machine import describe_machine
 
 
@@ -79,7 +79,13 @@ def parse_args() -> argparse.Namespace:
         default=torch.get_num_threads(),
         help="torch threads for every system",
     )
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=CPU_BLOCK_SIZE,
+        help=f"KV block size (tokens) of kvpilot and transformers (default: the engine's CPU "
+        f"default, {CPU_BLOCK_SIZE})",
+    )
     parser.add_argument(
         "--max-num-batched-tokens",
         type=int,

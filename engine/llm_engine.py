@@ -22,6 +22,7 @@ from kvpilot.engine.config import (
     EngineArgs,
     SchedulerConfig,
     kv_cache_dtype_bytes,
+    resolve_block_size,
     resolve_max_num_batched_tokens,
 )
 from kvpilot.engine.detokenizer import IncrementalDetokenizer
@@ -90,6 +91,7 @@ class LLMEngine:
         check_pipeline_parallel_size(self.model_shape, args.pipeline_parallel_size)
         self.device = _resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device, self.model_config)
+        self.block_size = resolve_block_size(args.block_size, on_gpu=self.device.type == "cuda")
         self.scheduler_config = self._scheduler_config()
         backend = args.attention_backend or ("triton" if self.device.type == "cuda" else "torch")
         if (
@@ -133,7 +135,7 @@ class LLMEngine:
                     dtype=self.dtype,
                     device=self.device,
                     attention_backend=backend,
-                    block_size=args.block_size,
+                    block_size=self.block_size,
                     seed=args.seed,
                     eos_token_ids=self.eos_token_ids,
                     tensor_parallel_size=args.tensor_parallel_size,
@@ -164,7 +166,7 @@ class LLMEngine:
                     self.device,
                     backend,
                     self.cache_config.num_blocks,
-                    args.block_size,
+                    self.block_size,
                     self.kv_cache_dtype,
                     args.calculate_kv_scales,
                 )
@@ -175,7 +177,7 @@ class LLMEngine:
         self.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
         self.kv_cache_manager = KVCacheManager(
             self.cache_config.num_blocks,
-            args.block_size,
+            self.block_size,
             args.enable_prefix_caching,
             root_hash=_model_identity_hash(self.model_dir, args.revision, self.dtype),
         )
@@ -196,7 +198,7 @@ class LLMEngine:
             "KV cache size: %d tokens (%d blocks of %d)",
             capacity,
             self.cache_config.num_blocks,
-            args.block_size,
+            self.block_size,
         )
         logger.info(
             "KV cache dtype: %s (kv_cache_dtype %s), %d bytes per token",
@@ -283,7 +285,7 @@ class LLMEngine:
         ) // self.model_shape.num_layers + proposers.draft_kv_bytes_per_token(
             self.draft_dir, itemsize
         )
-        block_bytes = bytes_per_token * args.block_size
+        block_bytes = bytes_per_token * self.block_size
         if self.device.type == "cuda":
             peak = self.executor.profile_peak_memory(
                 sched.max_num_batched_tokens, sched.max_model_len
@@ -307,7 +309,7 @@ class LLMEngine:
                 "kv_cache_memory / gpu_memory_utilization"
             )
         return CacheConfig(
-            block_size=args.block_size,
+            block_size=self.block_size,
             num_blocks=num_blocks,
             bytes_per_token=bytes_per_token,
             enable_prefix_caching=args.enable_prefix_caching,

@@ -20,12 +20,13 @@
 //   softmax between them in AVX-512. Decode
 //   attention reads each K/V row once for little arithmetic, so it is bound by memory: the rows of
 //   the block two ahead are prefetched while a block is read (the blocks are scattered, the
-//   hardware prefetcher cannot follow). Groups of 16 positions from a block's start go through
-//   AVX-512 intrinsics where the CPU has them (16 dot products reduced together; the V sums in
-//   registers); positions after an unaligned window start and other CPUs take plain loops compiled
+//   hardware prefetcher cannot follow). Groups of 16 positions from a block's start (8 when the
+//   block size is a multiple of 8 but not of 16) go through AVX-512 intrinsics where the CPU has
+//   them (the dot products reduced together; the V sums in registers); positions after an
+//   unaligned window start and other CPUs take plain loops compiled
 //   for AVX-512, AVX2 and baseline x86-64 (GCC target_clones, picked at load time), so the built
 //   library may move between x86 machines;
-// - a tile of a prompt (float32, AVX-512, head_dim and block_size multiples of 16): 16 (token,
+// - a tile of a prompt (float32, AVX-512, head_dim a multiple of 16, block_size of 8): 16 (token,
 //   head) rows of one KV head as the 16 lanes of a vector (see attend_tile), so each K/V element
 //   loaded serves 16 rows; it is compute-bound, like the matrix products it replaces.
 //
@@ -103,11 +104,12 @@ inline void prefetch_row(const scalar_t* p, int64_t count) {
   for (int64_t i = 0; i < count; i += kPerLine) __builtin_prefetch(p + i, 0, 3);
 }
 
-// Sizes of one call, in elements, and whether the AVX-512 dot products apply (the CPU has
-// AVX-512F, head_dim and block_size are multiples of 16).
+// Sizes of one call, in elements, and the positions per AVX-512 group: 16 where the CPU has
+// AVX-512F, head_dim is a multiple of 16 and block_size of 16; 8 where block_size is a multiple
+// of 8 only; 0 (plain loops) elsewhere. The positions of a group lie in one block.
 struct Shape {
   int64_t num_heads, num_kv_heads, head_dim, block_size, num_blocks, max_blocks_per_seq;
-  bool dot16;
+  int group;
 };
 
 #if KVPILOT_X86
@@ -175,44 +177,54 @@ __attribute__((target("avx512f"))) void exp_minus_max16(float* __restrict row, i
   }
 }
 
-// scores[i] = q . k_i for the rows k_i = k + i * row_stride, i < 16; q: head_dim floats. The
-// same rows at `next` are prefetched along the way.
-template <typename scalar_t>
-__attribute__((target("avx512f"))) void dot16(const float* __restrict q,
-                                              const scalar_t* __restrict k,
-                                              const scalar_t* __restrict next, int64_t row_stride,
-                                              int64_t head_dim, float* __restrict scores) {
-  __m512 acc[16];
+// scores[i] = q . k_i for the rows k_i = k + i * row_stride, i < N (16 or 8); q: head_dim
+// floats. The same rows at `next` are prefetched along the way. Each dot product is summed in
+// the same order for either N: the same bits.
+template <int N, typename scalar_t>
+__attribute__((target("avx512f"))) void dot_positions(const float* __restrict q,
+                                                      const scalar_t* __restrict k,
+                                                      const scalar_t* __restrict next,
+                                                      int64_t row_stride, int64_t head_dim,
+                                                      float* __restrict scores) {
+  static_assert(N == 16 || N == 8, "groups of 16 or 8 positions");
+  __m512 acc[N];
 #pragma GCC unroll 16
-  for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+  for (int i = 0; i < N; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t c = 0; c < head_dim; c += 16) {
     const __m512 qc = _mm512_loadu_ps(q + c);
 #pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < N; ++i) {
       _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T0);
       acc[i] = _mm512_fmadd_ps(qc, load16(k + i * row_stride + c), acc[i]);
     }
   }
-  __m512 pairs[8], quads[4];
+  __m512 pairs[N / 2], quads[N / 4];
 #pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) pairs[i] = add_pairs(acc[2 * i], acc[2 * i + 1]);
+  for (int i = 0; i < N / 2; ++i) pairs[i] = add_pairs(acc[2 * i], acc[2 * i + 1]);
 #pragma GCC unroll 4
-  for (int i = 0; i < 4; ++i) quads[i] = add_quads(pairs[2 * i], pairs[2 * i + 1]);
+  for (int i = 0; i < N / 4; ++i) quads[i] = add_quads(pairs[2 * i], pairs[2 * i + 1]);
   // Lane j of add_lanes(add_lanes(q0, q1), add_lanes(q2, q3)) sums quads[j]: positions 4j..4j+3.
-  _mm512_storeu_ps(scores, add_lanes(add_lanes(quads[0], quads[1]), add_lanes(quads[2], quads[3])));
+  if constexpr (N == 16) {
+    _mm512_storeu_ps(scores,
+                     add_lanes(add_lanes(quads[0], quads[1]), add_lanes(quads[2], quads[3])));
+  } else {
+    const __m512 halves = add_lanes(quads[0], quads[1]);
+    _mm256_storeu_ps(scores, _mm512_castps512_ps256(add_lanes(halves, halves)));
+  }
 }
 
-// acc[0..head_dim) += sum_i p[i] * v_i for the rows v_i = v + i * row_stride, i < n (16 when
-// kWhole), with the accumulators in registers across the rows (four independent chains of 16
-// floats); the same rows at `next` are prefetched along the way. Rows from n on are not read.
-template <bool kWhole, typename scalar_t>
+// acc[0..head_dim) += sum_i p[i] * v_i for the rows v_i = v + i * row_stride, i < n (kRows
+// when kRows > 0), with the accumulators in registers across the rows (four independent chains
+// of 16 floats); the same rows at `next` are prefetched along the way. Rows from n on are not
+// read.
+template <int kRows, typename scalar_t>
 __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
                                                      const float* __restrict p,
                                                      const scalar_t* __restrict v,
                                                      const scalar_t* __restrict next,
                                                      int64_t row_stride, int64_t head_dim,
                                                      int n) {
-  const int rows = kWhole ? 16 : n;
+  const int rows = kRows > 0 ? kRows : n;
   int64_t c = 0;
   for (; c + 64 <= head_dim; c += 64) {
     __m512 a0 = _mm512_loadu_ps(acc + c), a1 = _mm512_loadu_ps(acc + c + 16);
@@ -284,24 +296,25 @@ __attribute__((always_inline)) inline void attend_one(
     return cache + static_cast<int64_t>(block_table[b]) * block_size * row_stride + head_offset;
   };
 
-  // Calls sixteen(rows, next_rows, i, n) for each 16 positions of a block read from its start
-  // when the AVX-512 dot products apply (n < 16 of them in the sequence at its end: the block's
-  // rows past them exist, and their scores land in the padding that is reset to -inf), else
+  // Calls group(rows, next_rows, i, n) for each s.group positions of a block read from its
+  // start when the AVX-512 dot products apply (n < s.group of them in the sequence at its end:
+  // the block's rows past them exist, and their scores land in the padding that is reset to
+  // -inf), else
   // one(row, i) for each position after prefetching its row in the block next_block(b); i is
   // the position's index in the scores, rows point into `cache`.
-  auto walk = [&](const scalar_t* cache, auto next_block, auto sixteen, auto one)
+  auto walk = [&](const scalar_t* cache, auto next_block, auto group_of, auto one)
                   __attribute__((always_inline)) {
     for (int64_t b = first_block; b <= last_block; ++b) {
       const int64_t t0 = std::max(b * block_size, start);
       const int64_t t1 = std::min((b + 1) * block_size, seq_len);
       const scalar_t* rows = block_rows(cache, b);
       const scalar_t* next = next_block(b);
-      const bool aligned = s.dot16 && t0 == b * block_size;
-      for (int64_t t = t0; t < t1; t += aligned ? 16 : 1) {
+      const bool aligned = s.group > 0 && t0 == b * block_size;
+      for (int64_t t = t0; t < t1; t += aligned ? s.group : 1) {
         const int64_t row = (t - b * block_size) * row_stride;
         if (aligned) {
-          const int n = static_cast<int>(std::min<int64_t>(16, t1 - t));
-          sixteen(rows + row, next + row, t - start, n);
+          const int n = static_cast<int>(std::min<int64_t>(s.group, t1 - t));
+          group_of(rows + row, next + row, t - start, n);
         } else {
           prefetch_row(next + row, num_kv * head_dim);
           one(rows + row, t - start);
@@ -324,7 +337,13 @@ __attribute__((always_inline)) inline void attend_one(
 #if KVPILOT_X86
         for (int64_t g = 0; g < rows; ++g) {
           const int64_t h = g / group * head_dim;  // its KV head's offset in a position's row
-          dot16(q + g * head_dim, k + h, next + h, row_stride, head_dim, scores + g * stride + i);
+          if (s.group == 16) {
+            dot_positions<16>(q + g * head_dim, k + h, next + h, row_stride, head_dim,
+                              scores + g * stride + i);
+          } else {
+            dot_positions<8>(q + g * head_dim, k + h, next + h, row_stride, head_dim,
+                             scores + g * stride + i);
+          }
         }
 #endif
       },
@@ -344,7 +363,7 @@ __attribute__((always_inline)) inline void attend_one(
     float* sg = scores + g * stride;
     std::fill(sg + span, sg + stride, -std::numeric_limits<float>::infinity());
 #if KVPILOT_X86
-    if (s.dot16) {
+    if (s.group > 0) {
       exp_minus_max16(sg, stride);
       continue;
     }
@@ -374,9 +393,11 @@ __attribute__((always_inline)) inline void attend_one(
           const float* pg = scores + g * stride + i;
           const int64_t h = g / group * head_dim;
           if (n == 16) {
-            accumulate16<true>(ag, pg, v + h, next + h, row_stride, head_dim, n);
+            accumulate16<16>(ag, pg, v + h, next + h, row_stride, head_dim, n);
+          } else if (n == 8) {
+            accumulate16<8>(ag, pg, v + h, next + h, row_stride, head_dim, n);
           } else {
-            accumulate16<false>(ag, pg, v + h, next + h, row_stride, head_dim, n);
+            accumulate16<0>(ag, pg, v + h, next + h, row_stride, head_dim, n);
           }
         }
 #endif
@@ -431,7 +452,7 @@ inline AttendOne<c10::BFloat16> pick_attend_one(const Shape& s, c10::BFloat16*) 
 }
 
 #if KVPILOT_X86
-// Prompt tiles (float32, AVX-512, head_dim a multiple of 16). A tile is 16 consecutive (query
+// Prompt tiles (float32, AVX-512, head_dim a multiple of 16, block_size of 8). A tile is 16 consecutive (query
 // token, query head) rows of one sequence and KV head: row f of the sequence's q_len x group
 // rows is token f / group, head kv_head * group + f % group, at position seq_len - q_len + f /
 // group. The 16 rows are the 16 lanes of a vector, so every K and V element is loaded once per
@@ -471,20 +492,27 @@ constexpr std::array<ScorePositions, sizeof...(N)> score_table(std::integer_sequ
 
 constexpr auto kScorePositions = score_table(std::make_integer_sequence<int, kTilePositions>{});
 
-// ot[d][0..16) += sum_i p[i][0..16) * v_i[d0 + d] for d < 16 and the n positions
-// v_i = v + i * row_stride: 16 accumulators of 16 rows each.
-__attribute__((target("avx512f"))) void accumulate_positions(const float* __restrict p,
-                                                             const float* __restrict v,
-                                                             int64_t row_stride, int64_t n,
-                                                             float* __restrict ot) {
+// ot[d][0..16) = sum_t p[t - lo][0..16) * v_t[d] for d < 16 and the positions t in [lo, hi),
+// in position order, v_t = v + (the row of position t, block by block through block_table): 16
+// accumulators of 16 rows each, in registers across the blocks.
+__attribute__((target("avx512f"))) void accumulate_positions(
+    const float* __restrict p, const float* __restrict v, const int32_t* __restrict block_table,
+    int64_t block_size, int64_t row_stride, int64_t lo, int64_t hi, float* __restrict ot) {
   __m512 acc[16];
 #pragma GCC unroll 16
-  for (int d = 0; d < 16; ++d) acc[d] = _mm512_loadu_ps(ot + d * kTileRows);
-  for (int64_t i = 0; i < n; ++i) {
-    const __m512 pi = _mm512_loadu_ps(p + i * kTileRows);
-    const float* vi = v + i * row_stride;
+  for (int d = 0; d < 16; ++d) acc[d] = _mm512_setzero_ps();
+  for (int64_t t = lo; t < hi;) {
+    const int64_t n = std::min(hi - t, block_size - t % block_size);
+    const float* rows = v + (static_cast<int64_t>(block_table[t / block_size]) * block_size +
+                             t % block_size) * row_stride;
+    const float* pt = p + (t - lo) * kTileRows;
+    for (int64_t i = 0; i < n; ++i) {
+      const __m512 pi = _mm512_loadu_ps(pt + i * kTileRows);
+      const float* vi = rows + i * row_stride;
 #pragma GCC unroll 16
-    for (int d = 0; d < 16; ++d) acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(vi[d]), pi, acc[d]);
+      for (int d = 0; d < 16; ++d) acc[d] = _mm512_fmadd_ps(_mm512_set1_ps(vi[d]), pi, acc[d]);
+    }
+    t += n;
   }
 #pragma GCC unroll 16
   for (int d = 0; d < 16; ++d) _mm512_storeu_ps(ot + d * kTileRows, acc[d]);
@@ -559,15 +587,11 @@ __attribute__((target("avx512f"))) void attend_tile(
   }
   alignas(64) float sum[kTileRows];
   _mm512_store_ps(sum, sum_vec);
-  // Pass 2: the weighted values, 16 features at a time, up to a block at a time.
-  ot.assign(head_dim * kTileRows, 0.f);
+  // Pass 2: the weighted values, 16 features at a time.
+  ot.resize(head_dim * kTileRows);
   for (int64_t d0 = 0; d0 < head_dim; d0 += 16) {
-    for (int64_t t = lo; t < hi;) {
-      const int64_t n = std::min(hi - t, block_size - t % block_size);
-      accumulate_positions(st.data() + (t - lo) * kTileRows, rows_at(v_cache, t) + d0,
-                           row_stride, n, ot.data() + d0 * kTileRows);
-      t += n;
-    }
+    accumulate_positions(st.data(), v_cache + kv_head * head_dim + d0, block_table, block_size,
+                         row_stride, lo, hi, ot.data() + d0 * kTileRows);
   }
   for (int l = 0; l < rows; ++l) {
     float* o = out_ptr + token[l] * out_stride + head[l] * head_dim;
@@ -606,7 +630,7 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   scalar_t* out_ptr = out.data_ptr<scalar_t>();
   const int64_t q_stride = query.stride(0), out_stride = out.stride(0);
-  const bool tiles = std::is_same_v<scalar_t, float> && s.dot16;
+  const bool tiles = std::is_same_v<scalar_t, float> && s.group > 0;
 
   auto in_tiles = [&](int64_t q_len) { return tiles && q_len > 1; };
   // A token's KV heads in one item when there are enough tokens to share out (see Item).
@@ -726,9 +750,10 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
 #else
   constexpr bool has_avx512 = false;
 #endif
-  const bool dot16 = has_avx512 && query.size(2) % 16 == 0 && k_cache.size(1) % 16 == 0;
+  const bool vector = has_avx512 && query.size(2) % 16 == 0;
+  const int group = !vector ? 0 : k_cache.size(1) % 16 == 0 ? 16 : k_cache.size(1) % 8 == 0 ? 8 : 0;
   const Shape s{query.size(1),   k_cache.size(2),      query.size(2), k_cache.size(1),
-                k_cache.size(0), block_tables.size(1), dot16};
+                k_cache.size(0), block_tables.size(1), group};
   if (query.scalar_type() == torch::kFloat32) {
     run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                sliding_window, s);

@@ -76,12 +76,12 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def tiles_prompts(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_attention`, given a query and cache it :func:`supports`, takes their
-    prompts in tiles of 16 rows (float32, ``head_dim`` and ``block_size`` multiples of 16, an
-    AVX-512 CPU). Elsewhere it runs a prompt one token at a time, slower than one SDPA call for
+    prompts in tiles of 16 rows (float32, ``head_dim`` a multiple of 16 and ``block_size`` of 8,
+    an AVX-512 CPU). Elsewhere it runs a prompt one token at a time, slower than one SDPA call for
     the prompt, so callers keep prompts on their own path there."""
     return (
         k_cache.dtype == torch.float32
-        and k_cache.shape[1] % 16 == 0
+        and k_cache.shape[1] % 8 == 0
         and k_cache.shape[3] % 16 == 0
         and _cpu_tiles()
     )
@@ -112,8 +112,8 @@ def paged_attention(
     its last ``q_len`` positions: its token at position ``p`` attends to positions ``0..p``
     (the last ``sliding_window`` of them with a window). A one-token sequence (a decode) is one
     work item per KV head, or one for all its KV heads when the step has at least 4 such tokens
-    a thread (whole blocks read on one thread); on an AVX-512 CPU with a float32 cache and
-    ``head_dim`` and ``block_size`` multiples of 16, a longer one is cut into tiles of 16
+    a thread (whole blocks read on one thread); on an AVX-512 CPU with a float32 cache,
+    ``head_dim`` a multiple of 16 and ``block_size`` of 8, a longer one is cut into tiles of 16
     (token, head) rows that share each K/V load (else each of its tokens is an item as a decode
     is). A token's result does not depend on the step it is in: the same bits for a prompt
     prefilled whole or in chunks, and for each of its tokens whatever the batch.

@@ -7,7 +7,15 @@ import argparse
 import pytest
 
 from kvpilot.cli import main
-from kvpilot.engine.config import ENGINE_FLAGS, EngineArgs, name_flags, parse_bytes
+from kvpilot.engine.config import (
+    CPU_BLOCK_SIZE,
+    ENGINE_FLAGS,
+    GPU_BLOCK_SIZE,
+    EngineArgs,
+    name_flags,
+    parse_bytes,
+    resolve_block_size,
+)
 
 
 def parse(argv: list[str]) -> EngineArgs:
@@ -44,7 +52,10 @@ def test_flags_map_to_engine_args():
     defaults = parse([])
     assert defaults == EngineArgs()
     assert defaults.enable_prefix_caching and defaults.enable_chunked_prefill
-    assert defaults.block_size == 16
+    assert defaults.block_size is None  # the device's: 16 on a GPU, 8 on the CPU
+    assert resolve_block_size(None, on_gpu=True) == GPU_BLOCK_SIZE == 16
+    assert resolve_block_size(None, on_gpu=False) == CPU_BLOCK_SIZE == 8
+    assert resolve_block_size(32, on_gpu=False) == 32
 
 
 @pytest.mark.parametrize(
@@ -209,7 +220,7 @@ def test_generate_cli_refuses_what_the_model_config_rules_out_before_loading(
 
     model = tiny_model_dir("llama")
     config = json.loads((model / "config.json").read_text())
-    block = ModelShape.from_hf_config(config).kv_bytes_per_token(4) * 16
+    block = ModelShape.from_hf_config(config).kv_bytes_per_token(4) * CPU_BLOCK_SIZE
     argv = [a.format(tmp=tmp_path) for a in argv]
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", "--model", str(model), "--prompt", "x", "--device", "cpu", *argv])

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.attention import AttentionMetadata, get_attention_backend
 from kvpilot.engine.attention.layer import Attention
-from kvpilot.engine.config import EngineArgs, kv_cache_dtype_bytes
+from kvpilot.engine.config import CPU_BLOCK_SIZE, EngineArgs, kv_cache_dtype_bytes
 from kvpilot.engine.model_loader import resolve_kv_cache_dtype
 from kvpilot.kernels import reference
 from kvpilot.kernels.testing import paged_batch
@@ -128,7 +128,8 @@ def test_torch_backend_over_fp8_cache(dtype):
 
 def test_capacity_doubles_against_fp16_and_quadruples_against_fp32(tiny_model_dir, caplog):
     model = str(tiny_model_dir("llama"))
-    memory = 64 * 16 * 4 * TINY_FP8_KV_BYTES_PER_TOKEN  # 64 float32 blocks of 16
+    # 64 float32 blocks of the CPU's default size.
+    memory = 64 * CPU_BLOCK_SIZE * 4 * TINY_FP8_KV_BYTES_PER_TOKEN
     blocks = {}
     for dtype, kv_cache_dtype in [
         ("float32", "auto"), ("float16", "auto"), ("float32", "fp8"), ("float16", "fp8_e5m2"),
@@ -141,7 +142,7 @@ def test_capacity_doubles_against_fp16_and_quadruples_against_fp32(tiny_model_di
             ).llm_engine  # fmt: skip
         stats = engine.get_stats()
         blocks[dtype, kv_cache_dtype] = engine.cache_config.num_blocks
-        assert stats.kv_capacity_tokens == engine.cache_config.num_blocks * 16
+        assert stats.kv_capacity_tokens == engine.cache_config.num_blocks * CPU_BLOCK_SIZE
         assert f"KV cache size: {stats.kv_capacity_tokens} tokens" in caplog.text
         cache_dtypes = {t.dtype for pair in engine.model_runner.kv_caches for t in pair}
         assert cache_dtypes == {engine.kv_cache_dtype}
@@ -314,8 +315,8 @@ def test_default_model_greedy_tokens_against_float32_cache(default_model_dir):
     ]
     runs = {}
     for kv_cache_dtype in ("auto", "fp8"):
-        # 24 float32 blocks of 16 tokens (46,080 bytes a token over 30 layers).
-        memory = 24 * 16 * 46080
+        # 384 float32 tokens (46,080 bytes a token over 30 layers).
+        memory = 384 * 46080
         llm = LLM(kv_cache_dtype=kv_cache_dtype, max_model_len=256, kv_cache_memory=memory)
         tokenizer = llm.get_tokenizer()
         prompts = [
@@ -326,8 +327,8 @@ def test_default_model_greedy_tokens_against_float32_cache(default_model_dir):
         ]
         runs[kv_cache_dtype] = (llm, generate_ids(llm, prompts, greedy(max_tokens=16)))
     (fp32_llm, expected), (llm, got) = runs["auto"], runs["fp8"]
-    assert fp32_llm.llm_engine.cache_config.num_blocks == 24
-    assert llm.llm_engine.cache_config.num_blocks == 4 * 24
+    assert fp32_llm.llm_engine.cache_config.num_blocks == 384 // CPU_BLOCK_SIZE
+    assert llm.llm_engine.cache_config.num_blocks == 4 * 384 // CPU_BLOCK_SIZE
     assert all(len(g) == len(e) for g, e in zip(got, expected, strict=True))
     # The float32 run's text scored by the fp8 cache.
     scored = llm.generate(

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, LLMEngine, SamplingParams
-from kvpilot.engine.config import EngineArgs
+from kvpilot.engine.config import CPU_BLOCK_SIZE, EngineArgs
 from tests.engine.helpers import NEW_TOKENS, assert_no_leak, generate_ids, greedy, hf_greedy
 
 # K and V of the tiny test models: 2 layers x 2 KV heads x head_dim 16, float32.
@@ -76,15 +76,15 @@ def test_same_tokens_whatever_the_batch_composition(
 def test_forced_preemption_completes_every_request_with_the_same_tokens(
     llama_dir, prompts, llama_reference
 ):
-    # Room for 10 blocks of 16 = 160 tokens, while the 8 requests need 141 + 8 * 24.
+    # Room for 160 tokens (20 blocks of the CPU's 8), while the 8 requests need 141 + 8 * 24.
     llm = LLM(
         str(llama_dir),
         max_model_len=128,
-        kv_cache_memory=10 * 16 * TINY_KV_BYTES_PER_TOKEN,
+        kv_cache_memory=160 * TINY_KV_BYTES_PER_TOKEN,
         enable_prefix_caching=False,
     )
     engine = llm.llm_engine
-    assert engine.get_stats().num_total_blocks == 10
+    assert engine.get_stats().num_total_blocks == 160 // CPU_BLOCK_SIZE
     assert generate_ids(llm, prompts, greedy()) == llama_reference
     assert engine.get_stats().num_preemptions_total > 0
     assert_no_leak(engine)
@@ -144,15 +144,16 @@ def test_stats_count_tokens_and_capacity_is_logged(llama_dir, prompts, caplog):
         str(llama_dir),
         max_model_len=256,
         enable_prefix_caching=False,
-        kv_cache_memory=40 * 16 * TINY_KV_BYTES_PER_TOKEN,
+        kv_cache_memory=640 * TINY_KV_BYTES_PER_TOKEN,
     )
-    assert "KV cache size: 640 tokens (40 blocks of 16)" in caplog.text
+    blocks = 640 // CPU_BLOCK_SIZE
+    assert f"KV cache size: 640 tokens ({blocks} blocks of {CPU_BLOCK_SIZE})" in caplog.text
     assert "Maximum concurrency for 256 tokens per request: 2.50x" in caplog.text
     generate_ids(llm, prompts[:3], greedy(max_tokens=5))
     stats = llm.llm_engine.get_stats()
     assert stats.prompt_tokens_total == sum(PROMPT_LENS[:3])
     assert stats.generation_tokens_total == 15
-    assert stats.kv_capacity_tokens == stats.num_total_blocks * 16
+    assert stats.kv_capacity_tokens == stats.num_total_blocks * CPU_BLOCK_SIZE == 640
     assert stats.max_concurrency == pytest.approx(stats.kv_capacity_tokens / 256)
     assert stats.num_running_reqs == stats.num_waiting_reqs == 0
 

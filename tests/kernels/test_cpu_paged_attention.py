@@ -31,17 +31,26 @@ def built_kernel():
 
 
 def paged_decode_batch(
-    seq_lens, num_heads, num_kv_heads, head_dim, dtype, seed=0, spare=5, q_lens=None
+    seq_lens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    dtype,
+    seed=0,
+    spare=5,
+    q_lens=None,
+    block_size=BLOCK_SIZE,
 ):
     """Caches with shuffled blocks, NaN in every slot no sequence owns up to its length, and
     the metadata of each sequence's last ``q_lens`` positions as its new tokens (default one:
-    decodes)."""
+    decodes). The values drawn (cached K/V by position, q, k, v) depend on ``seed`` alone, not
+    on ``block_size``: only where they lie does."""
     q_lens = q_lens or [1] * len(seq_lens)
     gen = torch.Generator().manual_seed(seed)
-    blocks_per_seq = [-(-n // BLOCK_SIZE) for n in seq_lens]
+    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
     num_blocks = sum(blocks_per_seq) + spare
-    free = torch.randperm(num_blocks, generator=gen).tolist()
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)
     v_cache = torch.full(shape, float("nan"), dtype=dtype)
     width = max(blocks_per_seq) + 1  # one padding column of block 0 in every row
@@ -49,10 +58,10 @@ def paged_decode_batch(
     for n, new, count in zip(seq_lens, q_lens, blocks_per_seq, strict=True):
         table = [free.pop() for _ in range(count)]
         for p in range(n - new):  # cached positions; the new ones are written by the forward
-            block, offset = table[p // BLOCK_SIZE], p % BLOCK_SIZE
+            block, offset = table[p // block_size], p % block_size
             k_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
             v_cache[block, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
-        slots += [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(n - new, n)]
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(n - new, n)]
         tables.append(table + [0] * (width - count))
     num = sum(q_lens)
     metadata = AttentionMetadata(
@@ -85,15 +94,24 @@ def both_paths(batch, scale, sliding_window=None):
 # Lengths 1, multiples of the block size, one past one, and ragged ones in between.
 RAGGED = [1, 16, 17, 5, 48, 33, 2, 64, 31, 100]
 
+# Block sizes: groups of 16 positions (16), of 8 (8, 24: a multiple of 8, not of 16), and plain
+# loops (12).
+BLOCK_SIZES = [16, 8, 24, 12]
 
+
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize(
     "num_heads, num_kv_heads, head_dim",
     [(9, 3, 64), (8, 2, 128), (4, 4, 32), (6, 1, 80), (14, 2, 64), (32, 4, 128)],
     ids=["smollm2", "gqa4-d128", "mha-d32", "mqa-d80", "gqa7-d64", "gqa8-d128"],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kernel_matches_the_gather_and_sdpa_path(num_heads, num_kv_heads, head_dim, dtype):
-    batch = paged_decode_batch(RAGGED, num_heads, num_kv_heads, head_dim, dtype)
+def test_kernel_matches_the_gather_and_sdpa_path(
+    num_heads, num_kv_heads, head_dim, dtype, block_size
+):
+    batch = paged_decode_batch(
+        RAGGED, num_heads, num_kv_heads, head_dim, dtype, block_size=block_size
+    )
     reference, out = both_paths(batch, scale=head_dim**-0.5)
     assert out.dtype == dtype and out.shape == batch[0].shape
     assert torch.isfinite(out).all(), "a NaN slot past some sequence's end leaked into an output"
@@ -101,9 +119,10 @@ def test_kernel_matches_the_gather_and_sdpa_path(num_heads, num_kv_heads, head_d
     torch.testing.assert_close(out, reference, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
 @pytest.mark.parametrize("window", [1, 7, 16, 40])
-def test_sliding_window_matches_the_gather_and_sdpa_path(window):
-    batch = paged_decode_batch(RAGGED, 9, 3, 64, torch.float32, seed=1)
+def test_sliding_window_matches_the_gather_and_sdpa_path(window, block_size):
+    batch = paged_decode_batch(RAGGED, 9, 3, 64, torch.float32, seed=1, block_size=block_size)
     reference, out = both_paths(batch, scale=0.125, sliding_window=window)
     assert torch.isfinite(out).all()
     torch.testing.assert_close(out, reference, atol=2e-6, rtol=2e-6)
@@ -124,15 +143,23 @@ PROMPTS = [(1, 1), (2, 2), (16, 16), (17, 17), (70, 70), (25, 16), (45, 13), (30
 )
 @pytest.mark.parametrize("window", [None, 5, 16, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 8])
 def test_prompts_chunks_and_decodes_in_one_step_match_the_gather_and_sdpa_path(
-    num_heads, num_kv_heads, head_dim, window, dtype
+    num_heads, num_kv_heads, head_dim, window, dtype, block_size
 ):
     # Float32 prompts go through tiles of 16 (token, head) rows (a tile may hold several tokens,
     # or part of one token's heads when a KV head has more than 16), the rest token by token
     # (which the engine leaves to SDPA, so the kernel is called directly here).
     seq_lens, q_lens = zip(*PROMPTS, strict=True)
     q, k, v, k_cache, v_cache, md = paged_decode_batch(
-        list(seq_lens), num_heads, num_kv_heads, head_dim, dtype, seed=4, q_lens=list(q_lens)
+        list(seq_lens),
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        dtype,
+        seed=4,
+        q_lens=list(q_lens),
+        block_size=block_size,
     )
     scale = head_dim**-0.5
     backend = TorchAttentionBackend(paged_decode_kernel=False)  # writes the new K/V too
@@ -149,11 +176,42 @@ def test_prompts_chunks_and_decodes_in_one_step_match_the_gather_and_sdpa_path(
     )
     avx512 = paged_attention.load_extension().tiles_supported()
     assert paged_attention.tiles_prompts(q, k_cache) == (
-        avx512 and dtype == torch.float32 and head_dim % 16 == 0
+        avx512 and dtype == torch.float32 and head_dim % 16 == 0 and block_size % 8 == 0
     )
     assert torch.isfinite(out).all(), "a NaN slot past some sequence's end leaked into an output"
     tolerance = 2e-6 if dtype == torch.float32 else 1.6e-2
     torch.testing.assert_close(out, reference, atol=tolerance, rtol=tolerance)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_block_size_changes_no_bit(dtype):
+    # Groups of 16 positions (block sizes 16, 32) or of 8 (8, 24), prompt tiles scoring up to 8
+    # positions of a block at a time: every dot product and every row's sums run in one order,
+    # so the KV cache's block size changes no bit of any output, decode or prompt. (Not so with
+    # a sliding window: the positions before the first whole block after its start take the
+    # plain loops, and which ones those are depends on the block size.)
+    seq_lens, q_lens = zip(*PROMPTS, *[(n, 1) for n in RAGGED], strict=True)
+    outs = []
+    for block_size in (16, 8, 24, 32):
+        q, k, v, k_cache, v_cache, md = paged_decode_batch(
+            list(seq_lens), 9, 3, 64, dtype, seed=9, q_lens=list(q_lens), block_size=block_size
+        )
+        k_cache.view(-1, 3, 64)[md.slot_mapping] = k
+        v_cache.view(-1, 3, 64)[md.slot_mapping] = v
+        outs.append(
+            paged_attention.paged_attention(
+                q,
+                k_cache,
+                v_cache,
+                md.block_tables,
+                md.seq_lens,
+                0.125,
+                query_start_loc=md.query_start_loc,
+            )
+        )
+    assert torch.isfinite(outs[0]).all()
+    for block_size, out in zip((8, 24, 32), outs[1:], strict=True):
+        assert torch.equal(out, outs[0]), block_size
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from kvpilot.engine import LLM
+from kvpilot.engine.config import CPU_BLOCK_SIZE
 from kvpilot.engine.kv_cache_manager import extend_block_hashes
 from kvpilot.engine.kv_events import KVEventLog
 from kvpilot.engine.server.app import ServerConfig, create_app
@@ -50,9 +51,11 @@ def test_the_endpoint_publishes_the_engines_hashes(served) -> None:
     answer = client.get("/kv_events", params={"since": start}, headers=AUTH).json()
     tokens = encode_text(engine.tokenizer, PROMPT, "prompt")
     root = engine.kv_cache_manager.root_hash
-    assert answer["root_hash"] == root.hex() and answer["block_size"] == 16
+    # The CPU default block size: the engine was given none.
+    assert answer["root_hash"] == root.hex() and answer["block_size"] == CPU_BLOCK_SIZE
+    assert engine.block_size == CPU_BLOCK_SIZE
     assert not answer["truncated"]
-    full = extend_block_hashes([], tokens, 16, root)
+    full = extend_block_hashes([], tokens, CPU_BLOCK_SIZE, root)
     assert len(full) >= 2
     # The prompt's full blocks, in order (a last block filled by the output token may follow).
     stored = [e["block_hash"] for e in answer["events"] if e["type"] == "BlockStored"]

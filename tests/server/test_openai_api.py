@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from kvpilot.engine import LLM, SamplingParams
+from kvpilot.engine.config import CPU_BLOCK_SIZE
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME as MODEL
 
 MAX_MODEL_LEN = 512
@@ -458,10 +459,13 @@ def test_metrics_move_as_requests_run(client, server):
     assert value(after, "vllm:kv_cache_usage_perc") == 0
     total = value(after, "kvpilot:kv_cache_total_blocks")
     assert value(after, "kvpilot:kv_cache_free_blocks") == total
-    assert value(after, "kvpilot:kv_cache_capacity_tokens") == total * 16
-    assert value(after, "kvpilot:max_concurrency") == pytest.approx(total * 16 / MAX_MODEL_LEN)
+    # The engine was given no block size: the CPU default.
+    assert value(after, "kvpilot:kv_cache_capacity_tokens") == total * CPU_BLOCK_SIZE
+    assert value(after, "kvpilot:max_concurrency") == pytest.approx(
+        total * CPU_BLOCK_SIZE / MAX_MODEL_LEN
+    )
     [info] = [labels for name, labels in after if name == "vllm:cache_config_info"]
-    assert dict(info)["block_size"] == "16"
+    assert dict(info)["block_size"] == str(CPU_BLOCK_SIZE)
     assert dict(info)["num_gpu_blocks"] == str(int(total))
     assert dict(info)["cache_dtype"] == "float32"  # the KV cache's (--kv-cache-dtype auto)
 
