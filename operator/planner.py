@@ -47,6 +47,7 @@ from typing import Any
 from kvpilot.engine.config import (
     CPU_MAX_NUM_SEQS,
     GPU_MAX_NUM_SEQS,
+    resolve_block_size,
     resolve_max_num_batched_tokens,
 )
 from kvpilot.engine.model_shape import (
@@ -270,7 +271,7 @@ def plan(
     max_num_batched_tokens: int | None = None,
     enable_chunked_prefill: bool = True,
     concurrency: int = 1,
-    block_size: int = 16,
+    block_size: int | None = None,
     kv_cache_dtype: str = "auto",
     quantization: str | None = None,
 ) -> Plan:
@@ -297,7 +298,8 @@ def plan(
             prefill, at least ``max_model_len``).
         enable_chunked_prefill: whether the engine chunks long prompts.
         concurrency: sequences of ``max_model_len`` the KV cache must hold at once (>= 1).
-        block_size: tokens per KV block.
+        block_size: tokens per KV block; default the engine's for the device
+            (``resolve_block_size``: 16 on a GPU, 8 on CPU).
         kv_cache_dtype: ``--kv-cache-dtype`` (a key of ``KV_CACHE_DTYPE_BYTES``).
         quantization: ``--quantization``: None for the checkpoint's own (``ModelShape.quantized_as``).
 
@@ -309,6 +311,7 @@ def plan(
         PlanError: the model cannot be served as asked (``.reason`` says why).
         ValueError: an argument out of range (a caller's bug: spec.py validates user input).
     """
+    block_size = resolve_block_size(block_size, on_gpu=gpu is not None)
     _check_arguments(
         gpu, memory_bytes, gpu_memory_utilization, concurrency, block_size, kv_cache_dtype
     )

@@ -63,7 +63,11 @@ constexpr int64_t kRowChunk = 240;         // rows of x per pass over the panels
 // chunk at a time (more than kMaxRows / 2 rows) looks 128 k (16 KiB) ahead, which covers the
 // memory's latency at its bandwidth (1.15-1.2x at 16-64 rows against 16 k ahead); several chunks
 // at once, each 16 k ahead (farther, each would fetch what the next chunk's stream is reading).
-// Later calls find the panel in L2 and look 16 k ahead.
+// Later calls find the panel in L2 and look 16 k ahead. The prefetches go to L2 (T1), where L1's
+// own prefetcher takes the panel's sequential stream on: on an Intel Xeon (Emerald Rapids, a
+// VM reading memory at 11 GB/s a core) prefetches into L1 (T0) held the L1 miss buffers and the
+// decode-sized batches waited on memory (16-256 rows 1.04-1.15x faster in L2, 2,048 rows and
+// 1-4 rows the same; benchmarks in docs/benchmarks.md).
 constexpr int64_t kPrefetchFromMemory = 128;
 constexpr int64_t kPrefetchNear = 16;
 constexpr int kMaxAcc = 24;                // accumulator registers per call
@@ -124,7 +128,7 @@ __attribute__((target("avx512f,fma"))) void chunk_group(const float* __restrict 
         __m512 wv[kVecs];
 #pragma GCC unroll 4
         for (int v = 0; v < kVecs; ++v) {
-          _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 16 * v), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 16 * v), _MM_HINT_T1);
           wv[v] = _mm512_loadu_ps(w + 16 * v);
         }
 #pragma GCC unroll 16

@@ -229,6 +229,7 @@ def test_cpu_deployment_passes_the_kv_budget():
     assert flag(args, "--device") == "cpu"
     assert flag(args, "--dtype") == "float32"
     assert flag(args, "--kv-cache-memory") == str(p.kv_cache_bytes_per_gpu)
+    assert flag(args, "--block-size") == "8"  # the engine's on CPU (16 on a GPU)
     assert "--gpu-memory-utilization" not in args
     limits = container(objects)["resources"]["limits"]
     assert limits == {"memory": "3Gi"}

@@ -7,7 +7,9 @@ config and the GPU (the memory model is in operator/planner.py's docstring):
     weights     = parameters on this rank * dtype bytes
     reserve     = batched tokens * (3 * intermediate/tp + 4 * hidden) * dtype bytes
                   + max_num_seqs * vocab * 4 (float32 logits) + 1 GiB runtime (GPU)
-    blocks      = (budget - weights - reserve) // (kv bytes per token * 16)
+    blocks      = (budget - weights - reserve) // (kv bytes per token * block size)
+
+with the engine's block size: 16 tokens on a GPU, 8 on CPU.
 """
 
 from __future__ import annotations
@@ -125,11 +127,12 @@ def test_mistral_7b_32k_context_on_l4_takes_two_gpus():
 
 def test_smollm2_on_cpu_sizes_kv_from_the_memory_limit():
     p = plan(spec("SmolLM2-135M-Instruct"), gpu=None, memory_bytes=3 * GiB, max_model_len=4096)
-    # float32 on CPU; budget 3 GiB - 1.5 GiB runtime; 512 batched tokens, 64 sequences.
+    # float32 on CPU; budget 3 GiB - 1.5 GiB runtime; 512 batched tokens, 64 sequences; the
+    # engine's CPU block size, 8 tokens.
     weights = 4 * 134_515_008
     reserve = 512 * (3 * 1536 + 4 * 576) * 4 + 64 * 49152 * 4
-    blocks = (3 * GiB - 3 * GiB // 2 - weights - reserve) // (2 * 30 * 3 * 64 * 4 * 16)
-    assert blocks == 1418
+    blocks = (3 * GiB - 3 * GiB // 2 - weights - reserve) // (2 * 30 * 3 * 64 * 4 * 8)
+    assert blocks == 2836 and p.block_size == 8
     assert (p.gpu_type, p.dtype, p.tensor_parallel_size, p.gpus_per_replica) == (
         "cpu",
         "float32",
@@ -137,7 +140,7 @@ def test_smollm2_on_cpu_sizes_kv_from_the_memory_limit():
         0,
     )
     assert p.gpu_memory_utilization is None
-    assert p.kv_cache_bytes_per_gpu == 1418 * 16 * 46_080
+    assert p.kv_cache_bytes_per_gpu == 2836 * 8 * 46_080
     assert (p.kv_capacity_tokens, p.max_concurrency) == (22_688, 5)
     assert "gpuMemoryUtilization" not in p.to_status()
 
