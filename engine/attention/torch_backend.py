@@ -16,7 +16,7 @@ runs as with a float cache.
 On the CPU, with a float32 or bfloat16 cache, decode sequences skip the gather and SDPA: the C++
 kernel ``kvpilot.kernels.cpu.paged_attention`` reads their blocks in place through the block
 tables, one call per layer for all of them, sliding windows included. Where the kernel tiles
-prompts (a float32 cache, a head size a multiple of 16, block size of 8, an AVX-512 CPU:
+prompts (a float32 cache, head size a multiple of 16, block size a multiple of 8, AVX-512:
 ``paged_attention.tiles_prompts``) the prompts, prompt chunks and drafts go to it too, the
 whole step in one call: a prompt's token at position ``p`` attends to positions ``0..p`` of its
 sequence, computed on its own, so its result does not depend on the other sequences of the step

@@ -26,9 +26,10 @@
 //   unaligned window start and other CPUs take plain loops compiled
 //   for AVX-512, AVX2 and baseline x86-64 (GCC target_clones, picked at load time), so the built
 //   library may move between x86 machines;
-// - a tile of a prompt (float32, AVX-512, head_dim a multiple of 16, block_size of 8): 16 (token,
-//   head) rows of one KV head as the 16 lanes of a vector (see attend_tile), so each K/V element
-//   loaded serves 16 rows; it is compute-bound, like the matrix products it replaces.
+// - a tile of a prompt (float32, AVX-512, head_dim a multiple of 16, block_size a multiple of
+//   8): 16 (token, head) rows of one KV head as the 16 lanes of a vector (see attend_tile), so
+//   each K/V element loaded serves 16 rows; it is compute-bound, like the matrix products it
+//   replaces.
 //
 // A row's result depends on its own query and context alone, never on the other rows of its
 // tile or the step: the same bits for a prompt prefilled whole or in chunks, and whatever the
@@ -296,7 +297,7 @@ __attribute__((always_inline)) inline void attend_one(
     return cache + static_cast<int64_t>(block_table[b]) * block_size * row_stride + head_offset;
   };
 
-  // Calls group(rows, next_rows, i, n) for each s.group positions of a block read from its
+  // Calls group_of(rows, next_rows, i, n) for each s.group positions of a block read from its
   // start when the AVX-512 dot products apply (n < s.group of them in the sequence at its end:
   // the block's rows past them exist, and their scores land in the padding that is reset to
   // -inf), else
@@ -452,13 +453,13 @@ inline AttendOne<c10::BFloat16> pick_attend_one(const Shape& s, c10::BFloat16*) 
 }
 
 #if KVPILOT_X86
-// Prompt tiles (float32, AVX-512, head_dim a multiple of 16, block_size of 8). A tile is 16 consecutive (query
-// token, query head) rows of one sequence and KV head: row f of the sequence's q_len x group
-// rows is token f / group, head kv_head * group + f % group, at position seq_len - q_len + f /
-// group. The 16 rows are the 16 lanes of a vector, so every K and V element is loaded once per
-// tile and broadcast against all of them (16 rows per multiply-add, no horizontal sums), and
-// the causal mask and the softmax run across the rows at once. Scores are stored position-major,
-// [positions][16].
+// Prompt tiles (float32, AVX-512, head_dim a multiple of 16, block_size a multiple of 8). A
+// tile is 16 consecutive (query token, query head) rows of one sequence and KV head: row f of
+// the sequence's q_len x group rows is token f / group, head kv_head * group + f % group, at
+// position seq_len - q_len + f / group. The 16 rows are the 16 lanes of a vector, so every K
+// and V element is loaded once per tile and broadcast against all of them (16 rows per
+// multiply-add, no horizontal sums), and the causal mask and the softmax run across the rows at
+// once. Scores are stored position-major, [positions][16].
 
 constexpr int kTileRows = 16;
 

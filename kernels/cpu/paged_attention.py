@@ -76,9 +76,9 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 def tiles_prompts(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     """Whether :func:`paged_attention`, given a query and cache it :func:`supports`, takes their
-    prompts in tiles of 16 rows (float32, ``head_dim`` a multiple of 16 and ``block_size`` of 8,
-    an AVX-512 CPU). Elsewhere it runs a prompt one token at a time, slower than one SDPA call for
-    the prompt, so callers keep prompts on their own path there."""
+    prompts in tiles of 16 rows (float32, ``head_dim`` a multiple of 16 and ``block_size`` a
+    multiple of 8, an AVX-512 CPU). Elsewhere it runs a prompt one token at a time, slower than
+    one SDPA call for the prompt, so callers keep prompts on their own path there."""
     return (
         k_cache.dtype == torch.float32
         and k_cache.shape[1] % 8 == 0
@@ -113,10 +113,11 @@ def paged_attention(
     (the last ``sliding_window`` of them with a window). A one-token sequence (a decode) is one
     work item per KV head, or one for all its KV heads when the step has at least 4 such tokens
     a thread (whole blocks read on one thread); on an AVX-512 CPU with a float32 cache,
-    ``head_dim`` a multiple of 16 and ``block_size`` of 8, a longer one is cut into tiles of 16
-    (token, head) rows that share each K/V load (else each of its tokens is an item as a decode
-    is). A token's result does not depend on the step it is in: the same bits for a prompt
-    prefilled whole or in chunks, and for each of its tokens whatever the batch.
+    ``head_dim`` a multiple of 16 and ``block_size`` a multiple of 8, a longer one is cut into
+    tiles of 16 (token, head) rows that share each K/V load (else each of its tokens is an
+    item as a decode is). A token's result does not depend on the step it is in: the same bits
+    for a prompt prefilled whole or in chunks, for each of its tokens whatever the batch, and
+    whatever the block size (a multiple of 8) without a sliding window.
 
     Args:
         query: ``[num_tokens, num_heads, head_dim]`` float32 or bfloat16 on the CPU (copied
