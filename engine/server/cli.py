@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from typing import TYPE_CHECKING
 
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
+
+if TYPE_CHECKING:
+    from kvpilot.engine.server.app import ServerConfig
 
 API_KEY_ENV_VARS = ("KVPILOT_API_KEY", "VLLM_API_KEY")
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -95,35 +100,61 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Start the server; returns the process exit code (1 when the model failed to load, 130
-    after Ctrl-C, as a shell reports an interrupted command)."""
-    import logging
+def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
+    """The engine's and the server's configuration from the flags, checked before anything
+    loads.
 
-    import uvicorn
-
-    from kvpilot.engine.server.app import ServerConfig, create_app
-    from kvpilot.engine.server.shutdown import DrainingServer
+    Raises:
+        ValueError: a bad or conflicting flag, the message naming it.
+    """
+    from kvpilot.engine.server.app import ServerConfig
     from kvpilot.engine.tokenization import load_chat_template
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
-            raise SystemExit(
-                f"kvpilot serve: got model {args.model_tag!r} and --model {args.model!r}; give one"
-            )
+            raise ValueError(f"got model {args.model_tag!r} and --model {args.model!r}; give one")
         args.model = args.model_tag
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
-        raise SystemExit("kvpilot serve: --max-waiting-requests must be at least 1")
+        raise ValueError("--max-waiting-requests must be at least 1")
     if args.shutdown_timeout is not None and not args.shutdown_timeout >= 0:
-        raise SystemExit("kvpilot serve: --shutdown-timeout must be 0 or more seconds")
+        raise ValueError("--shutdown-timeout must be 0 or more seconds")
     args.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    engine_args = EngineArgs.from_cli_args(args)
     try:
-        engine_args = EngineArgs.from_cli_args(args)
+        chat_template = (
+            None if args.chat_template is None else load_chat_template(args.chat_template)
+        )
     except ValueError as exc:
-        raise SystemExit(f"kvpilot serve: {exc}") from None
-    api_key = args.api_key or next(
-        (os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None
+        raise ValueError(f"--chat-template: {exc}") from None
+    config = ServerConfig(
+        served_model_names=[args.served_model_name],
+        api_key=args.api_key
+        or next((os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None),
+        max_waiting_requests=args.max_waiting_requests,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        chat_template=chat_template,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
+    return engine_args, config
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start the server; returns the process exit code: 2 for a bad flag (its one-line message
+    on stderr, before anything loads, as argparse and ``kvpilot generate`` do), 1 when the model
+    failed to load, 130 after Ctrl-C (as a shell reports an interrupted command)."""
+    import logging
+
+    import uvicorn
+
+    from kvpilot.engine.server.app import create_app
+    from kvpilot.engine.server.shutdown import DrainingServer
+
+    try:
+        engine_args, config = _configure(args)
+    except ValueError as exc:
+        print(f"kvpilot serve: error: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -143,24 +174,6 @@ def run(args: argparse.Namespace) -> int:
         failed.append(exc)
         server.should_exit = True
 
-    try:
-        chat_template = (
-            None if args.chat_template is None else load_chat_template(args.chat_template)
-        )
-    except ValueError as exc:
-        raise SystemExit(f"kvpilot serve: --chat-template: {exc}") from None
-    try:
-        config = ServerConfig(
-            served_model_names=[args.served_model_name],
-            api_key=api_key,
-            max_waiting_requests=args.max_waiting_requests,
-            enable_auto_tool_choice=args.enable_auto_tool_choice,
-            tool_call_parser=args.tool_call_parser,
-            chat_template=chat_template,
-            trust_request_chat_template=args.trust_request_chat_template,
-        )
-    except ValueError as exc:
-        raise SystemExit(f"kvpilot serve: {exc}") from None
     app = create_app(load_engine, config, on_load_error=on_load_error)
     server = DrainingServer(
         uvicorn.Config(

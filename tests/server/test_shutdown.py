@@ -164,5 +164,5 @@ def test_a_negative_shutdown_timeout_is_refused(tiny_model_dir):
         text=True,
         timeout=120,
     )
-    assert answer.returncode != 0
-    assert "--shutdown-timeout must be 0 or more seconds" in answer.stderr
+    assert answer.returncode == 2
+    assert answer.stderr == "kvpilot serve: error: --shutdown-timeout must be 0 or more seconds\n"
