@@ -113,6 +113,11 @@ struct Shape {
   int group;
 };
 
+// Shape::group for a block size, where AVX-512 applies.
+constexpr int positions_per_group(int64_t block_size) {
+  return block_size % 16 == 0 ? 16 : block_size % 8 == 0 ? 8 : 0;
+}
+
 #if KVPILOT_X86
 // 16 dot products at once with AVX-512. Reducing each position's 16-lane partial sums on its own
 // (a horizontal add per position and head) costs more than its four FMAs; here the 16
@@ -300,9 +305,8 @@ __attribute__((always_inline)) inline void attend_one(
   // Calls group_of(rows, next_rows, i, n) for each s.group positions of a block read from its
   // start when the AVX-512 dot products apply (n < s.group of them in the sequence at its end:
   // the block's rows past them exist, and their scores land in the padding that is reset to
-  // -inf), else
-  // one(row, i) for each position after prefetching its row in the block next_block(b); i is
-  // the position's index in the scores, rows point into `cache`.
+  // -inf), else one(row, i) for each position after prefetching its row in the block
+  // next_block(b); i is the position's index in the scores, rows point into `cache`.
   auto walk = [&](const scalar_t* cache, auto next_block, auto group_of, auto one)
                   __attribute__((always_inline)) {
     for (int64_t b = first_block; b <= last_block; ++b) {
@@ -325,6 +329,9 @@ __attribute__((always_inline)) inline void attend_one(
   };
 
   // Pass 1: scores of every position, block by block.
+#if KVPILOT_X86
+  const auto dot = s.group == 16 ? &dot_positions<16, scalar_t> : &dot_positions<8, scalar_t>;
+#endif
   walk(
       k_cache,
       [&](int64_t b) __attribute__((always_inline)) {
@@ -338,13 +345,7 @@ __attribute__((always_inline)) inline void attend_one(
 #if KVPILOT_X86
         for (int64_t g = 0; g < rows; ++g) {
           const int64_t h = g / group * head_dim;  // its KV head's offset in a position's row
-          if (s.group == 16) {
-            dot_positions<16>(q + g * head_dim, k + h, next + h, row_stride, head_dim,
-                              scores + g * stride + i);
-          } else {
-            dot_positions<8>(q + g * head_dim, k + h, next + h, row_stride, head_dim,
-                             scores + g * stride + i);
-          }
+          dot(q + g * head_dim, k + h, next + h, row_stride, head_dim, scores + g * stride + i);
         }
 #endif
       },
@@ -751,10 +752,9 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
 #else
   constexpr bool has_avx512 = false;
 #endif
-  const bool vector = has_avx512 && query.size(2) % 16 == 0;
-  const int group = !vector ? 0 : k_cache.size(1) % 16 == 0 ? 16 : k_cache.size(1) % 8 == 0 ? 8 : 0;
   const Shape s{query.size(1),   k_cache.size(2),      query.size(2), k_cache.size(1),
-                k_cache.size(0), block_tables.size(1), group};
+                k_cache.size(0), block_tables.size(1),
+                has_avx512 && query.size(2) % 16 == 0 ? positions_per_group(k_cache.size(1)) : 0};
   if (query.scalar_type() == torch::kFloat32) {
     run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
                sliding_window, s);
