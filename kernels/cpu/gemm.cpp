@@ -26,9 +26,12 @@
 // decode-sized batches they stream from memory once per step, and a prefetch as near as the
 // next 16 k left the kernel waiting on the memory's latency.
 //
-// Decode-sized batches of 13-48 rows (2-4 calls a panel) run chunk by chunk: every call on one
-// chunk of the panel before the next chunk, the next one prefetched meanwhile, so that the
-// panel's stream from memory is spread over all the calls (the same sums in the same order).
+// Decode-sized batches of 13-144 rows (2-12 calls a panel) run chunk by chunk: every call on one
+// chunk of the panel before the next chunk, the same sums in the same order. The next chunk is
+// prefetched meanwhile in as many parts as there are calls, one part a call, one cache line a k
+// step, so that the panel's stream from memory runs at an even rate while all the calls compute
+// (when the first call prefetched it all, at twice the rate memory gave, the FMA units waited
+// on memory and the time was near the sum of the two, not the larger).
 //
 // Work split. Rows are taken in chunks of 240 (so the chunk of x stays in the L3 cache while the
 // panels pass, each panel in L2 for all of them) and, within one, the panels are split over ATen's OpenMP threads
@@ -73,10 +76,10 @@ constexpr int64_t kPrefetchNear = 16;
 constexpr int kMaxAcc = 24;                // accumulator registers per call
 constexpr int kMaxRows = kMaxAcc / kVecs;  // rows per micro-kernel call (12)
 constexpr int kMaxChains = kMaxRows;       // rows x concurrent chunks per call
-// From 2 up to this many calls a panel (13-48 rows) run chunk by chunk (interleaved_panel);
-// with more, one chunk's x rows leave L1 between calls and a call at a time is faster (6% at
-// 240 rows).
-constexpr int64_t kMaxInterleavedCalls = 4;
+// From 2 up to this many calls a panel (13-144 rows) run chunk by chunk (interleaved_panel):
+// 1.1-1.3x at 24-64 rows, 1.06x at 96-128 against a call at a time; at 20 calls (240 rows) a
+// chunk's x rows no longer stay near and a call at a time is faster (7%).
+constexpr int64_t kMaxInterleavedCalls = 12;
 
 bool cpu_supported() {
 #if KVPILOT_X86
@@ -93,14 +96,18 @@ bool cpu_supported() {
 // stored as the start of it when `first` (first_chunk is chunk 0). `cols` of the 32 are
 // written. Several chunks at once (CH > 1) only for up to kMaxRows / 2 rows. With RUN, the
 // `len` features from k0 are any number of chunks, one after the other in this one call (a
-// call a chunk cost 2.5-4% at prefill sizes in calls and write-backs).
-template <int ROWS, int CH, bool RUN = false>
+// call a chunk cost 2.5-4% at prefill sizes in calls and write-backs). The weights are
+// prefetched `prefetch` k steps beyond each k step read (both of its cache lines), or, with
+// SPREAD, one line a k step from `spread` on, `stride` (<= 64) bytes apart.
+template <int ROWS, int CH, bool RUN = false, bool SPREAD = false>
 __attribute__((target("avx512f,fma"))) void chunk_group(const float* __restrict x, int64_t ldx,
                                                          const float* __restrict panel,
                                                          int64_t k0, int64_t len,
                                                          float* __restrict y, int64_t ldy,
-                                                         int cols, bool first, int64_t prefetch) {
+                                                         int cols, bool first, int64_t prefetch,
+                                                         const char* spread, int64_t stride) {
   static_assert(!RUN || CH == 1, "a run is one chunk at a time");
+  static_assert(!SPREAD || (CH == 1 && !RUN), "a spread prefetch is for one chunk");
   __m512 acc[CH][ROWS][kVecs];
   const int64_t ahead = prefetch * kPanel;
   __mmask16 mask[kVecs];
@@ -126,9 +133,12 @@ __attribute__((target("avx512f,fma"))) void chunk_group(const float* __restrict 
         const int64_t kk = k0 + start + h * kChunk + k;
         const float* w = panel + kk * kPanel;
         __m512 wv[kVecs];
+        if constexpr (SPREAD) _mm_prefetch(spread + k * stride, _MM_HINT_T1);
 #pragma GCC unroll 4
         for (int v = 0; v < kVecs; ++v) {
-          _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 16 * v), _MM_HINT_T1);
+          if constexpr (!SPREAD) {
+            _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 16 * v), _MM_HINT_T1);
+          }
           wv[v] = _mm512_loadu_ps(w + 16 * v);
         }
 #pragma GCC unroll 16
@@ -158,7 +168,7 @@ __attribute__((target("avx512f,fma"))) void chunk_group(const float* __restrict 
 }
 
 using ChunkGroup = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*,
-                            int64_t, int, bool, int64_t);
+                            int64_t, int, bool, int64_t, const char*, int64_t);
 
 template <int ROWS, int CH>
 constexpr ChunkGroup group_or_null() {
@@ -187,6 +197,13 @@ constexpr std::array<ChunkGroup, kMaxRows> run_table(std::integer_sequence<int, 
 }
 constexpr auto kRuns = run_table(std::make_integer_sequence<int, kMaxRows>{});
 
+// kSpread[rows - 1]: one chunk, its prefetch spread (interleaved_panel).
+template <int... ROWS>
+constexpr std::array<ChunkGroup, kMaxRows> spread_table(std::integer_sequence<int, ROWS...>) {
+  return {&chunk_group<ROWS + 1, 1, false, true>...};
+}
+constexpr auto kSpread = spread_table(std::make_integer_sequence<int, kMaxRows>{});
+
 // kGroups[rows - 1][chunks - 1]: null where rows x chunks > 12, or chunks > 1 with rows > 6.
 constexpr auto kGroups = group_table(std::make_integer_sequence<int, kMaxRows>{});
 
@@ -196,19 +213,20 @@ void panel_rows(const float* x, int64_t K, const float* panel, float* y, int64_t
                 int cols, int64_t prefetch) {
   const int64_t at_once = 2 * rows <= kMaxRows ? kMaxChains / rows : 1;
   if (at_once == 1) {
-    kRuns[rows - 1](x, K, panel, 0, K, y, ldy, cols, true, prefetch);
+    kRuns[rows - 1](x, K, panel, 0, K, y, ldy, cols, true, prefetch, nullptr, 0);
     return;
   }
   const int64_t num_chunks = (K + kChunk - 1) / kChunk, whole = K / kChunk;
   int64_t c = 0;
   while (c < whole) {
     const int64_t n = std::min(at_once, whole - c);
-    kGroups[rows - 1][n - 1](x, K, panel, c * kChunk, kChunk, y, ldy, cols, c == 0, prefetch);
+    kGroups[rows - 1][n - 1](x, K, panel, c * kChunk, kChunk, y, ldy, cols, c == 0,
+                             prefetch, nullptr, 0);
     c += n;
   }
   if (c < num_chunks) {
     kGroups[rows - 1][0](x, K, panel, c * kChunk, K - c * kChunk, y, ldy, cols, c == 0,
-                         prefetch);
+                         prefetch, nullptr, 0);
   }
 }
 
@@ -219,20 +237,24 @@ int rows_of_call(int64_t rows_left, int64_t calls_left) {
 }
 
 // y[rows, cols] of one panel in `calls` calls of at most kMaxRows rows, chunk by chunk: every
-// call on a chunk (16 KiB of weights, then in L1) before the next chunk, each prefetching the
-// next chunk. The panel streams from memory while all the calls run instead of the first
-// alone, which a pass of 11 rows outran (1.05-1.2x at 16-48 rows). The same chunk partial sums
+// call on a chunk (16 KiB of weights, then in L1) before the next chunk. The 16 KiB after the
+// chunk (the next one, or after a panel's last the next panel's first) are prefetched in
+// `calls` parts, the i-th by the i-th call, one line a k step (a short last chunk covers what
+// 64 bytes a step reach; the hardware's prefetcher the rest). The same chunk partial sums
 // added in the same order as panel_rows.
 void interleaved_panel(const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
                        int64_t rows, int64_t calls, int cols) {
   const int64_t num_chunks = (K + kChunk - 1) / kChunk;
+  const int64_t part = (kChunk * kPanel * static_cast<int64_t>(sizeof(float)) + calls - 1) / calls;
   for (int64_t c = 0; c < num_chunks; ++c) {
     const int64_t len = std::min(kChunk, K - c * kChunk);
+    const char* next = reinterpret_cast<const char*>(panel + (c * kChunk + len) * kPanel);
+    const int64_t stride = std::min<int64_t>(64, (part + len - 1) / len);
     int64_t m = 0;
     for (int64_t call = 0; call < calls; ++call) {
       const int n = rows_of_call(rows - m, calls - call);
-      kGroups[n - 1][0](x + m * K, K, panel, c * kChunk, len, y + m * ldy, ldy, cols, c == 0,
-                        kChunk);
+      kSpread[n - 1](x + m * K, K, panel, c * kChunk, len, y + m * ldy, ldy, cols, c == 0,
+                     0, next + call * part, stride);
       m += n;
     }
   }
