@@ -101,11 +101,12 @@ bench: install
 	$(BIN)/python benchmarks/throughput.py --threads 1
 
 ## Offline throughput against vLLM's CPU build (installed once into ~/.cache/kvpilot/peers by
-## benchmarks/peers/install-vllm.sh), both pinned to core 0, then to cores 0-1.
+## benchmarks/peers/install-vllm.sh), both pinned to core 0, then to cores 0-1; 3 rounds each,
+## alternating.
 bench-vllm: install
-	$(BIN)/python benchmarks/throughput.py --threads 1 --cores 0 --skip-transformers \
+	$(BIN)/python benchmarks/throughput.py --threads 1 --cores 0 --skip-transformers --rounds 3 \
 		--vllm-python "$$(benchmarks/peers/install-vllm.sh | tail -1)"
-	$(BIN)/python benchmarks/throughput.py --threads 2 --cores 0-1 --skip-transformers \
+	$(BIN)/python benchmarks/throughput.py --threads 2 --cores 0-1 --skip-transformers --rounds 3 \
 		--vllm-python "$$(benchmarks/peers/install-vllm.sh | tail -1)"
 
 ## Serving against vLLM, measured by vLLM's own `vllm bench serve` (a burst and 2 requests/s).

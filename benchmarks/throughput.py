@@ -13,6 +13,13 @@ Runs, in one process and with one ``torch.set_num_threads`` value:
    processes (``benchmarks/peers/vllm_offline.py``), timed on ``generate`` alone, CPU time of
    all its processes; at its own block size (its CPU attention takes multiples of 32 only).
 
+With ``--rounds N`` kvpilot and vLLM each run the workload N times, alternating (kvpilot then
+vLLM, then vLLM then kvpilot, ...), both loaded once: a shared machine's slow spells then fall on
+both, and the medians (and the median of the rounds' ratios) say more than one run each. Round
+r's prompts have the same lengths and are drawn with seed ``--seed + r``, so that no prefix
+cache serves a round from an earlier one; the token hash and the transformers columns are
+round 0's.
+
 ``--cores 0`` (or ``0-1``) pins every system to those cores (this process with
 ``sched_setaffinity``, vLLM's processes too, and its OpenMP threads with
 ``VLLM_CPU_OMP_THREADS_BIND``), so that a system with more processes cannot use more cores.
@@ -36,6 +43,7 @@ import hashlib
 import json
 import os
 import pathlib
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,6 +112,12 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="runs of kvpilot and of vLLM, alternating, each on its own prompts (see above)",
+    )
+    parser.add_argument(
         "--cores", default=None, help="pin every system to these cores, e.g. 0 or 0-1"
     )
     parser.add_argument(
@@ -153,8 +167,11 @@ def matmul_peak_flops(n: int = 2048, reps: int = 5) -> dict[str, float]:
     return peaks
 
 
-def make_prompts(args: argparse.Namespace, vocab_size: int) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(args.seed)
+def make_prompts(
+    args: argparse.Namespace, vocab_size: int, seed: int | None = None
+) -> list[list[int]]:
+    """The workload's prompt token ids, drawn with ``seed`` (default ``args.seed``)."""
+    generator = torch.Generator().manual_seed(args.seed if seed is None else seed)
     n = args.num_prompts
     lengths = [
         args.min_len + round(i * (args.max_len - args.min_len) / max(n - 1, 1)) for i in range(n)
@@ -184,9 +201,8 @@ def model_flops(spec, prompts: list[list[int]], output_len: int) -> float:
     return total
 
 
-def run_kvpilot(args, prompts) -> tuple[Timer, list[list[int]], tuple[float, float], object]:
-    """kvpilot, all prompts submitted at once; also the KV waste at peak allocation and the
-    part of it in the running sequences' last blocks (fractions of the allocated slots)."""
+def kvpilot_llm(args, prompts):
+    """kvpilot's ``LLM`` for the workload, warmed up on a few tokens of ``prompts[0]``."""
     from kvpilot.engine import LLM, SamplingParams
 
     llm = LLM(
@@ -196,10 +212,18 @@ def run_kvpilot(args, prompts) -> tuple[Timer, list[list[int]], tuple[float, flo
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
     )
-    engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     warmup = SamplingParams(temperature=0, max_tokens=2)
     llm.generate([{"prompt_token_ids": prompts[0][:8]}], warmup, use_tqdm=False)
+    return llm
+
+
+def run_kvpilot(args, llm, prompts) -> tuple[Timer, list[list[int]], tuple[float, float]]:
+    """kvpilot, all prompts submitted at once; also the KV waste at peak allocation and the
+    part of it in the running sequences' last blocks (fractions of the allocated slots)."""
+    from kvpilot.engine import SamplingParams
+
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     pool = engine.kv_cache_manager.block_pool
     outputs: dict[str, list[int]] = {}
     # Waste at the peak, and the part of it that is each running sequence's last, partly
@@ -221,7 +245,7 @@ def run_kvpilot(args, prompts) -> tuple[Timer, list[list[int]], tuple[float, flo
                 waste_at_peak = (allocated - sum(computed)) / allocated
                 tail_at_peak = tail / allocated
     tokens = [outputs[f"bench-{i}"] for i in range(len(prompts))]
-    return timer, tokens, (waste_at_peak, tail_at_peak), engine.model_shape
+    return timer, tokens, (waste_at_peak, tail_at_peak)
 
 
 def run_hf_batch(args, prompts, model) -> tuple[Timer, list[list[int]]]:
@@ -264,39 +288,122 @@ def run_hf_sequential(args, prompts, model) -> tuple[Timer, list[list[int]]]:
     return timer, outputs
 
 
-def run_vllm(args, prompts, model_dir) -> tuple[Timer, list[list[int]]]:
-    """vLLM's CPU build on the same prompts, in its own processes (see the module docstring)."""
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": str(args.threads),
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": args.cores or "all",
-    }
-    env.pop("PYTHONPATH", None)
-    script = pathlib.Path(__file__).with_name("peers") / "vllm_offline.py"
-    cores = parse_cores(args.cores) if args.cores else None
-    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:
-        json.dump(prompts, file)
-        file.flush()
+PEER_SCRIPT = pathlib.Path(__file__).with_name("peers") / "vllm_offline.py"
+
+
+def _peer_script():
+    """:data:`PEER_SCRIPT` as a module, for its protocol's lines and ``tree_cpu_seconds`` (it
+    runs in vLLM's environment, so it is not a package of this one)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("vllm_offline", PEER_SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class VllmPeer:
+    """vLLM's CPU build in its own processes (``benchmarks/peers/vllm_offline.py``), loaded once
+    and given the rounds' prompts, one round each time :meth:`run` is called (see the module
+    docstring). Raises SystemExit with vLLM's last log lines if it fails."""
+
+    def __init__(self, args, rounds: list[list[list[int]]], model_dir) -> None:
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": str(args.threads),
+            "VLLM_CPU_KVCACHE_SPACE": "2",
+            "VLLM_CPU_OMP_THREADS_BIND": args.cores or "all",
+        }
+        env.pop("PYTHONPATH", None)
+        self.script = _peer_script()
+        cores = parse_cores(args.cores) if args.cores else None
+        self.prompts_file = tempfile.NamedTemporaryFile("w", suffix=".json")
+        json.dump(rounds, self.prompts_file)
+        self.prompts_file.flush()
+        self.log = tempfile.TemporaryFile("w+")
         print("vLLM: starting (it compiles the model first; minutes)", flush=True)
-        done = subprocess.run(
+        self.process = subprocess.Popen(
             [
-                args.vllm_python, "-I", str(script), "--model", str(model_dir),
-                "--prompts", file.name, "--output-len", str(args.output_len),
+                args.vllm_python, "-I", str(PEER_SCRIPT), "--model", str(model_dir),
+                "--prompts", self.prompts_file.name, "--output-len", str(args.output_len),
                 "--max-model-len", str(args.max_len + args.output_len),
             ],
-            env=env, cwd=tempfile.gettempdir(), capture_output=True, text=True, check=False,
+            env=env, cwd=tempfile.gettempdir(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self.log, text=True,
             preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
         )  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(f"vLLM failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    prefix = "vllm_offline result: "
-    line = next(x for x in done.stdout.splitlines() if x.startswith(prefix))
-    result = json.loads(line.removeprefix(prefix))
-    print(f"vLLM {result['version']}: generate took {result['wall']:.1f} s", flush=True)
+        self._read_until(self.script.READY_LINE)
+        self.settle()
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds used so far by vLLM's processes now alive."""
+        return self.script.tree_cpu_seconds(self.process.pid)
+
+    def settle(self, quiet: float = 0.01, every: float = 0.5, limit: float = 60.0) -> None:
+        """Wait (up to ``limit`` s) until vLLM's processes use under ``quiet`` CPU s in
+        ``every`` s: after ``generate`` its threads may spin a while, which would take cores
+        from kvpilot's next round."""
+        deadline, last = time.monotonic() + limit, self.cpu_seconds()
+        while time.monotonic() < deadline:
+            time.sleep(every)
+            now = self.cpu_seconds()
+            if now - last < quiet:
+                return
+            last = now
+
+    def _read_until(self, prefix: str) -> str:
+        for line in self.process.stdout:
+            if line.startswith(prefix):
+                return line.removeprefix(prefix)
+        self.process.wait()
+        self.log.seek(0)
+        raise SystemExit(f"vLLM failed ({self.process.returncode}):\n{self.log.read()[-3000:]}")
+
+    def run(self) -> tuple[Timer, list[list[int]]]:
+        """The next round: its timer (``generate`` alone, all vLLM's processes) and tokens."""
+        self.process.stdin.write("go\n")
+        self.process.stdin.flush()
+        result = json.loads(self._read_until(self.script.RESULT_PREFIX))
+        print(f"vLLM {result['version']}: generate took {result['wall']:.1f} s", flush=True)
+        timer = Timer()
+        timer.wall, timer.cpu = result["wall"], result["cpu"]
+        self.settle()
+        return timer, result["tokens"]
+
+    def close(self) -> None:
+        self.process.stdin.close()
+        self.process.wait()
+        self.prompts_file.close()
+        self.log.close()
+
+
+def median_timer(timers: list[Timer]) -> Timer:
+    """The median wall and the median CPU seconds of ``timers`` (each its own median)."""
     timer = Timer()
-    timer.wall, timer.cpu = result["wall"], result["cpu"]
-    return timer, result["tokens"]
+    timer.wall = statistics.median(t.wall for t in timers)
+    timer.cpu = statistics.median(t.cpu for t in timers)
+    return timer
+
+
+def print_rounds(rounds, kv_runs, vllm_runs) -> None:
+    """One line a round: each system's wall and CPU seconds, the ratio, identical outputs."""
+    print()
+    print(f"{'round':>5} {'kvpilot wall / CPU s':>21} {'vLLM wall / CPU s':>18} "
+          f"{'kvpilot is (wall)':>18} {'same tokens':>12}")  # fmt: skip
+    ratios = []
+    for r, (kv_timer, kv_tokens) in enumerate(kv_runs):
+        line = f"{r:>5} {kv_timer.wall:12.1f} / {kv_timer.cpu:5.1f}"
+        if vllm_runs:
+            timer, tokens = vllm_runs[r]
+            ratios.append(timer.wall / kv_timer.wall)
+            same = sum(a == b for a, b in zip(tokens, kv_tokens, strict=False))
+            line += (
+                f" {timer.wall:9.1f} / {timer.cpu:5.1f} {ratios[-1]:17.2f}x "
+                f"{same:>7}/{len(rounds[r])}"
+            )
+        print(line)
+    if ratios:
+        print(f"median of the rounds' ratios (wall): {statistics.median(ratios):.2f}x")
 
 
 def main() -> None:
@@ -320,7 +427,8 @@ def main() -> None:
 
     model_dir = resolve_model(args.model)
     config = transformers.AutoConfig.from_pretrained(model_dir)
-    prompts = make_prompts(args, config.vocab_size)
+    rounds = [make_prompts(args, config.vocab_size, args.seed + r) for r in range(args.rounds)]
+    prompts = rounds[0]
     num_prompt_tokens = sum(len(p) for p in prompts)
     num_output_tokens = args.output_len * len(prompts)
     print(
@@ -328,18 +436,45 @@ def main() -> None:
         f"({num_prompt_tokens} in all), {args.output_len} new tokens each, greedy, EOS ignored"
     )
 
-    kv_timer, kv_tokens, waste, spec = run_kvpilot(args, prompts)
+    vllm = VllmPeer(args, rounds, model_dir) if args.vllm_python else None
+    llm = kvpilot_llm(args, prompts)
+    spec = llm.llm_engine.model_shape
+    kv_runs, vllm_runs, waste = [], [], None
+    for r, round_prompts in enumerate(rounds):
+        # Alternate who goes first, so that a slow spell is as likely to fall on either.
+        order = ["kvpilot", "vLLM"] if r % 2 == 0 else ["vLLM", "kvpilot"]
+        for name in order:
+            if name == "kvpilot":
+                peer_cpu = vllm.cpu_seconds() if vllm is not None else 0.0
+                timer, tokens, round_waste = run_kvpilot(args, llm, round_prompts)
+                kv_runs.append((timer, tokens))
+                waste = waste or round_waste
+                if vllm is not None:
+                    print(
+                        f"kvpilot: {timer.wall:.1f} s (vLLM's processes used "
+                        f"{vllm.cpu_seconds() - peer_cpu:.2f} CPU s meanwhile)",
+                        flush=True,
+                    )
+            elif vllm is not None:
+                vllm_runs.append(vllm.run())
+    if vllm is not None:
+        vllm.close()
+    kv_timer, kv_tokens = median_timer([t for t, _ in kv_runs]), kv_runs[0][1]
     results: dict[str, tuple[Timer, list[list[int]]]] = {"kvpilot": (kv_timer, kv_tokens)}
+    if args.rounds > 1:
+        print_rounds(rounds, kv_runs, vllm_runs)
     if not args.skip_transformers:
         hf_model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         results["transformers generate_batch"] = run_hf_batch(args, prompts, hf_model)
         if not args.skip_sequential:
             results["transformers generate() 1 by 1"] = run_hf_sequential(args, prompts, hf_model)
         del hf_model
-    if args.vllm_python:
-        results["vLLM"] = run_vllm(args, prompts, model_dir)
+    if vllm_runs:
+        results["vLLM"] = (median_timer([t for t, _ in vllm_runs]), vllm_runs[0][1])
 
     print()
+    if args.rounds > 1:
+        print(f"medians of {args.rounds} rounds (tokens: round 0's):")
     print(
         f"{'system':32} {'wall s':>8} {'CPU s':>8} {'out tok/CPU s':>14} "
         f"{'kvpilot is (CPU)':>17} {'kvpilot is (wall)':>18} {'same tokens':>12}"
