@@ -47,7 +47,17 @@ def _order_of_the_docs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize(
     ("M", "N", "K"),
-    [(1, 32, 128), (3, 33, 300), (7, 31, 257), (13, 64, 129), (32, 40, 1), (45, 70, 300)],
+    [
+        (1, 32, 128),
+        (3, 33, 300),
+        (7, 31, 257),
+        (13, 64, 129),
+        (32, 40, 1),
+        (45, 70, 300),
+        # 9 and 12 micro-kernel calls a panel, chunk by chunk (the last chunk short)
+        (100, 33, 300),
+        (144, 64, 257),
+    ],
 )
 def test_the_summation_order_is_the_documented_one_bit_for_bit(M, N, K):
     x, w = _randn(M, K, seed=M), _randn(N, K, seed=N)
@@ -79,7 +89,7 @@ def test_a_row_gives_the_same_bits_in_any_batch_and_with_any_thread_count():
         torch.set_num_threads(1)
         alone = torch.cat([gemm.packed_linear(rows[i : i + 1], packed) for i in range(len(rows))])
         torch.set_num_threads(2)
-        for M in (2, 3, 6, 7, 12, 16, 31, 32, 33, 64, 250, 260):
+        for M in (2, 3, 6, 7, 12, 16, 31, 32, 33, 64, 100, 144, 145, 250, 260):
             start = (7 * M) % (len(rows) - M + 1)
             batch = gemm.packed_linear(rows[start : start + M], packed)
             assert torch.equal(batch, alone[start : start + M]), M
