@@ -115,7 +115,8 @@ def parse_args() -> argparse.Namespace:
         "--rounds",
         type=int,
         default=1,
-        help="runs of kvpilot and of vLLM, alternating, each on its own prompts (see above)",
+        help="how many times kvpilot and vLLM each run the workload, alternating, both loaded "
+        "once; round r draws its prompts with seed --seed + r (default: 1)",
     )
     parser.add_argument(
         "--cores", default=None, help="pin every system to these cores, e.g. 0 or 0-1"
@@ -125,15 +126,36 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="python of vLLM's virtual environment (benchmarks/peers/install-vllm.sh): adds vLLM",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, not {args.rounds}")
+    if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
+        parser.error(f"--vllm-python: {args.vllm_python} is not an executable file")
+    if args.cores:
+        try:
+            parse_cores(args.cores)
+        except ValueError as e:
+            parser.error(f"--cores: {e}")
+    return args
 
 
 def parse_cores(text: str) -> set[int]:
-    """``0``, ``0-1`` or ``0,2`` -> the set of core numbers."""
+    """``0``, ``0-1`` or ``0,2`` -> the set of core numbers.
+
+    Raises:
+        ValueError: not of that form, or a core this process may not run on (the message lists
+            those it may).
+    """
     cores: set[int] = set()
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        cores.update(range(int(first), int(last or first) + 1))
+    try:
+        for part in text.split(","):
+            first, _, last = part.partition("-")
+            cores.update(range(int(first), int(last or first) + 1))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a core list like 0, 0-1 or 0,2") from None
+    allowed = os.sched_getaffinity(0)
+    if not cores or not cores <= allowed:
+        raise ValueError(f"{text!r}: this process may run on cores {sorted(allowed)} only")
     return cores
 
 
@@ -357,7 +379,10 @@ class VllmPeer:
                 return line.removeprefix(prefix)
         self.process.wait()
         self.log.seek(0)
-        raise SystemExit(f"vLLM failed ({self.process.returncode}):\n{self.log.read()[-3000:]}")
+        raise SystemExit(
+            f"vLLM ({self.process.args[0]} {PEER_SCRIPT.name}) exited with status "
+            f"{self.process.returncode}; the end of its log:\n{self.log.read()[-3000:] or '(empty)'}"
+        )
 
     def run(self) -> tuple[Timer, list[list[int]]]:
         """The next round: its timer (``generate`` alone, all vLLM's processes) and tokens."""
@@ -403,6 +428,7 @@ def print_rounds(rounds, kv_runs, vllm_runs) -> None:
             )
         print(line)
     if ratios:
+        # Each ratio pairs two runs next to each other in time: the figure to quote.
         print(f"median of the rounds' ratios (wall): {statistics.median(ratios):.2f}x")
 
 
@@ -474,7 +500,10 @@ def main() -> None:
 
     print()
     if args.rounds > 1:
-        print(f"medians of {args.rounds} rounds (tokens: round 0's):")
+        print(
+            f"medians of {args.rounds} rounds (each column its own median; same tokens: round "
+            "0's, against kvpilot's):"
+        )
     print(
         f"{'system':32} {'wall s':>8} {'CPU s':>8} {'out tok/CPU s':>14} "
         f"{'kvpilot is (CPU)':>17} {'kvpilot is (wall)':>18} {'same tokens':>12}"

@@ -29,7 +29,10 @@ READY_LINE = "vllm_offline ready"
 
 
 def tree_cpu_seconds(root: int) -> float:
-    """User + system CPU seconds of ``root`` and all its descendants now alive."""
+    """User + system CPU seconds of ``root`` and all its descendants now alive, each with the
+    children it has waited for (``cutime``, ``cstime``), so that a process's time stays counted
+    after it exits (vLLM's workers start short-lived processes): a later call never returns less
+    unless a child exits that nobody in the tree waits for."""
     parents: dict[int, int] = {}
     times: dict[int, float] = {}
     tick = os.sysconf("SC_CLK_TCK")
@@ -42,7 +45,8 @@ def tree_cpu_seconds(root: int) -> float:
         except OSError:
             continue
         parents[int(entry)] = int(fields[1])
-        times[int(entry)] = (int(fields[11]) + int(fields[12])) / tick
+        # utime, stime, cutime, cstime (fields 14-17 of proc(5)).
+        times[int(entry)] = sum(int(x) for x in fields[11:15]) / tick
     tree, frontier = {root}, [root]
     while frontier:
         pid = frontier.pop()
