@@ -131,11 +131,10 @@ def parse_args() -> argparse.Namespace:
         parser.error(f"--rounds must be at least 1, not {args.rounds}")
     if args.vllm_python and not os.access(args.vllm_python, os.X_OK):
         parser.error(f"--vllm-python: {args.vllm_python} is not an executable file")
-    if args.cores:
-        try:
-            parse_cores(args.cores)
-        except ValueError as e:
-            parser.error(f"--cores: {e}")
+    try:
+        args.core_set = parse_cores(args.cores) if args.cores else None
+    except ValueError as e:
+        parser.error(f"--cores: {e}")
     return args
 
 
@@ -338,7 +337,7 @@ class VllmPeer:
         }
         env.pop("PYTHONPATH", None)
         self.script = _peer_script()
-        cores = parse_cores(args.cores) if args.cores else None
+        cores = args.core_set
         self.prompts_file = tempfile.NamedTemporaryFile("w", suffix=".json")
         json.dump(rounds, self.prompts_file)
         self.prompts_file.flush()
@@ -410,6 +409,11 @@ def median_timer(timers: list[Timer]) -> Timer:
     return timer
 
 
+def same_outputs(outputs: list[list[int]], reference: list[list[int]]) -> int:
+    """How many prompts' output token ids equal the reference's."""
+    return sum(a == b for a, b in zip(outputs, reference, strict=False))
+
+
 def print_rounds(rounds, kv_runs, vllm_runs) -> None:
     """One line a round: each system's wall and CPU seconds, the ratio, identical outputs."""
     print()
@@ -421,7 +425,7 @@ def print_rounds(rounds, kv_runs, vllm_runs) -> None:
         if vllm_runs:
             timer, tokens = vllm_runs[r]
             ratios.append(timer.wall / kv_timer.wall)
-            same = sum(a == b for a, b in zip(tokens, kv_tokens, strict=False))
+            same = same_outputs(tokens, kv_tokens)
             line += (
                 f" {timer.wall:9.1f} / {timer.cpu:5.1f} {ratios[-1]:17.2f}x "
                 f"{same:>7}/{len(rounds[r])}"
@@ -434,8 +438,8 @@ def print_rounds(rounds, kv_runs, vllm_runs) -> None:
 
 def main() -> None:
     args = parse_args()
-    if args.cores:
-        os.sched_setaffinity(0, parse_cores(args.cores))
+    if args.core_set:
+        os.sched_setaffinity(0, args.core_set)
     torch.set_num_threads(args.threads)
     import transformers
 
@@ -465,26 +469,28 @@ def main() -> None:
     vllm = VllmPeer(args, rounds, model_dir) if args.vllm_python else None
     llm = kvpilot_llm(args, prompts)
     spec = llm.llm_engine.model_shape
-    kv_runs, vllm_runs, waste = [], [], None
+    kv_runs, vllm_runs, wastes = [], [], []
+
+    def kvpilot_round(round_prompts: list[list[int]]) -> None:
+        peer_cpu = vllm.cpu_seconds() if vllm is not None else 0.0
+        timer, tokens, waste = run_kvpilot(args, llm, round_prompts)
+        kv_runs.append((timer, tokens))
+        wastes.append(waste)
+        if vllm is not None:
+            print(
+                f"kvpilot: {timer.wall:.1f} s (vLLM's processes used "
+                f"{vllm.cpu_seconds() - peer_cpu:.2f} CPU s meanwhile)",
+                flush=True,
+            )
+
+    systems = [kvpilot_round] + ([lambda _: vllm_runs.append(vllm.run())] if vllm else [])
     for r, round_prompts in enumerate(rounds):
         # Alternate who goes first, so that a slow spell is as likely to fall on either.
-        order = ["kvpilot", "vLLM"] if r % 2 == 0 else ["vLLM", "kvpilot"]
-        for name in order:
-            if name == "kvpilot":
-                peer_cpu = vllm.cpu_seconds() if vllm is not None else 0.0
-                timer, tokens, round_waste = run_kvpilot(args, llm, round_prompts)
-                kv_runs.append((timer, tokens))
-                waste = waste or round_waste
-                if vllm is not None:
-                    print(
-                        f"kvpilot: {timer.wall:.1f} s (vLLM's processes used "
-                        f"{vllm.cpu_seconds() - peer_cpu:.2f} CPU s meanwhile)",
-                        flush=True,
-                    )
-            elif vllm is not None:
-                vllm_runs.append(vllm.run())
+        for run_round in systems if r % 2 == 0 else systems[::-1]:
+            run_round(round_prompts)
     if vllm is not None:
         vllm.close()
+    waste = wastes[0]
     kv_timer, kv_tokens = median_timer([t for t, _ in kv_runs]), kv_runs[0][1]
     results: dict[str, tuple[Timer, list[list[int]]]] = {"kvpilot": (kv_timer, kv_tokens)}
     if args.rounds > 1:
@@ -509,7 +515,7 @@ def main() -> None:
         f"{'kvpilot is (CPU)':>17} {'kvpilot is (wall)':>18} {'same tokens':>12}"
     )
     for name, (timer, outputs) in results.items():
-        same = sum(a == b for a, b in zip(outputs, kv_tokens, strict=False))
+        same = same_outputs(outputs, kv_tokens)
         print(
             f"{name:32} {timer.wall:8.1f} {timer.cpu:8.1f} {num_output_tokens / timer.cpu:14.1f} "
             f"{timer.cpu / kv_timer.cpu:16.2f}x {timer.wall / kv_timer.wall:17.2f}x "
