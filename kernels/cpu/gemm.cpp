@@ -33,8 +33,10 @@
 // (when the first call prefetched it all, at twice the rate memory gave, the FMA units waited
 // on memory and the time was near the sum of the two, not the larger).
 //
-// Work split. Rows are taken in chunks of 240 (so the chunk of x stays in the L3 cache while the
-// panels pass, each panel in L2 for all of them) and, within one, the panels are split over ATen's OpenMP threads
+// Work split. Rows are taken in passes of at most 240, evened out (so the pass's x stays in
+// the L3 cache while the panels go by, each panel in L2 for all of its rows; 512 rows make 3
+// passes of 171, where 240 + 240 + 32 streamed every panel from memory once more for 32 rows)
+// and, within one, the panels are split over ATen's OpenMP threads
 // (at::parallel_for, so torch.set_num_threads applies); each thread's panels stream from memory
 // once. The Python wrapper is kernels/cpu/gemm.py; engine/layers/cpu_gemm.py uses it for every
 // float32 linear layer on an AVX-512 CPU.
@@ -61,7 +63,7 @@ namespace {
 constexpr int64_t kPanel = 32;             // output features per panel
 constexpr int kVecs = kPanel / 16;         // AVX-512 vectors per panel row
 constexpr int64_t kChunk = 128;            // input features per partial sum (the summation order)
-constexpr int64_t kRowChunk = 240;         // rows of x per pass over the panels
+constexpr int64_t kRowChunk = 240;         // most rows of x in one pass over the panels
 // k steps ahead the weights are prefetched. A panel's first call streams it from memory: one
 // chunk at a time (more than kMaxRows / 2 rows) looks 128 k (16 KiB) ahead, which covers the
 // memory's latency at its bandwidth (1.15-1.2x at 16-64 rows against 16 k ahead); several chunks
@@ -318,8 +320,10 @@ void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor&
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-    const int64_t rows_here = std::min(kRowChunk, M - m0);
+  const int64_t passes = (M + kRowChunk - 1) / kRowChunk;
+  const int64_t pass_rows = (M + passes - 1) / passes;
+  for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
+    const int64_t rows_here = std::min(pass_rows, M - m0);
     const int64_t calls = (rows_here + kMaxRows - 1) / kMaxRows;
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
       for (int64_t p = p0; p < p1; ++p) {

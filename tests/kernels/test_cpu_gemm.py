@@ -57,6 +57,8 @@ def _order_of_the_docs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         # 9 and 12 micro-kernel calls a panel, chunk by chunk (the last chunk short)
         (100, 33, 300),
         (144, 64, 257),
+        # three passes over the panels of 161, 160 and 160 rows
+        (481, 33, 129),
     ],
 )
 def test_the_summation_order_is_the_documented_one_bit_for_bit(M, N, K):
