@@ -9,7 +9,7 @@ PORT   ?= 8000
 
 .PHONY: install tools control-plane cluster crd e2e serve generate test test-engine test-core test-server test-cluster test-fast test-kernels lint format bench bench-vllm bench-vllm-serve bench-serve bench-kernels bench-autoscaling bench-lora bench-soak clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard kernels/cpu/*.cpp)
+$(STAMP): pyproject.toml setup.py $(wildcard kernels/cpu/*.cpp) $(wildcard kernels/cpu/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'

@@ -3,7 +3,8 @@
 ``engine/``, ``kernels/``, ``operator/`` and ``router/`` are installed as ``kvpilot.engine``,
 ``kvpilot.kernels``, ``kvpilot.operator`` and ``kvpilot.router``; they are never top-level import
 packages (``operator`` would shadow the standard library, ``kernels`` is a PyPI name transformers probes).
-``package_data`` ships the C++ sources of the CPU kernels (``kernels/cpu/*.cpp``: built by
+``package_data`` ships the C++ sources of the CPU kernels (``kernels/cpu/*.cpp`` and the headers
+they include, ``*.h``: built by
 ``python -m kvpilot.kernels.cpu`` or on first use, their hash checked against the prebuilt
 kernels' stamps) in the wheel and the sdist; an editable install reads them from the source tree. Everything else
 about the distribution lives in pyproject.toml.
@@ -28,6 +29,6 @@ for name, folder in SUBPACKAGES.items():
 setup(
     package_dir=package_dir,
     packages=packages,
-    package_data={"kvpilot.kernels.cpu": ["*.cpp"]},
+    package_data={"kvpilot.kernels.cpu": ["*.cpp", "*.h"]},
     include_package_data=True,
 )

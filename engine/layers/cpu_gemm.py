@@ -52,20 +52,27 @@ def _pack(weight: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
 
-def prepack(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
+def prepack(
+    weights: list[torch.Tensor], gated: list[bool] | None = None
+) -> list[torch.Tensor | None]:
     """The packed copies of float32 CPU weights; None for each where neither the kernel nor
     oneDNN is used (another dtype or device).
 
     Each result has its weight's shape and dtype and no dense values: a
     :class:`kvpilot.kernels.cpu.gemm.PackedWeight` (AVX-512) or an opaque ``torch._mkldnn``
-    tensor. Only :func:`linear` reads it, so the caller drops the dense weight for it. The
-    kernel's panels of all the weights are slices of one buffer in transparent huge pages where
-    the system gives them (:mod:`kvpilot.kernels.cpu.huge_pages`): a decode step streams them
-    all from memory, and most single weights are too small to hold a whole 2 MiB page.
+    tensor. Only :func:`linear` (and, gated, :func:`silu_and_mul`) reads it, so the caller
+    drops the dense weight for it. The kernel's panels of all the weights are slices of one
+    buffer in transparent huge pages where the system gives them
+    (:mod:`kvpilot.kernels.cpu.huge_pages`): a decode step streams them all from memory, and
+    most single weights are too small to hold a whole 2 MiB page.
 
     Args:
         weights: each ``[out_features, in_features]``.
+        gated: for each weight, whether it is a stacked gate/up projection ``[gate; up]`` to
+            pack for :func:`silu_and_mul` (the kernel only; oneDNN packs it as it is); None:
+            none is.
     """
+    gated = gated or [False] * len(weights)
     eligible = [w.device.type == "cpu" and w.dtype == torch.float32 for w in weights]
     if not (gemm.available() or _ONEDNN):
         return [None] * len(weights)
@@ -79,14 +86,36 @@ def prepack(weights: list[torch.Tensor]) -> list[torch.Tensor | None]:
     arena = huge_pages.empty((sum(sizes),), torch.float32)
     starts = itertools.accumulate(sizes, initial=0)
     return [
-        None if shape is None else gemm.pack_weight(w, arena[at : at + size].view(shape))
-        for w, shape, at, size in zip(weights, shapes, starts, sizes, strict=False)
+        None if shape is None else gemm.pack_weight(w, arena[at : at + size].view(shape), gate)
+        for w, gate, shape, at, size in zip(weights, gated, shapes, starts, sizes, strict=False)
     ]
 
 
 def is_packed(weight: torch.Tensor) -> bool:
     """Whether ``weight`` is a packed copy from :func:`prepack` (no dense values)."""
     return isinstance(weight, gemm.PackedWeight) or weight.is_mkldnn
+
+
+def is_gated(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a gate/up projection packed for :func:`silu_and_mul`."""
+    return isinstance(weight, gemm.PackedWeight) and weight.gated
+
+
+def silu_and_mul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of a gate/up projection, ``silu(x Wg^T) * (x Wu^T)``, in one pass of the kernel:
+    the bits of :func:`linear` followed by the SiLU-and-mul activation.
+
+    Args:
+        x: ``[..., in_features]`` float32 on the CPU.
+        weight: ``[2 d, in_features]``, packed gated by :func:`prepack` (see :func:`is_gated`).
+
+    Returns:
+        ``[..., d]`` float32.
+
+    Raises:
+        RuntimeError: a weight not packed gated, or mismatched shapes (the message says which).
+    """
+    return gemm.packed_silu_and_mul(x, weight)
 
 
 def _packed(weight: torch.Tensor) -> torch.Tensor:

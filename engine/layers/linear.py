@@ -39,7 +39,7 @@ from kvpilot.engine.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from kvpilot.engine.layers.cpu_gemm import is_packed, linear, prepack
+from kvpilot.engine.layers.cpu_gemm import is_gated, is_packed, linear, prepack, silu_and_mul
 from kvpilot.engine.layers.quantization.base_config import (
     LinearMethodBase,
     LinearWeightShape,
@@ -116,9 +116,16 @@ class Linear(nn.Module):
         prefix: the layer's module name (``model.layers.0.self_attn.qkv_proj``): the format
             looks it up in its list of unquantized layers.
 
+    Attributes:
+        pack_gated: set on a stacked gate/up projection whose activation is SiLU (a SwiGLU
+            MLP's ``gate_up_proj``): :func:`prepack_linear_weights` then packs its weight for
+            :meth:`MergedColumnParallelLinear.forward_silu_and_mul`. False by default.
+
     Raises:
         ValueError: sizes the quantization format cannot hold (named in the message).
     """
+
+    pack_gated = False
 
     def __init__(
         self,
@@ -374,6 +381,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def output_partition_sizes(self) -> list[int]:
         return list(self.output_sizes_per_partition)
 
+    def forward_silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
+        """``silu(gate) * up`` of a gate/up pair, ``[..., output_size_per_partition / 2]``,
+        computed by the CPU GEMM kernel in the same pass as the projection (the same bits as
+        :meth:`forward` then the activation), where the weight was packed for it
+        (``pack_gated``, :func:`prepack_linear_weights`) and there is no bias; else None, and
+        the caller applies the activation to :meth:`forward`'s output."""
+        if self.bias is not None or not is_gated(self.weight):
+            return None
+        return silu_and_mul(x, self.weight)
+
     def stacked_shards(self) -> list[tuple[str | int, int]]:
         return list(enumerate(self.output_sizes))
 
@@ -523,7 +540,9 @@ def prepack_linear_weights(model: nn.Module) -> int:
     and the packed copy :func:`~kvpilot.engine.layers.cpu_gemm.linear` multiplies with. After
     this only the packed one is left; it cannot be loaded into again, so call it once the
     weights are loaded. A weight held by more than one module (an LM head tied to the input
-    embedding, which also serves lookups) stays dense. Other dtypes and devices: no change.
+    embedding, which also serves lookups) stays dense. A layer with ``pack_gated`` is packed
+    for its SwiGLU (:meth:`MergedColumnParallelLinear.forward_silu_and_mul`). Other dtypes and
+    devices: no change.
 
     Args:
         model: the loaded model; its ``weight`` parameters of ``[out_features, in_features]``
@@ -544,7 +563,8 @@ def prepack_linear_weights(model: nn.Module) -> int:
         modules.append(module)
     released = 0
     for batch in _batches(modules, PREPACK_BATCH_BYTES):
-        for module, packed in zip(batch, prepack([m.weight for m in batch]), strict=True):
+        gated = [getattr(m, "pack_gated", False) for m in batch]  # matmul-only heads: False
+        for module, packed in zip(batch, prepack([m.weight for m in batch], gated), strict=True):
             if packed is not None:
                 released += module.weight.nbytes
                 module.weight = nn.Parameter(packed, requires_grad=False)

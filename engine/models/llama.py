@@ -41,7 +41,7 @@ from kvpilot.engine.distributed.pipeline import (
     PPMissingLayer,
     get_pp_indices,
 )
-from kvpilot.engine.layers.activation import get_act_and_mul
+from kvpilot.engine.layers.activation import SiluAndMul, get_act_and_mul
 from kvpilot.engine.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from kvpilot.engine.layers.layernorm import RMSNorm
 from kvpilot.engine.layers.linear import (
@@ -223,13 +223,23 @@ class LlamaMLP(nn.Module):
             prefix=f"{prefix}.gate_up_proj",
         )
         self.act_fn = get_act_and_mul(config.hidden_act, kernel_backend)
+        # SwiGLU with the CPU kernels: the GEMM applies the SiLU as it writes gate and up.
+        self.gate_up_proj.pack_gated = (
+            isinstance(self.act_fn, SiluAndMul) and self.act_fn.cpu_kernel
+        )
         self.down_proj = RowParallelLinear(
             size, config.hidden_size, bias, quant_config=quant_config, prefix=f"{prefix}.down_proj"
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[num_tokens, hidden_size]`` -> same shape."""
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj  # a LoRA wrapper once adapters target it
+        fused = (
+            gate_up.forward_silu_and_mul(x)
+            if isinstance(gate_up, MergedColumnParallelLinear)
+            else None
+        )
+        return self.down_proj(self.act_fn(gate_up(x)) if fused is None else fused)
 
 
 class LlamaDecoderLayer(nn.Module):

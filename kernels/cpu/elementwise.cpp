@@ -12,7 +12,8 @@
 //   AVX level), so float32 and bfloat16 results are the reference's bit for bit.
 // - silu_and_mul (Shazeer 2020): dtype(silu(g)) * u with silu(g) = g / (1 + exp(-g)); exp is
 //   SLEEF's expf (1 ulp, the one ATen's vectorized silu calls, exported by libtorch_cpu) on
-//   whole vectors and std::exp on the rest, in the chunks ATen's loop uses.
+//   whole vectors and std::exp on the rest, in the chunks ATen's loop uses (silu.h, which
+//   gemm.cpp's gate/up epilogue shares).
 // - rotary_neox (Su et al. 2021): x1' = dtype(x1 c1) - dtype(x2 s1), x2' = dtype(x2 c2) +
 //   dtype(x1 s2) over the first rotary_dim features, the rest copied: bit for bit.
 //
@@ -34,19 +35,12 @@
 #include <type_traits>
 #include <vector>
 
+#include "silu.h"
+
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define KVPILOT_X86 1
 #define KVPILOT_TARGET_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 #include <immintrin.h>
-// SLEEF's vector expf, as ATen's Vectorized<float>::exp() calls it (exported by libtorch_cpu).
-#pragma GCC push_options
-#pragma GCC target("avx512f")
-extern "C" __m512 Sleef_expf16_u10(__m512);
-#pragma GCC pop_options
-#pragma GCC push_options
-#pragma GCC target("avx2")
-extern "C" __m256 Sleef_expf8_u10(__m256);
-#pragma GCC pop_options
 #else
 #define KVPILOT_X86 0
 #define KVPILOT_TARGET_CLONES
@@ -202,73 +196,7 @@ void rms_norm_rows(scalar_t* out, scalar_t* residual_out, const scalar_t* x,
 }
 
 // ---------------------------------------------------------------------------------------------
-// SiLU: g / (1 + exp(-g)) as ATen's silu kernel computes it. Its loop takes a row in chunks of
-// two vectors of the dtype (2 x 64 bytes with AVX-512, 2 x 32 with AVX2) through SLEEF's expf
-// and the elements after the last whole chunk through std::exp; so does this.
-
-enum class Vector { kNone, kAvx2, kAvx512 };
-
-Vector torch_vector() {
-#if KVPILOT_X86
-  static const Vector v = [] {
-    const std::string capability = at::get_cpu_capability();
-    if (capability == "AVX512") return Vector::kAvx512;
-    if (capability == "AVX2") return Vector::kAvx2;
-    return Vector::kNone;
-  }();
-  return v;
-#else
-  return Vector::kNone;
-#endif
-}
-
-#if KVPILOT_X86
-// out[i] = silu(g[i]) * (up ? up[i] : 1) for i < count (a multiple of the vector's lanes).
-__attribute__((target("avx512f"))) void silu16(const float* g, const float* up, float* out,
-                                               int64_t count) {
-  const __m512 one = _mm512_set1_ps(1.f);
-  const __m512i sign = _mm512_set1_epi32(static_cast<int32_t>(0x80000000u));
-  for (int64_t i = 0; i < count; i += 16) {
-    const __m512 x = _mm512_loadu_ps(g + i);
-    const __m512 e = Sleef_expf16_u10(
-        _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(x), sign)));
-    __m512 y = _mm512_div_ps(x, _mm512_add_ps(one, e));
-    if (up != nullptr) y = _mm512_mul_ps(y, _mm512_loadu_ps(up + i));
-    _mm512_storeu_ps(out + i, y);
-  }
-}
-
-__attribute__((target("avx2"))) void silu8(const float* g, const float* up, float* out,
-                                           int64_t count) {
-  const __m256 one = _mm256_set1_ps(1.f);
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t i = 0; i < count; i += 8) {
-    const __m256 x = _mm256_loadu_ps(g + i);
-    const __m256 e = Sleef_expf8_u10(_mm256_xor_ps(x, sign));
-    __m256 y = _mm256_div_ps(x, _mm256_add_ps(one, e));
-    if (up != nullptr) y = _mm256_mul_ps(y, _mm256_loadu_ps(up + i));
-    _mm256_storeu_ps(out + i, y);
-  }
-}
-#endif
-
-// silu(g) (times up when given) of `count` floats, the first `vectorized` the vector way.
-void silu_floats(const float* g, const float* up, float* out, int64_t count, int64_t vectorized,
-                 Vector v) {
-#if KVPILOT_X86
-  if (v == Vector::kAvx512) {
-    silu16(g, up, out, vectorized);
-  } else if (v == Vector::kAvx2) {
-    silu8(g, up, out, vectorized);
-  }
-#else
-  vectorized = 0;
-#endif
-  for (int64_t i = vectorized; i < count; ++i) {
-    const float y = g[i] / (1.f + std::exp(-g[i]));
-    out[i] = up != nullptr ? y * up[i] : y;
-  }
-}
+// SiLU (silu.h: the vector expf and the chunks of ATen's silu kernel).
 
 KVPILOT_TARGET_CLONES void bfloat16_to_float(const c10::BFloat16* x, float* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = to_float(x[i]);
@@ -284,10 +212,8 @@ KVPILOT_TARGET_CLONES void bfloat16_mul(const float* s, const c10::BFloat16* up,
 
 template <typename scalar_t>
 void silu_and_mul_rows(scalar_t* out, const scalar_t* x, int64_t rows, int64_t d) {
-  const Vector v = torch_vector();
-  const int64_t vector_bytes = v == Vector::kAvx512 ? 64 : v == Vector::kAvx2 ? 32 : 0;
-  const int64_t chunk = 2 * vector_bytes / static_cast<int64_t>(sizeof(scalar_t));
-  const int64_t vectorized = chunk == 0 ? 0 : d / chunk * chunk;
+  const kvpilot_silu::Vector v = kvpilot_silu::torch_vector();
+  const int64_t vectorized = kvpilot_silu::vectorized(d, v, sizeof(scalar_t));
   at::parallel_for(0, rows, grain_rows(2 * d), [&](int64_t begin, int64_t end) {
     std::vector<float> g, s;
     if constexpr (!std::is_same_v<scalar_t, float>) g.resize(d), s.resize(d);
@@ -295,10 +221,10 @@ void silu_and_mul_rows(scalar_t* out, const scalar_t* x, int64_t rows, int64_t d
       const scalar_t* gate = x + row * 2 * d;
       if constexpr (std::is_same_v<scalar_t, float>) {
         // float32 rounds silu's output and the product each once: one pass, in registers.
-        silu_floats(gate, gate + d, out + row * d, d, vectorized, v);
+        kvpilot_silu::silu_floats(gate, gate + d, out + row * d, d, vectorized, v);
       } else {
         bfloat16_to_float(gate, g.data(), d);
-        silu_floats(g.data(), nullptr, s.data(), d, vectorized, v);
+        kvpilot_silu::silu_floats(g.data(), nullptr, s.data(), d, vectorized, v);
         bfloat16_mul(s.data(), gate + d, out + row * d, d);
       }
     }

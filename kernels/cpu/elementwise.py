@@ -53,6 +53,7 @@ KERNEL = extension.Kernel(
     "CPU elementwise kernels",
     "RMSNorm, SiLU-and-mul and the rotary embedding keep the torch path",
     tuple(CFLAGS),
+    (SOURCE.with_name("silu.h"),),
 )
 
 

@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import pathlib
@@ -61,18 +62,27 @@ def env_enabled(env_var: str) -> bool:
 class Kernel:
     """One C++ CPU kernel: extension ``name`` (its ``TORCH_EXTENSION_NAME``) compiled from
     ``source`` with :data:`CFLAGS` plus ``extra_cflags``; ``what`` and ``fallback`` make its
-    warning ``"<what> unavailable (<error>); <fallback>"``."""
+    warning ``"<what> unavailable (<error>); <fallback>"``. ``headers`` are the files of this
+    folder that ``source`` includes (package data too)."""
 
     name: str
     source: pathlib.Path
     what: str
     fallback: str
     extra_cflags: tuple[str, ...] = ()
+    headers: tuple[pathlib.Path, ...] = ()
 
     @property
     def cflags(self) -> list[str]:
-        """All its compiler flags: :data:`CFLAGS`, then its own."""
-        return CFLAGS + list(self.extra_cflags)
+        """All its compiler flags: :data:`CFLAGS`, then its own, then, with ``headers``, a
+        ``-DKVPILOT_HEADERS_SHA256=...`` of their contents: torch's build cache and the
+        prebuilt stamp see the source file and the flags only, so a changed header changes the
+        flags and the kernel is rebuilt (raises OSError if a header is unreadable)."""
+        flags = CFLAGS + list(self.extra_cflags)
+        if self.headers:
+            digest = hashlib.sha256(b"".join(h.read_bytes() for h in self.headers)).hexdigest()
+            flags.append(f"-DKVPILOT_HEADERS_SHA256={digest[:16]}")
+        return flags
 
     def fingerprint(self) -> dict[str, Any]:
         """Its build's :func:`prebuilt.fingerprint` (raises OSError if the source is

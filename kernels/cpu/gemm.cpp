@@ -50,6 +50,9 @@
 #include <cstdint>
 #include <string>
 #include <utility>
+#include <vector>
+
+#include "silu.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KVPILOT_X86 1
@@ -270,32 +273,87 @@ void check(bool ok, const std::string& message) { TORCH_CHECK(ok, "kvpilot cpu g
 
 bool supported() { return cpu_supported(); }
 
-void pack_weight(const torch::Tensor& weight, torch::Tensor packed) {
+// Row of W that column j of panel p holds: panel p's rows in order, or, gated, the 16 gate rows
+// from 16p and the 16 up rows from d + 16p (d = N / 2); -1 for a zero (padding).
+int64_t packed_row(int64_t p, int64_t j, int64_t N, bool gated) {
+  if (!gated) return p * kPanel + j < N ? p * kPanel + j : -1;
+  const int64_t d = N / 2, half = kPanel / 2, at = p * half + j % half;
+  return at < d ? at + (j < half ? 0 : d) : -1;
+}
+
+void pack_weight(const torch::Tensor& weight, torch::Tensor packed, bool gated) {
   check(weight.device().is_cpu() && weight.scalar_type() == torch::kFloat32 && weight.dim() == 2,
         "the weight must be a 2-D float32 CPU tensor");
   const int64_t N = weight.size(0), K = weight.size(1);
-  const int64_t panels = (N + kPanel - 1) / kPanel;
+  check(!gated || N % 2 == 0, "a gated weight stacks gate and up: an even number of rows");
+  const int64_t per_panel = gated ? kPanel / 2 : kPanel;
+  const int64_t panels = ((gated ? N / 2 : N) + per_panel - 1) / per_panel;
   check(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == K &&
             packed.size(2) == kPanel && packed.is_contiguous() &&
             packed.scalar_type() == torch::kFloat32 && packed.device().is_cpu(),
-        "the packed tensor must be a contiguous float32 [ceil(N / 32), K, 32] CPU tensor");
+        "the packed tensor must be a contiguous float32 [panels, K, 32] CPU tensor (panels: "
+        "ceil(N / 32), or ceil(N / 2 / 16) gated)");
   const auto dense = weight.contiguous();
   const float* src = dense.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
-      const int64_t rows = std::min(kPanel, N - p * kPanel);
+      int64_t rows[kPanel];
+      for (int64_t j = 0; j < kPanel; ++j) rows[j] = packed_row(p, j, N, gated);
       for (int64_t k = 0; k < K; ++k) {
         float* out = dst + (p * K + k) * kPanel;
-        for (int64_t j = 0; j < rows; ++j) out[j] = src[(p * kPanel + j) * K + k];
-        for (int64_t j = rows; j < kPanel; ++j) out[j] = 0.0f;
+        for (int64_t j = 0; j < kPanel; ++j) out[j] = rows[j] < 0 ? 0.0f : src[rows[j] * K + k];
       }
     }
   });
 }
 
+// What packed_linear writes: W x (a plain or a gated packing; gated, y is [gate | up] as the
+// unpacked weight would give it), or silu(gate) * up (gated only; SwiGLU, Shazeer 2020).
+enum Output : int64_t { kLinear = 0, kSiluAndMul = 1 };
+
+#if KVPILOT_X86
+// One panel's y[rows, cols] (ldy apart) for `rows` rows of x: chunk by chunk in 2-12 calls, or
+// call after call.
+void panel_product(const float* x, int64_t K, const float* panel, float* y, int64_t ldy,
+                   int64_t rows, int cols) {
+  const int64_t calls = (rows + kMaxRows - 1) / kMaxRows;
+  if (calls > 1 && calls <= kMaxInterleavedCalls) {
+    interleaved_panel(x, K, panel, y, ldy, rows, calls, cols);
+    return;
+  }
+  int64_t m = 0;
+  for (int64_t call = 0; call < calls; ++call) {
+    const int n = rows_of_call(rows - m, calls - call);
+    const bool far = call == 0 && 2 * n > kMaxRows;
+    panel_rows(x + m * K, K, panel, y + m * ldy, ldy, n, cols,
+               far ? kPrefetchFromMemory : kPrefetchNear);
+    m += n;
+  }
+}
+
+// A gated panel's products, s[rows, 32] (16 gate columns, then their 16 up columns), into the
+// output: y[rows, 2d] as [gate | up], or y[rows, d] = silu(gate) * up (ldy apart), columns c0 to
+// c0 + n, n <= 16; silu's vector part is the first `vector_count` of a row of d.
+void gated_epilogue(const float* s, float* y, int64_t ldy, int64_t rows, int64_t d, int64_t c0,
+                    int64_t n, Output output, int64_t vector_count, kvpilot_silu::Vector v) {
+  constexpr int64_t half = kPanel / 2;
+  const int64_t vectors = std::clamp<int64_t>(vector_count - c0, 0, n);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = s + r * kPanel;
+    float* out = y + r * ldy + c0;
+    if (output == kSiluAndMul) {
+      kvpilot_silu::silu_floats(gate, gate + half, out, n, vectors, v);
+    } else {
+      std::copy(gate, gate + n, out);
+      std::copy(gate + half, gate + half + n, out + d);
+    }
+  }
+}
+#endif
+
 void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor& packed,
-                   int64_t N) {
+                   int64_t N, bool gated, int64_t output) {
   check(cpu_supported(), "this CPU has no AVX-512");
   check(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 &&
             x.device().is_cpu(),
@@ -303,14 +361,19 @@ void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor&
   check(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == kPanel &&
             packed.scalar_type() == torch::kFloat32,
         "the packed weight must come from pack_weight");
+  check(output == kLinear || (output == kSiluAndMul && gated),
+        "silu_and_mul needs a gated packing");
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   check(packed.size(1) == K, "x has " + std::to_string(K) + " features, the weight " +
                                  std::to_string(packed.size(1)));
-  check(N > (panels - 1) * kPanel && N <= panels * kPanel,
+  const int64_t per_panel = gated ? kPanel / 2 : kPanel, d = N / 2;
+  check((!gated || N % 2 == 0) && (gated ? d : N) > (panels - 1) * per_panel &&
+            (gated ? d : N) <= panels * per_panel,
         "out_features " + std::to_string(N) + " does not match the packed weight");
-  check(y.dim() == 2 && y.size(0) == M && y.size(1) == N && y.is_contiguous() &&
+  const int64_t width = output == kSiluAndMul ? d : N;
+  check(y.dim() == 2 && y.size(0) == M && y.size(1) == width && y.is_contiguous() &&
             y.scalar_type() == torch::kFloat32,
-        "y must be a contiguous [M, N] float32 tensor");
+        "y must be a contiguous [M, " + std::to_string(width) + "] float32 tensor");
   if (M == 0 || N == 0) return;
   if (K == 0) {
     y.zero_();
@@ -320,28 +383,27 @@ void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor&
   const float* xp = x.data_ptr<float>();
   const float* wp = packed.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  const kvpilot_silu::Vector v = kvpilot_silu::torch_vector();
+  const int64_t vector_count = kvpilot_silu::vectorized(d, v, sizeof(float));
   const int64_t passes = (M + kRowChunk - 1) / kRowChunk;
   const int64_t pass_rows = (M + passes - 1) / passes;
   for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
     const int64_t rows_here = std::min(pass_rows, M - m0);
-    const int64_t calls = (rows_here + kMaxRows - 1) / kMaxRows;
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
+      // A gated panel's products wait here (<= 30 KiB, in L1/L2) for the epilogue.
+      std::vector<float> s(gated ? rows_here * kPanel : 0);
       for (int64_t p = p0; p < p1; ++p) {
-        const int cols = static_cast<int>(std::min(kPanel, N - p * kPanel));
         const float* panel = wp + p * K * kPanel;
-        float* y_panel = yp + m0 * N + p * kPanel;
-        if (calls > 1 && calls <= kMaxInterleavedCalls) {
-          interleaved_panel(xp + m0 * K, K, panel, y_panel, N, rows_here, calls, cols);
+        const float* xm = xp + m0 * K;
+        if (!gated) {
+          const int cols = static_cast<int>(std::min(kPanel, N - p * kPanel));
+          panel_product(xm, K, panel, yp + m0 * N + p * kPanel, N, rows_here, cols);
           continue;
         }
-        int64_t m = m0;
-        for (int64_t call = 0; call < calls; ++call) {
-          const int rows = rows_of_call(m0 + rows_here - m, calls - call);
-          const bool far = call == 0 && 2 * rows > kMaxRows;
-          panel_rows(xp + m * K, K, panel, y_panel + (m - m0) * N, N, rows, cols,
-                     far ? kPrefetchFromMemory : kPrefetchNear);
-          m += rows;
-        }
+        panel_product(xm, K, panel, s.data(), kPanel, rows_here, kPanel);
+        const int64_t c0 = p * per_panel;
+        gated_epilogue(s.data(), yp + m0 * width, width, rows_here, d, c0,
+                       std::min(per_panel, d - c0), static_cast<Output>(output), vector_count, v);
       }
     });
   }
@@ -351,6 +413,12 @@ void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("supported", &supported, "Whether this CPU runs the kernel (AVX-512F and FMA).");
   m.def("pack_weight", &pack_weight,
-        "W[N, K] -> panels [ceil(N / 32), K, 32] (every element written; zero-padded).");
-  m.def("packed_linear", &packed_linear, "y[M, N] = x[M, K] W^T with W packed (float32).");
+        "W[N, K] -> panels [ceil(N / 32), K, 32], or gated (W = [gate; up]) [ceil(N / 32), K, "
+        "32] of 16 gate and their 16 up rows (every element written; zero-padded).",
+        py::arg("weight"), py::arg("packed"), py::arg("gated") = false);
+  m.def("packed_linear", &packed_linear,
+        "y[M, N] = x[M, K] W^T with W packed (float32), or y[M, N / 2] = silu(gate) * up "
+        "(output 1, gated packing).",
+        py::arg("y"), py::arg("x"), py::arg("packed"), py::arg("N"), py::arg("gated") = false,
+        py::arg("output") = 0);
 }

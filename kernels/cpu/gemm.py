@@ -42,9 +42,12 @@ KERNEL = extension.Kernel(
     SOURCE,
     "CPU GEMM kernel",
     "float32 linear layers keep oneDNN",
+    headers=(SOURCE.with_name("silu.h"),),
 )
 PANEL = 32
 """Output features per panel of a packed weight."""
+# What the kernel writes (gemm.cpp's Output): the product, or SwiGLU of a gated weight.
+LINEAR, SILU_AND_MUL = 0, 1
 
 
 def enabled() -> bool:
@@ -69,20 +72,25 @@ def available() -> bool:
 class PackedWeight(torch.Tensor):
     """A linear layer's weight ``[out_features, in_features]`` float32, held only as the
     kernel's panels: a tensor of that shape, dtype and device for whoever asks (``.shape``,
-    ``nn.Parameter``, LoRA's sizing), whose one use is :func:`packed_linear`.
+    ``nn.Parameter``, LoRA's sizing), whose uses are :func:`packed_linear` and, gated,
+    :func:`packed_silu_and_mul`.
 
     Attributes:
-        panels: ``[ceil(out_features / 32), in_features, 32]`` float32, contiguous, the rows
-            past ``out_features`` zero.
+        panels: ``[ceil(out_features / 32), in_features, 32]`` float32, contiguous: 32 rows a
+            panel, or, ``gated``, 16 gate rows and their 16 up rows; rows past the weight's
+            zero.
+        gated: whether the weight is a stacked gate/up projection ``[gate; up]`` packed for
+            :func:`packed_silu_and_mul` (see :func:`pack_weight`).
 
     Any other operation on it raises ``RuntimeError`` naming the operation: the dense values
     are not kept.
     """
 
     panels: torch.Tensor
+    gated: bool
 
     @staticmethod
-    def __new__(cls, panels: torch.Tensor, out_features: int) -> PackedWeight:
+    def __new__(cls, panels: torch.Tensor, out_features: int, gated: bool = False) -> PackedWeight:
         weight = torch.Tensor._make_wrapper_subclass(
             cls,
             (out_features, panels.shape[1]),
@@ -91,16 +99,18 @@ class PackedWeight(torch.Tensor):
             requires_grad=False,
         )
         weight.panels = panels
+        weight.gated = gated
         return weight
 
     def __repr__(self) -> str:  # the default one would read the values
-        return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+        gated = ", gated" if self.gated else ""
+        return f"PackedWeight(shape={tuple(self.shape)}, dtype={self.dtype}{gated})"
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         # nn.Parameter detaches its data; nothing else has a meaning for a packed weight.
         if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
-            return PackedWeight(args[0].panels, args[0].shape[0])
+            return PackedWeight(args[0].panels, args[0].shape[0], args[0].gated)
         raise RuntimeError(
             f"a packed linear weight only multiplies (kvpilot.kernels.cpu.gemm.packed_linear); "
             f"{func} is not supported"
@@ -108,12 +118,14 @@ class PackedWeight(torch.Tensor):
 
 
 def packed_shape(out_features: int, in_features: int) -> tuple[int, int, int]:
-    """The panels' shape of a packed ``[out_features, in_features]`` weight:
+    """The panels' shape of a packed ``[out_features, in_features]`` weight, gated or not:
     ``(ceil(out_features / 32), in_features, 32)``."""
     return (math.ceil(out_features / PANEL), in_features, PANEL)
 
 
-def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> PackedWeight:
+def pack_weight(
+    weight: torch.Tensor, out: torch.Tensor | None = None, gated: bool = False
+) -> PackedWeight:
     """``weight`` ``[out_features, in_features]`` float32 on the CPU, packed for the kernel (a
     copy; ``weight`` is not kept).
 
@@ -123,10 +135,15 @@ def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> Packed
             of one buffer for all of a model's weights, say); None for a new tensor, in
             transparent huge pages where the system gives them
             (:mod:`~kvpilot.kernels.cpu.huge_pages`).
+        gated: ``weight`` is a gate/up projection ``[gate; up]`` (``out_features = 2 d``):
+            each panel then holds 16 gate rows and the 16 up rows of the same features, so
+            that :func:`packed_silu_and_mul` finishes SwiGLU in the GEMM; :func:`packed_linear`
+            still gives ``[gate | up]``.
 
     Raises:
         RuntimeError: the kernel is not available (see :func:`available`), or another dtype,
-            device or rank, or an ``out`` of another shape (the message names it).
+            device or rank, an odd ``out_features`` with ``gated``, or an ``out`` of another
+            shape (the message names it).
     """
     ext = _extension()
     if weight.dim() != 2:
@@ -135,8 +152,8 @@ def pack_weight(weight: torch.Tensor, out: torch.Tensor | None = None) -> Packed
         out = torch.empty(packed_shape(*weight.shape))
         huge_pages.advise(out)  # streamed from memory every decode step
     with torch.no_grad():
-        ext.pack_weight(weight.detach(), out)
-    return PackedWeight(out, weight.shape[0])
+        ext.pack_weight(weight.detach(), out, gated)
+    return PackedWeight(out, weight.shape[0], gated)
 
 
 def packed_linear(
@@ -156,14 +173,44 @@ def packed_linear(
         RuntimeError: the kernel is not available, or shapes, dtypes or devices that do not
             match (the message names them).
     """
-    ext = _extension()
-    out_features = weight.shape[0]
-    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
-    out = torch.empty((rows.shape[0], out_features), dtype=x.dtype, device=x.device)
-    ext.packed_linear(out, rows, weight.panels, out_features)
+    out = _run(x, weight, weight.shape[0], LINEAR)
     if bias is not None:
         out += bias
-    return out.view(*x.shape[:-1], out_features)
+    return out
+
+
+def packed_silu_and_mul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
+    """SwiGLU (Shazeer 2020, "GLU Variants Improve Transformer") of a gate/up projection in one
+    pass: ``silu(x Wg^T) * (x Wu^T)`` for ``W = [Wg; Wu]`` packed ``gated``.
+
+    The same bits as :func:`packed_linear` followed by
+    :func:`kvpilot.kernels.cpu.elementwise.silu_and_mul` (both sums in the kernel's order, then
+    ``g / (1 + exp(-g))`` with SLEEF's ``expf`` in the chunks ATen's silu takes, rounded, times
+    ``u``), without writing the ``[..., 2 d]`` projection out and reading it back.
+
+    Args:
+        x: ``[..., in_features]`` float32 on the CPU (copied first if not contiguous).
+        weight: ``[2 d, in_features]`` from :func:`pack_weight` with ``gated=True``.
+
+    Returns:
+        ``[..., d]`` float32, a new tensor.
+
+    Raises:
+        RuntimeError: the kernel is not available, a weight not packed gated, or shapes,
+            dtypes or devices that do not match (the message names them).
+    """
+    if not weight.gated:
+        raise RuntimeError("kvpilot cpu gemm: silu_and_mul needs a weight packed with gated=True")
+    return _run(x, weight, weight.shape[0] // 2, SILU_AND_MUL)
+
+
+def _run(x: torch.Tensor, weight: PackedWeight, width: int, output: int) -> torch.Tensor:
+    """The kernel's ``output`` for ``x`` ``[..., K]``: ``[..., width]``, a new tensor."""
+    ext = _extension()
+    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
+    out = torch.empty((rows.shape[0], width), dtype=x.dtype, device=x.device)
+    ext.packed_linear(out, rows, weight.panels, weight.shape[0], weight.gated, output)
+    return out.view(*x.shape[:-1], width)
 
 
 def _extension() -> ModuleType:
