@@ -3,7 +3,13 @@
 //
 // Layout. A weight of N rows is cut into ceil(N / 32) panels of 32 rows (the last zero-padded);
 // a panel is stored k-major, [K][32], so that the 32 weights of one input feature are two
-// adjacent 64-byte vectors and a panel is one contiguous stream (pack_weight).
+// adjacent 64-byte vectors and a panel is one contiguous stream (pack_weight). A gate/up
+// projection W = [gate; up] (2d rows) can be packed gated: panel p then holds gate rows 16p..
+// 16p + 15 in its first vector and the up rows of the same features (d + 16p..) in its second,
+// so that one panel's products are 16 (gate, up) pairs: the panel's rows are computed into a
+// small buffer and its epilogue writes silu(gate) * up (SwiGLU, Shazeer 2020) as silu.h (ATen's
+// silu kernel) computes it, or the two halves back to their [gate | up] places. The same sums
+// either way; the [M, 2d] projection is never written out and read back for the activation.
 //
 // Summation order, fixed by K alone. The K input features are cut into chunks of kChunk (128)
 // consecutive ones (the last may be shorter). Each output element is

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from kvpilot.engine.layers import cpu_gemm
-from kvpilot.kernels.cpu import gemm
+from kvpilot.kernels import reference
+from kvpilot.kernels.cpu import elementwise, gemm
 
 pytestmark = pytest.mark.skipif(
     not gemm.available(), reason="the CPU GEMM kernel needs AVX-512 (and a C++ compiler)"
@@ -134,6 +135,63 @@ def test_a_packed_weight_is_a_parameter_of_its_shape_that_only_multiplies():
         param + 1
     x = _randn(5, 48, seed=9)
     assert torch.equal(cpu_gemm.linear(x, param), gemm.packed_linear(x, param))
+
+
+@pytest.mark.parametrize(("d", "K"), [(1, 1), (5, 7), (16, 128), (17, 300), (40, 129), (1536, 576)])
+def test_a_gated_packing_gives_the_same_bits_and_swiglu_in_one_pass(d, K):
+    """16 gate and their 16 up rows a panel: the product is the plain packing's, and
+    packed_silu_and_mul is packed_linear then the elementwise kernel's silu_and_mul bit for bit
+    (d = 5, 17, 40: the last features of a row take std::exp, as ATen's silu does)."""
+    w = _randn(2 * d, K, seed=d + K)
+    plain, gated = gemm.pack_weight(w), gemm.pack_weight(w, gated=True)
+    assert gated.gated and gated.panels.shape == plain.panels.shape
+    # Panel 0 holds gate row 0 in column 0 and up row 0 (row d of W) in column 16.
+    assert torch.equal(gated.panels[0, :, 0], w[0]) and torch.equal(gated.panels[0, :, 16], w[d])
+    for M in (1, 5, 13, 32, 145, 250):
+        x = _randn(M, K, seed=M)
+        product = gemm.packed_linear(x, plain)
+        assert torch.equal(gemm.packed_linear(x, gated), product), M
+        want = (
+            elementwise.silu_and_mul(product)
+            if elementwise.available()
+            else reference.silu_and_mul(product)
+        )
+        got = gemm.packed_silu_and_mul(x, gated)
+        if elementwise.available():
+            assert torch.equal(got, want), M
+        else:
+            torch.testing.assert_close(got, want)
+
+
+def test_silu_and_mul_needs_a_gated_packing_of_an_even_weight():
+    with pytest.raises(RuntimeError, match="gated=True"):
+        gemm.packed_silu_and_mul(_randn(2, 64, seed=1), gemm.pack_weight(_randn(32, 64, seed=2)))
+    with pytest.raises(RuntimeError, match="an even number of rows"):
+        gemm.pack_weight(_randn(33, 64, seed=3), gated=True)
+
+
+def test_the_mlp_of_a_swiglu_model_runs_its_silu_in_the_gemm():
+    """After prepacking, a Llama MLP's gate_up weight is packed gated and its output is the
+    unfused path's bit for bit; a projection wrapped for LoRA still multiplies it as [gate | up]."""
+    from transformers import LlamaConfig
+
+    from kvpilot.engine.layers.linear import prepack_linear_weights
+    from kvpilot.engine.models.llama import LlamaMLP
+
+    config = LlamaConfig(hidden_size=64, intermediate_size=40, hidden_act="silu")
+    mlp = LlamaMLP(config)
+    with torch.no_grad():
+        for param in mlp.parameters():
+            param.copy_(_randn(*param.shape, seed=param.numel()))
+    x = _randn(7, 64, seed=11)
+    gate_up = mlp.gate_up_proj(x)
+    unfused = mlp.down_proj(mlp.act_fn(gate_up))
+    prepack_linear_weights(mlp)
+    assert mlp.gate_up_proj.pack_gated == elementwise.available()
+    assert cpu_gemm.is_gated(mlp.gate_up_proj.weight) == mlp.gate_up_proj.pack_gated
+    assert torch.equal(mlp(x), unfused)
+    # What a LoRA wrapper calls: the projection alone, [gate | up] as before packing.
+    assert torch.equal(mlp.gate_up_proj(x), gate_up)
 
 
 def test_the_benchmark_runs_at_a_tiny_size():

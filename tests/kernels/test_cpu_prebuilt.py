@@ -150,3 +150,19 @@ def test_a_missing_folder_is_the_build_cache_path_without_a_word(tmp_path):
     assert _loaded_from(done) == extension.build_folder(NAME) / f"{NAME}.so"
     assert "prebuilt" not in done.stderr
     assert not (tmp_path / "absent").exists()
+
+
+def test_a_changed_header_changes_the_build_flags_and_so_the_stamp(tmp_path):
+    """torch's build cache and the stamp hash the source file and the flags; a header the
+    source includes is in the flags by its hash, so editing it rebuilds the kernel."""
+    source, header = tmp_path / "k.cpp", tmp_path / "k.h"
+    source.write_text('#include "k.h"\n')
+    header.write_text("// one\n")
+    kernel = extension.Kernel("k", source, "k", "none", headers=(header,))
+    before = kernel.cflags
+    assert before[:-1] == extension.CFLAGS and before[-1].startswith("-DKVPILOT_HEADERS_SHA256=")
+    header.write_text("// two\n")
+    assert kernel.cflags[-1] != before[-1]
+    assert kernel.fingerprint()["cflags"] == kernel.cflags
+    assert extension.Kernel("k", source, "k", "none").cflags == extension.CFLAGS
+    assert elementwise.KERNEL.headers == (elementwise.SOURCE.with_name("silu.h"),)
