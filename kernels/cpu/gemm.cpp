@@ -292,13 +292,11 @@ void pack_weight(const torch::Tensor& weight, torch::Tensor packed, bool gated) 
         "the weight must be a 2-D float32 CPU tensor");
   const int64_t N = weight.size(0), K = weight.size(1);
   check(!gated || N % 2 == 0, "a gated weight stacks gate and up: an even number of rows");
-  const int64_t per_panel = gated ? kPanel / 2 : kPanel;
-  const int64_t panels = ((gated ? N / 2 : N) + per_panel - 1) / per_panel;
+  const int64_t panels = (N + kPanel - 1) / kPanel;  // gated too: ceil(N / 2 / 16), N even
   check(packed.dim() == 3 && packed.size(0) == panels && packed.size(1) == K &&
             packed.size(2) == kPanel && packed.is_contiguous() &&
             packed.scalar_type() == torch::kFloat32 && packed.device().is_cpu(),
-        "the packed tensor must be a contiguous float32 [panels, K, 32] CPU tensor (panels: "
-        "ceil(N / 32), or ceil(N / 2 / 16) gated)");
+        "the packed tensor must be a contiguous float32 [ceil(N / 32), K, 32] CPU tensor");
   const auto dense = weight.contiguous();
   const float* src = dense.data_ptr<float>();
   float* dst = packed.data_ptr<float>();
@@ -372,10 +370,9 @@ void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor&
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0);
   check(packed.size(1) == K, "x has " + std::to_string(K) + " features, the weight " +
                                  std::to_string(packed.size(1)));
-  const int64_t per_panel = gated ? kPanel / 2 : kPanel, d = N / 2;
-  check((!gated || N % 2 == 0) && (gated ? d : N) > (panels - 1) * per_panel &&
-            (gated ? d : N) <= panels * per_panel,
+  check((!gated || N % 2 == 0) && N > (panels - 1) * kPanel && N <= panels * kPanel,
         "out_features " + std::to_string(N) + " does not match the packed weight");
+  const int64_t d = N / 2;  // gated: the gate's (and the up's) features
   const int64_t width = output == kSiluAndMul ? d : N;
   check(y.dim() == 2 && y.size(0) == M && y.size(1) == width && y.is_contiguous() &&
             y.scalar_type() == torch::kFloat32,
@@ -407,9 +404,9 @@ void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor&
           continue;
         }
         panel_product(xm, K, panel, s.data(), kPanel, rows_here, kPanel);
-        const int64_t c0 = p * per_panel;
+        const int64_t c0 = p * (kPanel / 2);
         gated_epilogue(s.data(), yp + m0 * width, width, rows_here, d, c0,
-                       std::min(per_panel, d - c0), static_cast<Output>(output), vector_count, v);
+                       std::min(kPanel / 2, d - c0), static_cast<Output>(output), vector_count, v);
       }
     });
   }

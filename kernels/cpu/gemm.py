@@ -2,10 +2,10 @@
 
 ``y = x W^T`` for ``x`` ``[M, K]`` and a weight ``W`` ``[N, K]`` packed once (:func:`pack_weight`)
 into panels of 32 output features stored k-major, so that each panel streams from memory as
-one run of 64-byte vectors. A gate/up projection packed ``gated`` (16 gate and their 16 up
-features a panel) also gives SwiGLU in the same pass (:func:`packed_silu_and_mul`). AVX-512 micro-kernels multiply up to 12 rows of ``x`` against a
+one run of 64-byte vectors. AVX-512 micro-kernels multiply up to 12 rows of ``x`` against a
 panel with fused multiply-adds; the panels are split over ATen's OpenMP threads
-(``torch.set_num_threads``).
+(``torch.set_num_threads``). A gate/up projection packed ``gated`` (16 gate and their 16 up
+features a panel) also gives SwiGLU in the same pass (:func:`packed_silu_and_mul`).
 
 The summation order is fixed by ``K`` alone: the input features are cut into chunks of 128 (the
 last may be shorter), each chunk's partial sum is taken in order from zero, and the partial
