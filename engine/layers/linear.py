@@ -387,7 +387,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         :meth:`forward` then the activation), where the weight was packed for it
         (``pack_gated``, :func:`prepack_linear_weights`) and there is no bias; else None, and
         the caller applies the activation to :meth:`forward`'s output."""
-        if self.bias is not None or not is_gated(self.weight):
+        weight = getattr(self, "weight", None)  # a quantized layer has qweight and scales
+        if self.bias is not None or weight is None or not is_gated(weight):
             return None
         return silu_and_mul(x, self.weight)
 
