@@ -26,12 +26,10 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
-#include <ATen/Version.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <string>
 #include <type_traits>
 #include <vector>
 

@@ -393,8 +393,11 @@ void packed_linear(torch::Tensor y, const torch::Tensor& x, const torch::Tensor&
   for (int64_t m0 = 0; m0 < M; m0 += pass_rows) {
     const int64_t rows_here = std::min(pass_rows, M - m0);
     at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-      // A gated panel's products wait here (<= 30 KiB, in L1/L2) for the epilogue.
-      std::vector<float> s(gated ? rows_here * kPanel : 0);
+      // A gated panel's products wait here (<= 30 KiB, in L1/L2) for the epilogue: one buffer
+      // a thread, kept between calls (every element read is written first).
+      thread_local std::vector<float> s;
+      const auto size = static_cast<size_t>(gated ? rows_here * kPanel : 0);
+      if (s.size() < size) s.resize(size);
       for (int64_t p = p0; p < p1; ++p) {
         const float* panel = wp + p * K * kPanel;
         const float* xm = xp + m0 * K;
