@@ -390,7 +390,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         weight = getattr(self, "weight", None)  # a quantized layer has qweight and scales
         if self.bias is not None or weight is None or not is_gated(weight):
             return None
-        return silu_and_mul(x, self.weight)
+        return silu_and_mul(x, weight)
 
     def stacked_shards(self) -> list[tuple[str | int, int]]:
         return list(enumerate(self.output_sizes))
