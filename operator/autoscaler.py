@@ -505,6 +505,10 @@ def _activity(
     last_active = memory.last_active if memory.last_active is not None else now
     if panic is not None and panic.active:
         last_active = now
+    if fleet.replicas > 0 and (stable is None or fleet.ready_replicas == 0):
+        # A fleet no client can reach yet (its pods still loading the model) is not idle:
+        # idleSeconds runs from its first report, however long the start took.
+        last_active = now
     woken = fleet.wake_requested_at is not None and (
         fleet.wake_requested_at + WAKE_STAMP_RESOLUTION_SECONDS
         > (memory.last_scale_time if memory.last_scale_time is not None else -math.inf)

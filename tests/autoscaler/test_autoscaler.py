@@ -352,6 +352,26 @@ async def test_only_idle_seconds_of_silence_reach_zero():
     assert history[-1][1].desired_replicas == 0
 
 
+def test_a_start_longer_than_idle_seconds_still_gets_idle_seconds_once_ready():
+    # A new deployment at minReplicas 0 whose model takes 200 s to load: no client could
+    # reach it, so those 200 s are not idle time.
+    policy = AutoscalingPolicy(min_replicas=0, max_replicas=4, idle_seconds=60)
+    memory = AutoscalerMemory()
+    for now in range(0, 200, 5):
+        loading = decide([], policy, FleetState(1, 0, 0, 1), memory, now=float(now))
+        assert (loading.desired_replicas, loading.reason) == (1, "NoMetrics")
+        memory = loading.memory
+    decisions = {}
+    for now in range(200, 300, 5):
+        quiet = pod_samples(float(now), 0.0, 1)
+        decision = decide(quiet, policy, FleetState(1, 1), memory, now=float(now))
+        decisions[now], memory = decision, decision.memory
+    assert {d.desired_replicas for t, d in decisions.items() if t < 255} == {1}, decisions
+    zero = min(t for t, d in decisions.items() if d.desired_replicas == 0)
+    # 195 (the last round without a report) + idleSeconds
+    assert zero == 255 and decisions[zero].reason == "ScaleToZero"
+
+
 def test_minimum_above_zero_never_sleeps():
     policy = AutoscalingPolicy(min_replicas=1, max_replicas=3, idle_seconds=0)
     quiet = pod_samples(0.0, 0.0, 2) + pod_samples(30.0, 0.0, 2)

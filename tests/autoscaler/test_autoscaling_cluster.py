@@ -135,8 +135,9 @@ def test_load_scales_up_then_down_then_to_zero_and_a_wake_brings_it_back(
     }  # fmt: skip
     model = tiny_model_source.removeprefix("file://")
     kube.create_llmd(watched, "chat", spec)
-    wait_for(lambda: ready_ips(kube, watched, "chat"), "the first engine", timeout=300)
+    # The clients wait for the first engine and send as soon as it is Ready.
     with Load(kube, watched, "chat", model) as load:
+        wait_for(lambda: ready_ips(kube, watched, "chat"), "the first engine", timeout=300)
         wait_for(lambda: replicas(kube, watched, "chat") >= 2, "a scale-up", timeout=300)
         up = wait_for(
             lambda: [
