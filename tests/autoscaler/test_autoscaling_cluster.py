@@ -169,7 +169,12 @@ def test_load_scales_up_then_down_then_to_zero_and_a_wake_brings_it_back(
         "Ready=False, ScaledToZero",
     )
 
-    # A wake request (what a router or an activator sets) brings one replica back.
+    # A wake request (what a router or an activator sets) brings one replica back; a longer
+    # idleSeconds first, so that it is not idle again before the checks below reach it.
+    kube.kubectl(
+        "patch", "llmd", "chat", "-n", watched, "--type=merge",
+        "-p", json.dumps({"spec": {"autoscaling": {"idleSeconds": 600}}}),
+    )  # fmt: skip
     kube.kubectl(
         "annotate",
         "llmd",
