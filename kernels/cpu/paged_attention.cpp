@@ -453,6 +453,8 @@ inline AttendOne<c10::BFloat16> pick_attend_one(const Shape& s, c10::BFloat16*) 
                              : attend_one_bfloat16_any;
 }
 
+constexpr int kTileRows = 16;  // (token, head) rows of a prompt tile (below)
+
 #if KVPILOT_X86
 // Prompt tiles (float32, AVX-512, head_dim a multiple of 16, block_size a multiple of 8). A
 // tile is 16 consecutive (query token, query head) rows of one sequence and KV head: row f of
@@ -461,8 +463,6 @@ inline AttendOne<c10::BFloat16> pick_attend_one(const Shape& s, c10::BFloat16*) 
 // and V element is loaded once per tile and broadcast against all of them (16 rows per
 // multiply-add, no horizontal sums), and the causal mask and the softmax run across the rows at
 // once. Scores are stored position-major, [positions][16].
-
-constexpr int kTileRows = 16;
 
 constexpr int kTilePositions = 8;  // positions scored at once: 8 accumulators, 8 chains
 
@@ -617,6 +617,37 @@ struct Item {
 };
 constexpr int64_t kTokensPerThreadForWholeItems = 4;
 
+// The items' indices shared out over `workers` threads by their cost (positions read x query
+// rows): the costliest first, each to the thread with the least so far (LPT, Graham 1969), then
+// each thread's in their order, so that the threads finish together whatever the mix of short and long contexts (round-robin
+// left one thread up to a tenth more of a decode step's reads). Each item's arithmetic is its
+// own: the split changes no bit.
+template <typename Cost>
+std::vector<std::vector<int64_t>> share_out(const std::vector<Item>& items, int64_t workers,
+                                            Cost cost) {
+  std::vector<std::vector<int64_t>> shares(workers);
+  if (workers == 1) {
+    shares[0].resize(items.size());
+    for (size_t i = 0; i < items.size(); ++i) shares[0][i] = static_cast<int64_t>(i);
+    return shares;
+  }
+  std::vector<std::pair<int64_t, int64_t>> order;  // (cost, index)
+  order.reserve(items.size());
+  for (size_t i = 0; i < items.size(); ++i) order.emplace_back(cost(items[i]), i);
+  std::stable_sort(order.begin(), order.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<int64_t> load(workers, 0);
+  for (const auto& [c, i] : order) {
+    const auto w = std::min_element(load.begin(), load.end()) - load.begin();
+    shares[w].push_back(i);
+    load[w] += c;
+  }
+  // Each thread in the items' own order: a prompt's tiles of one KV head, one after the other,
+  // read the same blocks while they are still in the cache.
+  for (auto& share : shares) std::sort(share.begin(), share.end());
+  return shares;
+}
+
 template <typename scalar_t>
 void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -664,16 +695,24 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
   }
 
   const AttendOne<scalar_t> attend = pick_attend_one(s, out_ptr);
-  // Items are dealt round-robin to the threads: a prompt's later tokens attend to more
-  // positions, so contiguous shares would leave the last thread most of the work.
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int64_t workers =
       std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
+  const std::vector<std::vector<int64_t>> shares =
+      share_out(items, workers, [&](const Item& item) {
+        const int64_t q_len = starts[item.seq + 1] - starts[item.seq];
+        const int64_t last = item.f0 >= 0
+                                 ? std::min(q_len, (item.f0 + kTileRows + group - 1) / group) - 1
+                                 : item.token;
+        const int64_t len = lens[item.seq] - q_len + last + 1;
+        const int64_t span = sliding_window > 0 ? std::min(len, sliding_window) : len;
+        return std::max<int64_t>(span, 1) * (item.f0 >= 0 ? kTileRows : item.num_kv * group);
+      });
   at::parallel_for(0, workers, 1, [&](int64_t first_worker, int64_t last_worker) {
     std::vector<float> q(s.num_heads * head_dim), acc(s.num_heads * head_dim), scores, qt, st,
         ot;
     for (int64_t worker = first_worker; worker < last_worker; ++worker) {
-      for (int64_t i = worker; i < num_items; i += workers) {
+      for (const int64_t i : shares[worker]) {
         const Item& item = items[i];
         const int64_t q_len = starts[item.seq + 1] - starts[item.seq];
         const int32_t* table = tables + item.seq * s.max_blocks_per_seq;
