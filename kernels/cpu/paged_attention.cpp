@@ -10,9 +10,9 @@
 //   p[r, t]      = exp(scores[r, t] - max_t scores[r, t]) / sum_t exp(...)
 //   out[r]       = sum_t p[r, t] * v[t]           (float32 accumulation, one division at the end)
 //
-// Two kinds of work items, dealt round-robin to the threads of at::parallel_for (ATen's OpenMP
-// pool, so torch.set_num_threads applies; a prompt's later tokens have more context, so
-// contiguous shares would be uneven):
+// Two kinds of work items, shared out by their cost to the threads of at::parallel_for (ATen's
+// OpenMP pool, so torch.set_num_threads applies; see share_out: contexts differ in length, and
+// a prompt's later tokens have more of it, so equal counts would be uneven):
 //
 // - one token and KV head, or one token and all its KV heads when a step has many such tokens
 //   (decodes; prompts where tiles do not apply; see Item): the num_heads / num_kv_heads query heads
@@ -619,9 +619,10 @@ constexpr int64_t kTokensPerThreadForWholeItems = 4;
 
 // The items' indices shared out over `workers` threads by their cost (positions read x query
 // rows): the costliest first, each to the thread with the least so far (LPT, Graham 1969), then
-// each thread's in their order, so that the threads finish together whatever the mix of short and long contexts (round-robin
-// left one thread up to a tenth more of a decode step's reads). Each item's arithmetic is its
-// own: the split changes no bit.
+// each thread's in their order. The threads then finish together whatever the mix of short and
+// long contexts (dealt round-robin, one thread could get a tenth more of a decode step's reads:
+// 32 decodes of 16-256 positions x 30 layers on 2 threads, 0.91-0.99x the time). Each item's
+// arithmetic is its own: the split changes no bit.
 template <typename Cost>
 std::vector<std::vector<int64_t>> share_out(const std::vector<Item>& items, int64_t workers,
                                             Cost cost) {
