@@ -53,14 +53,16 @@ class StatLogger(Protocol):
     def record_stats(self, stats: EngineStats) -> None:
         """Called when the engine state changed outside a step (a request added or aborted)."""
 
-    def record_abort(self, request_id: str) -> None:
-        """Called when a request is aborted because its consumer went away."""
+    def record_abort(self, request_id: str, num_sequences: int = 1) -> None:
+        """Called when a request is aborted because its consumer went away (``num_sequences``:
+        its ``n``)."""
 
 
 @dataclass
 class _Tracked:
     queue: asyncio.Queue[RequestOutput | BaseException]
     finished: bool = False
+    num_sequences: int = 1  # the request's n
 
 
 class RequestStream:
@@ -207,7 +209,7 @@ class AsyncLLM:
             raise QueueFullError(
                 f"the waiting queue is full ({self.max_waiting_requests} requests); retry later"
             )
-        tracked = _Tracked(asyncio.Queue())
+        tracked = _Tracked(asyncio.Queue(), num_sequences=params.n)
         self._requests[request_id] = tracked
         arrival_time = time.time() if arrival_time is None else arrival_time
         self._num_adding += 1
@@ -279,7 +281,7 @@ class AsyncLLM:
         if tracked is None:
             return
         for logger_ in self.stat_loggers:
-            logger_.record_abort(request_id)
+            logger_.record_abort(request_id, tracked.num_sequences)
         self.client.abort([request_id]).add_done_callback(self._on_abort_done)
 
     def _on_abort_done(self, future: asyncio.Future[EngineStats]) -> None:
@@ -320,8 +322,11 @@ class AsyncLLM:
         self.num_steps += 1
         self._keep_stats(stats)
         now = time.time()
+        # Outputs of requests aborted while the step ran were counted as aborted already (the
+        # engine-core process's client drops them itself).
+        observed = [output for output in outputs if output.request_id in self._requests]
         for logger_ in self.stat_loggers:
-            logger_.record_step(outputs, self.stats, now)
+            logger_.record_step(observed, self.stats, now)
         for output in outputs:
             tracked = self._requests.get(output.request_id)
             if tracked is None:

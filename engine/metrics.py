@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvpilot.engine.outputs import RequestOutput
+from kvpilot.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from kvpilot.engine.stats import EngineStats
 
 # Bucket boundaries are vLLM's (vllm/v1/metrics/loggers.py), so histogram_quantile() queries
@@ -55,9 +55,22 @@ def token_buckets(max_value: int) -> list[float]:
 
 
 @dataclass
-class _InFlight:
-    last_token_time: float
-    num_tokens: int
+class _SequenceState:
+    """What the stat logger has seen of one output sequence (one of a request's ``n``).
+
+    Attributes:
+        first_token_time: when its first token came (seconds): the engine's time for the
+            sequence ``RequestOutput.metrics`` describes (index 0), else when the step that
+            gave it was observed; None before its first token.
+        last_token_time: when the last step that gave it tokens was observed (seconds).
+        num_tokens: its output tokens so far.
+        finished: whether its end was recorded (or it was counted as aborted).
+    """
+
+    first_token_time: float | None = None
+    last_token_time: float = 0.0
+    num_tokens: int = 0
+    finished: bool = False
 
 
 class _EngineStatsCollector(Collector):
@@ -186,8 +199,13 @@ class PrometheusStatLogger:
     scheduled - arrival; prefill = first token - first scheduled; decode = last token - first
     token; inference = last token - first scheduled; e2e = finished - arrival; time per output
     token = decode / (output tokens - 1); inter-token latency = time between consecutive steps
-    that gave the request tokens. ``vllm:request_success_total`` counts finished sequences
-    (each of a request's ``n``) by ``finished_reason`` (stop, length, abort).
+    that gave the request tokens. As in vLLM V1, where a request with ``n > 1`` becomes ``n``
+    child requests, each of a request's ``n`` sequences is one request in every per-request
+    metric: ``vllm:request_success_total`` (by ``finished_reason``: stop, length, abort), the
+    latency histograms, ``vllm:request_prompt_tokens`` and ``vllm:request_generation_tokens``;
+    so, with nothing aborted, ``vllm:request_prompt_tokens_sum`` equals the engine's
+    ``vllm:prompt_tokens_total`` (each sequence's prompt counted once, prefix-cache hits
+    included, a preempted sequence's recomputation not counted again).
     """
 
     def __init__(
@@ -261,44 +279,66 @@ class PrometheusStatLogger:
             registry=registry,
         )
         info.labels(**{k: str(v) for k, v in cache_config.items()}).set(1)
-        self._in_flight: dict[str, _InFlight] = {}
+        # request id -> sequence index -> what was seen of it, until the request finishes.
+        self._in_flight: dict[str, dict[int, _SequenceState]] = {}
 
     def record_stats(self, stats: EngineStats) -> None:
         """Take a new engine snapshot (gauges and totals)."""
         self._stats.stats = stats
 
     def record_step(self, outputs: list[RequestOutput], stats: EngineStats, now: float) -> None:
-        """Observe one step: new stats, first tokens, inter-token gaps, finished requests."""
+        """Observe one step: new stats, first tokens, inter-token gaps, finished sequences.
+
+        Each of a request's ``n`` sequences counts as one request (vLLM V1 fans ``n > 1``
+        out into ``n`` child requests), as the engine's ``vllm:prompt_tokens_total`` does.
+        """
         self.record_stats(stats)
         for output in outputs:
-            num_tokens = sum(len(seq.token_ids) for seq in output.outputs)
-            state = self._in_flight.get(output.request_id)
-            if state is None:
-                if num_tokens:
-                    times = output.metrics
-                    first = times.first_token_time if times and times.first_token_time else now
-                    if times is not None:
-                        self.ttft.observe(max(first - times.arrival_time, 0.0))
-                    self._in_flight[output.request_id] = _InFlight(now, num_tokens)
-            elif num_tokens > state.num_tokens:
-                self.itl.observe(now - state.last_token_time)
-                state.last_token_time, state.num_tokens = now, num_tokens
+            sequences = self._in_flight.setdefault(output.request_id, {})
+            for seq in output.outputs:
+                state = sequences.setdefault(seq.index, _SequenceState())
+                self._observe_tokens(output, seq, state, now)
+                if not state.finished and (seq.finish_reason is not None or output.finished):
+                    state.finished = True
+                    self._record_finished(output, seq, state, now)
             if output.finished:
-                self._record_finished(output, now)
+                del self._in_flight[output.request_id]
 
-    def record_abort(self, request_id: str) -> None:
-        """Count a request its client abandoned."""
-        self._in_flight.pop(request_id, None)
-        self.success.labels(self.model_name, "abort").inc()
+    def record_abort(self, request_id: str, num_sequences: int = 1) -> None:
+        """Count the unfinished sequences of a request its client abandoned (``num_sequences``:
+        its ``n``)."""
+        sequences = self._in_flight.pop(request_id, {})
+        num_finished = sum(state.finished for state in sequences.values())
+        self.success.labels(self.model_name, "abort").inc(max(num_sequences - num_finished, 0))
 
-    def _record_finished(self, output: RequestOutput, now: float) -> None:
-        self._in_flight.pop(output.request_id, None)
-        for seq in output.outputs:
-            self.success.labels(self.model_name, seq.finish_reason or "stop").inc()
-        num_generated = sum(len(seq.token_ids) for seq in output.outputs)
+    def _observe_tokens(
+        self, output: RequestOutput, seq: CompletionOutput, state: _SequenceState, now: float
+    ) -> None:
+        """TTFT at a sequence's first tokens, inter-token latency at each later step that
+        gave it tokens."""
+        num_tokens = len(seq.token_ids)
+        if state.first_token_time is None:
+            if num_tokens:
+                times = output.metrics
+                first = now
+                if seq.index == 0 and times is not None and times.first_token_time:
+                    first = times.first_token_time
+                if times is not None:
+                    self.ttft.observe(max(first - times.arrival_time, 0.0))
+                state.first_token_time = first
+                state.last_token_time, state.num_tokens = now, num_tokens
+        elif num_tokens > state.num_tokens:
+            self.itl.observe(now - state.last_token_time)
+            state.last_token_time, state.num_tokens = now, num_tokens
+
+    def _record_finished(
+        self, output: RequestOutput, seq: CompletionOutput, state: _SequenceState, now: float
+    ) -> None:
+        """The per-request histograms and the success count of one finished sequence."""
+        self.success.labels(self.model_name, seq.finish_reason or "stop").inc()
         self.prompt_tokens.observe(len(output.prompt_token_ids))
-        self.generation_tokens.observe(num_generated)
-        times = output.metrics
+        self.generation_tokens.observe(len(seq.token_ids))
+        times = _sequence_times(output, seq, state, now)
         if times is None:
             return
         finished = times.finished_time or now
@@ -311,6 +351,27 @@ class PrometheusStatLogger:
         self.prefill.observe(max(times.first_token_time - times.first_scheduled_time, 0.0))
         self.decode.observe(max(last - times.first_token_time, 0.0))
         self.inference.observe(max(last - times.first_scheduled_time, 0.0))
-        longest = max(len(seq.token_ids) for seq in output.outputs)
-        if longest > 1:
-            self.tpot.observe(max(last - times.first_token_time, 0.0) / (longest - 1))
+        if len(seq.token_ids) > 1:
+            self.tpot.observe(max(last - times.first_token_time, 0.0) / (len(seq.token_ids) - 1))
+
+
+def _sequence_times(
+    output: RequestOutput, seq: CompletionOutput, state: _SequenceState, now: float
+) -> RequestMetrics | None:
+    """The timestamps of one finished sequence of ``output``.
+
+    ``RequestOutput.metrics`` holds the engine's timestamps of the request's first sequence
+    (index 0). The others share its arrival and, added together and queued behind it, its first
+    scheduling; their first and last tokens and their end are when the steps that gave them
+    were observed (``now``), which trails the engine's time by the step's output handling.
+    """
+    times = output.metrics
+    if times is None or seq.index == 0:
+        return times
+    return RequestMetrics(
+        arrival_time=times.arrival_time,
+        first_scheduled_time=times.first_scheduled_time,
+        first_token_time=state.first_token_time,
+        last_token_time=state.last_token_time if state.first_token_time is not None else None,
+        finished_time=now,
+    )

@@ -141,6 +141,7 @@ def run(args: argparse.Namespace) -> int:
     """Run the operator until SIGTERM/SIGINT; returns the exit code."""
     import kopf
     import kubernetes
+    import prometheus_client
 
     from kvpilot.operator import autoscaling_handlers, handlers, periodic
     from kvpilot.operator.apply import KubeClient
@@ -165,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
                 "~/.kube/config) at a cluster"
             )
 
+    prometheus_client.disable_created_metrics()  # no *_created series in /metrics, as vLLM
     metrics = OperatorMetrics()
     if args.metrics_port:
         metrics.serve(args.metrics_port, args.metrics_host)

@@ -135,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     """
     if not args.endpoints and not args.kubernetes:
         raise SystemExit("kvpilot router: give --endpoint URL (once per replica) or --kubernetes")
+    import prometheus_client
     import uvicorn
 
     from kvpilot.router.app import create_app
@@ -142,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    prometheus_client.disable_created_metrics()  # no *_created series in /metrics, as vLLM
     values = {name: getattr(args, name) for name in _DEFAULTS}
     values["api_key"] = args.api_key or next(
         (os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None

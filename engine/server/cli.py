@@ -145,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
     failed to load, 130 after Ctrl-C (as a shell reports an interrupted command)."""
     import logging
 
+    import prometheus_client
     import uvicorn
 
     from kvpilot.engine.server.app import create_app
@@ -158,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    prometheus_client.disable_created_metrics()  # no *_created series in /metrics, as vLLM
 
     def load_engine():
         if args.engine_core_process:
