@@ -257,6 +257,61 @@ def compile_chat_template(template: str) -> None:
         ) from None
 
 
+# What the template call gets that is not a template variable (the conversation, under both
+# its names, and how the text is rendered and returned): chat_template_kwargs cannot set these.
+NOT_TEMPLATE_VARIABLES = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenizer",
+        "tokenize",
+        "return_dict",
+        "return_tensors",
+        "return_assistant_tokens_mask",
+        "padding",
+        "truncation",
+        "max_length",
+        "tokenizer_kwargs",
+        "max_chars",
+    }
+)
+
+
+def merge_chat_template_kwargs(
+    *,
+    tools: list[dict[str, Any]] | None = None,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """:func:`apply_chat_template`'s keyword arguments with ``chat_template_kwargs`` merged over
+    the others, as vLLM merges them: a template variable given there (``add_generation_prompt``,
+    ``continue_final_message``, ``tools``) wins over the argument of the same name; the rest
+    (``documents``, ``enable_thinking``, ...) stay in ``chat_template_kwargs``.
+
+    Raises:
+        ValueError: ``chat_template_kwargs: ...`` naming a key of ``NOT_TEMPLATE_VARIABLES``
+            (vLLM refuses ``tokenize`` there the same way).
+    """
+    variables = dict(chat_template_kwargs or {})
+    if refused := sorted(NOT_TEMPLATE_VARIABLES & variables.keys()):
+        names = ", ".join(repr(name) for name in refused)
+        raise ValueError(
+            f"chat_template_kwargs: {names} cannot be set here: "
+            f"{'it is' if len(refused) == 1 else 'they are'} set when the messages are rendered, "
+            "and only template variables (such as add_generation_prompt or enable_thinking) "
+            "may be given"
+        )
+    return {
+        "tools": variables.pop("tools", tools),
+        "chat_template": variables.pop("chat_template", chat_template),
+        "add_generation_prompt": variables.pop("add_generation_prompt", add_generation_prompt),
+        "continue_final_message": variables.pop("continue_final_message", continue_final_message),
+        "chat_template_kwargs": variables,
+    }
+
+
 def apply_chat_template(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
@@ -281,7 +336,8 @@ def apply_chat_template(
             to answer).
         continue_final_message: leave the last message open, so that the model continues it
             (excludes ``add_generation_prompt``).
-        chat_template_kwargs: extra variables for the template (e.g. ``enable_thinking``).
+        chat_template_kwargs: extra variables for the template (e.g. ``enable_thinking``);
+            merged over the arguments above (:func:`merge_chat_template_kwargs`).
         max_chars: refuse a rendered prompt longer than this without tokenizing it
             (:func:`check_prompt_chars`, naming ``messages``).
 
@@ -294,8 +350,20 @@ def apply_chat_template(
             the conversation (a Jinja error, e.g. roles that do not alternate), the text is not
             valid Unicode or renders to nothing; ``chat_template: ...`` instead when the template
             was given here (and also when it does not compile); ``continue_final_message: ...``
-            together with ``add_generation_prompt``.
+            together with ``add_generation_prompt``; ``chat_template_kwargs: ...`` for a key
+            that is not a template variable.
     """
+    merged = merge_chat_template_kwargs(
+        tools=tools,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    tools, chat_template = merged["tools"], merged["chat_template"]
+    add_generation_prompt = merged["add_generation_prompt"]
+    continue_final_message = merged["continue_final_message"]
+    chat_template_kwargs = merged["chat_template_kwargs"]
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:

@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, ``/health``, ``/metrics``, ``/version``, ``/kv_events``.
+"""The FastAPI application: OpenAI routes, ``/health``, ``/metrics``, ``/version``, ``/kv_events``,
+vLLM's ``/tokenize`` and ``/detokenize``.
 
 The model loads in the background after the server starts listening, so ``/health`` answers
 503 while it loads (a Kubernetes readiness probe holds traffic back) and 200 once requests can
@@ -15,7 +16,6 @@ server has one (the hashes tell which prompts were sent).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
@@ -32,18 +32,27 @@ from kvpilot.engine.async_llm import AsyncLLM
 from kvpilot.engine.engine_core import EngineDeadError
 from kvpilot.engine.metrics import PrometheusStatLogger
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
-from kvpilot.engine.server.errors import OpenAIError, install_error_handlers
+from kvpilot.engine.server.auth import APIKeyMiddleware
+from kvpilot.engine.server.errors import OpenAIError, install_error_handlers, read_body
 from kvpilot.engine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
     LoadLoRAAdapterRequest,
+    ModelCard,
     ModelList,
+    TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
 from kvpilot.engine.server.serving_chat import OpenAIServingChat
 from kvpilot.engine.server.serving_completion import OpenAIServingCompletion
 from kvpilot.engine.server.serving_engine import RETRY_AFTER_SECONDS, now
 from kvpilot.engine.server.serving_models import OpenAIServingModels
+from kvpilot.engine.server.serving_tokenization import (
+    OpenAIServingTokenization,
+    tokenize_request_type,
+)
 from kvpilot.engine.server.tool_parsers import TOOL_PARSERS
 
 logger = logging.getLogger("kvpilot.server")
@@ -96,6 +105,7 @@ class _State:
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
     models: OpenAIServingModels | None = None
+    tokenization: OpenAIServingTokenization | None = None
     max_model_len: int | None = None
     block_size: int = 0
     root_hash: str = ""
@@ -157,18 +167,10 @@ def create_app(
     # For the server's bounded drain (engine/server/shutdown.py): AsyncLLM.abort_all.
     app.state.abort_all = abort_all
 
-    async def authenticate(request: Request) -> None:
-        if not config.api_key:
-            return
-        header = request.headers.get("authorization", "")
-        token = header[len("Bearer ") :].strip() if header.startswith("Bearer ") else ""
-        if not hmac.compare_digest(token.encode(), config.api_key.encode()):
-            raise OpenAIError(
-                HTTPStatus.UNAUTHORIZED,
-                "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-            )
+    if config.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(authenticate)])
+    v1 = APIRouter(prefix="/v1")
 
     def ready_state() -> _State:
         if state.engine is None:
@@ -202,7 +204,7 @@ def create_app(
     async def metrics() -> Response:
         return Response(generate_latest(state.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/kv_events", dependencies=[Depends(authenticate)])
+    @app.get("/kv_events")
     async def kv_events(since: int = Query(0, ge=0)) -> dict[str, Any]:
         ready = ready_state()
         batch = await ready.engine.kv_events(since)
@@ -224,6 +226,19 @@ def create_app(
     @v1.get("/models")
     async def models() -> ModelList:
         return ready_state().models.model_list()
+
+    @v1.get("/models/{model:path}")
+    async def model(model: str) -> ModelCard:
+        return ready_state().models.model_card(model)
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> TokenizeResponse:
+        body = read_body(await raw.body(), raw.headers.get("content-type"), tokenize_request_type)
+        return await ready_state().tokenization.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await ready_state().tokenization.detokenize(body)
 
     @v1.post("/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> PlainTextResponse:
@@ -290,6 +305,9 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         trust_request_chat_template=config.trust_request_chat_template,
     )
     state.models = models
+    state.tokenization = OpenAIServingTokenization(
+        tokenizer, models, state.chat, info.max_model_len, info.vocab_size
+    )
     state.tokenizer = tokenizer
     state.max_model_len = info.max_model_len
     state.block_size = info.block_size

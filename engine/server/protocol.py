@@ -694,6 +694,46 @@ class ModelList(OpenAIModel):
     data: list[ModelCard]
 
 
+class TokenizeCompletionRequest(OpenAIModel):
+    """``POST /tokenize`` of a text (vLLM's body): its prompt token ids."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(ChatCompletionRequest):
+    """``POST /tokenize`` of a conversation (vLLM's body): the prompt token ids a chat
+    completion with the same ``messages``, template settings and ``tools`` would get. Its
+    sampling fields are accepted and unused; ``add_special_tokens`` too (the chat template
+    writes the special tokens it wants)."""
+
+    add_special_tokens: bool = False
+    return_token_strs: bool = False
+
+
+class TokenizeResponse(OpenAIModel):
+    """``count`` prompt tokens ``tokens`` (ids), the context they go into, and each token's
+    string when asked for (``return_token_strs``)."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(OpenAIModel):
+    """``POST /detokenize`` (vLLM's body): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(OpenAIModel):
+    prompt: str
+
+
 class ErrorInfo(OpenAIModel):
     message: str
     type: str

@@ -31,7 +31,7 @@ from kvpilot.engine.server.serving_engine import (
     sse_error,
 )
 from kvpilot.engine.server.tool_parsers import ToolParser, get_tool_parser
-from kvpilot.engine.tokenization import parse_chat_messages
+from kvpilot.engine.tokenization import merge_chat_template_kwargs, parse_chat_messages
 
 ASSISTANT = "assistant"
 
@@ -73,23 +73,19 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises:
             OpenAIError: 400 for invalid parameters or messages (including a template that
-                refuses them), a request ``chat_template`` the server does not trust or that
-                fails to compile or render; 404 for an unknown model, 503 when the waiting
+                refuses them, and ``chat_template_kwargs`` that are not template variables:
+                ``chat_template_arguments``), a request ``chat_template`` the server does not
+                trust or that fails to compile or render; 404 for an unknown model, 503 when the waiting
                 queue is full.
         """
         lora_request = self.check_model(request.model)
-        if request.chat_template is not None and not self.trust_request_chat_template:
-            # vLLM's wording.
-            raise bad_request(
-                "Chat template is passed with request, but --trust-request-chat-template is "
-                "not set. Refused request with untrusted chat template.",
-                "chat_template",
-            )
+        self._check_template_trusted(request)
         try:
             make_tool_parser = get_tool_parser(request, self.auto_tool_parser)
         except ValueError as exc:
             raise bad_request(exc, "tool_choice") from None
-        prompt_token_ids = await self._render(request)
+        template_args = chat_template_arguments(request)
+        prompt_token_ids = await self._render(request, template_args)
         max_tokens = self.max_tokens_for(
             len(prompt_token_ids), request.requested_max_tokens(), "messages"
         )
@@ -104,7 +100,7 @@ class OpenAIServingChat(OpenAIServing):
         stream = await self.add(
             request_id, prompt_token_ids, params, arrival_time, request.cache_salt, lora_request
         )
-        echo = self._echo_text(request)
+        echo = self._echo_text(request, template_args["add_generation_prompt"])
         if request.stream:
             return self._stream(
                 request,
@@ -152,30 +148,45 @@ class OpenAIServingChat(OpenAIServing):
             stop_reason=seq.stop_reason,
         )
 
-    async def _render(self, request: ChatCompletionRequest) -> list[int]:
-        tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+    def _check_template_trusted(self, request: ChatCompletionRequest) -> None:
+        if request.chat_template is not None and not self.trust_request_chat_template:
+            # vLLM's wording.
+            raise bad_request(
+                "Chat template is passed with request, but --trust-request-chat-template is "
+                "not set. Refused request with untrusted chat template.",
+                "chat_template",
+            )
+
+    async def render(self, request: ChatCompletionRequest) -> list[int]:
+        """The prompt token ids of ``request``'s conversation, as a chat completion renders it
+        (``/tokenize`` of messages).
+
+        Raises:
+            OpenAIError: 400 for a request ``chat_template`` the server does not trust, or
+                messages or ``chat_template_kwargs`` the template refuses.
+        """
+        self._check_template_trusted(request)
+        return await self._render(request, chat_template_arguments(request))
+
+    async def _render(
+        self, request: ChatCompletionRequest, template_args: dict[str, Any]
+    ) -> list[int]:
         try:
             conversation = parse_chat_messages(
                 [message.model_dump(exclude_none=True) for message in request.messages]
             )
-            return await self.tokenizer.apply_chat_template(
-                conversation,
-                tools=tools or None,
-                chat_template=request.chat_template,
-                add_generation_prompt=request.add_generation_prompt,
-                continue_final_message=request.continue_final_message,
-                chat_template_kwargs=request.chat_template_kwargs,
-            )
+            return await self.tokenizer.apply_chat_template(conversation, **template_args)
         except ValueError as exc:
             raise bad_request(exc) from None
 
     @staticmethod
-    def _echo_text(request: ChatCompletionRequest) -> str:
-        """vLLM's chat ``echo``: the last message's content when it has the reply's role."""
+    def _echo_text(request: ChatCompletionRequest, add_generation_prompt: bool) -> str:
+        """vLLM's chat ``echo``: the last message's content when it has the reply's role (the
+        assistant's when the prompt ends with the generation prompt)."""
         if not request.echo:
             return ""
         last = request.messages[-1]
-        role = ASSISTANT if request.add_generation_prompt else last.role
+        role = ASSISTANT if add_generation_prompt else last.role
         return last.text() if last.role == role else ""
 
     def _logprobs(
@@ -275,3 +286,25 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.close()
         yield sse("[DONE]")
+
+
+def chat_template_arguments(request: ChatCompletionRequest) -> dict[str, Any]:
+    """The keyword arguments of ``tokenization.apply_chat_template`` for a request, merged as
+    vLLM merges them (``tokenization.merge_chat_template_kwargs``): ``chat_template_kwargs`` over
+    the request's own settings.
+
+    Raises:
+        OpenAIError: 400 naming ``chat_template_kwargs`` for a key that is not a template
+            variable (``tokenization.NOT_TEMPLATE_VARIABLES``).
+    """
+    tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+    try:
+        return merge_chat_template_kwargs(
+            tools=tools or None,
+            chat_template=request.chat_template,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            chat_template_kwargs=request.chat_template_kwargs,
+        )
+    except ValueError as exc:
+        raise bad_request(exc, "chat_template_kwargs") from None

@@ -71,6 +71,19 @@ class OpenAIServingModels:
         ]
         return ModelList(data=cards)
 
+    def model_card(self, model: str) -> ModelCard:
+        """``/v1/models/{model}``: the card ``/v1/models`` lists under that id.
+
+        Raises:
+            OpenAIError: 404 for an id it does not list.
+        """
+        card = next((c for c in self.model_list().data if c.id == model), None)
+        if card is None:
+            raise OpenAIError(
+                HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model"
+            )
+        return card
+
     async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> str:
         """Load an adapter under a new name; returns vLLM's success message.
 

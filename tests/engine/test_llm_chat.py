@@ -116,6 +116,23 @@ def test_tools_reach_the_template_as_transformers_renders_them(tiny_llm):
     assert "<tools>" not in tokenizer.decode(plain.prompt_token_ids)
 
 
+def test_chat_template_kwargs_win_over_the_arguments_of_the_same_name(tiny_llm):
+    # vLLM's merge: a template variable in chat_template_kwargs over the argument.
+    tokenizer = tiny_llm.get_tokenizer()
+    [output] = tiny_llm.chat(
+        CONVERSATIONS[0],
+        greedy(max_tokens=1),
+        add_generation_prompt=True,
+        chat_template_kwargs={"add_generation_prompt": False},
+        use_tqdm=False,
+    )
+    assert output.prompt_token_ids == hf_chat_ids(
+        tokenizer, CONVERSATIONS[0], add_generation_prompt=False
+    )
+    with pytest.raises(ValueError, match="chat_template_kwargs: 'tokenize' cannot be set here"):
+        tiny_llm.chat(CONVERSATIONS[0], chat_template_kwargs={"tokenize": True}, use_tqdm=False)
+
+
 def test_a_model_without_chat_template_is_refused(tiny_llm, monkeypatch):
     monkeypatch.setattr(tiny_llm.get_tokenizer(), "chat_template", None)
     with pytest.raises(ValueError, match="messages: the model has no chat template"):

@@ -1,7 +1,9 @@
 """Chat templates over HTTP: the server's ``--chat-template`` (here on a model without a template
 of its own) and a request's ``chat_template`` under ``--trust-request-chat-template``, checked
 token by token through vLLM's ``prompt_logprobs`` (each prompt token's id comes back), with the
-official ``openai`` client; broken request templates are 400s naming ``chat_template``."""
+official ``openai`` client; broken request templates are 400s naming ``chat_template``;
+``chat_template_kwargs`` win over the top-level settings of the same template variables, and
+are 400s naming them when they are not template variables."""
 
 from __future__ import annotations
 
@@ -120,3 +122,52 @@ def test_broken_request_template_is_a_400_naming_it(client, template, message):
     # The server goes on answering with its own template.
     reply = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
     assert reply.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+def test_chat_template_kwargs_win_over_the_top_level_settings(
+    client, default_tokenizer, add_generation_prompt
+):
+    # vLLM's merge: the kwargs over the request's own add_generation_prompt.
+    ids = prompt_token_ids(
+        client,
+        ASK,
+        add_generation_prompt=add_generation_prompt,
+        chat_template_kwargs={"add_generation_prompt": False},
+    )
+    assert ids == expected_ids(default_tokenizer, "[user] Name a color.\n")
+    # The default prompt is the same plus the generation prompt's tokens.
+    with_prompt = prompt_token_ids(client, ASK)
+    assert with_prompt == expected_ids(default_tokenizer, "[user] Name a color.\n[assistant]")
+    assert with_prompt[: len(ids)] == ids and len(with_prompt) > len(ids)
+    messages = [*ASK, {"role": "assistant", "content": "Blue and"}]
+    continued = prompt_token_ids(
+        client,
+        messages,
+        chat_template_kwargs={"add_generation_prompt": False, "continue_final_message": True},
+    )
+    assert continued == expected_ids(
+        default_tokenizer, "[user] Name a color.\n[assistant] Blue and"
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"tokenize": True},
+        {"messages": [{"role": "user", "content": "Something else."}]},
+        {"conversation": []},
+        {"return_dict": True},
+        {"tokenizer": "gpt2", "add_generation_prompt": False},
+    ],
+)
+def test_chat_template_kwargs_that_are_not_template_variables_are_a_400_naming_them(client, kwargs):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=1, extra_body={"chat_template_kwargs": kwargs}
+        )
+    assert error.value.status_code == 400
+    assert error.value.body["param"] == "chat_template_kwargs"
+    [name] = (name for name in kwargs if name != "add_generation_prompt")
+    assert f"chat_template_kwargs: {name!r} cannot be set here" in error.value.body["message"]
+    assert "multiple values" not in error.value.body["message"]

@@ -360,6 +360,19 @@ def test_api_key_is_required_on_v1_only(server, api_key, http):
     assert http.get("/v1/models").status_code == 200
 
 
+def test_a_request_without_the_key_gets_401_before_its_body_is_read(server):
+    # A malformed body, no key: the key is checked first, so nothing about the body is told.
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        response = httpx.post(
+            f"{server.url}{COMPLETIONS}",
+            content=b'{"model": ',
+            headers={"Content-Type": "application/json", **headers},
+        )
+        assert response.status_code == 401, response.text
+        assert response.json()["error"]["type"] == "AuthenticationError"
+    assert httpx.get(f"{server.url}/kv_events").status_code == 401
+
+
 def open_stream(http: httpx.Client, stack: contextlib.ExitStack, **body) -> Iterator[dict]:
     """Start a streamed completion; yields its chunks. The connection stays open until
     ``stack`` closes (a generator of ``iter_lines`` left behind would close it early)."""

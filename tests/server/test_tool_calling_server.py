@@ -153,10 +153,47 @@ def test_auto_with_the_hermes_parser_is_well_formed_streamed_or_not(client):
         chat(client, messages, max_tokens=60, tools=[WEATHER], stream=True)
     )
     assert finish_reason == choice.finish_reason
-    assert content.strip() == (message.content or "").strip()
+    assert content == (message.content or "")
     assert [(c["name"], c["arguments"]) for c in calls] == [
         (c.function.name, c.function.arguments) for c in message.tool_calls or []
     ]
+
+
+PARIS = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+LYON = '{"name": "get_weather", "arguments": {"city": "Lyon"}}'
+
+
+@pytest.mark.parametrize(
+    ("output", "content"),
+    [
+        # The tester's output: whitespace between the calls and no content.
+        (f"<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{LYON}\n</tool_call>", None),
+        (
+            f"Both cities.\n<tool_call>\n{PARIS}\n</tool_call>\n<tool_call>\n{LYON}\n</tool_call>",
+            "Both cities.\n\n",
+        ),
+    ],
+)
+def test_hermes_streamed_and_whole_replies_agree_on_two_calls(client, output, content):
+    # The output is forced (structured outputs' choice), so both replies parse the same text.
+    forced = {
+        "extra_body": {"structured_outputs": {"choice": [output]}},
+        "tools": [WEATHER],
+        "max_tokens": 200,
+    }
+    [choice] = chat(client, **forced).choices
+    assert choice.message.content == content
+    calls = [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+    assert calls == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
+    assert choice.finish_reason == "tool_calls"
+    chunks = list(chat(client, stream=True, **forced))
+    if content is None:
+        # No chunk after the role's first one carries content, not even the "\n" between calls.
+        assert all(c.choices[0].delta.content is None for c in chunks[1:] if c.choices)
+    streamed_content, streamed_calls, finish_reason = assemble(chunks)
+    assert streamed_content == (content or "")
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls] == calls
+    assert finish_reason == "tool_calls"
 
 
 def test_tool_choice_none_gives_plain_text(client):

@@ -6,6 +6,7 @@ parser a request gets."""
 from __future__ import annotations
 
 import json
+import random
 
 import jsonschema
 import pytest
@@ -26,6 +27,9 @@ CALL_WEATHER = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pari
 CALL_TIME = '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "CET"}}\n</tool_call>'
 MALFORMED = '<tool_call>\n{"name": "get_weather", "arguments": {city: Paris}}\n</tool_call>'
 MIXED = f"Let me check.\n{CALL_WEATHER}\n{MALFORMED} and {CALL_TIME}\nDone <tool"
+CALL_LYON = CALL_WEATHER.replace("Paris", "Lyon")
+# The tester's output: two calls with a newline between them, and no content.
+TWO_CALLS = f"{CALL_WEATHER}\n{CALL_LYON}"
 
 WEATHER = {
     "type": "function",
@@ -134,6 +138,74 @@ def test_hermes_streaming_in_any_split_equals_the_whole_output(size):
     for piece in pieces_of_calls:
         assert piece.id and piece.type == "function"
         assert json.loads(piece.function.arguments)
+
+
+def splits(text: str, tokenizer) -> list[list[str]]:
+    """Ways to cut ``text`` into deltas: the model's own tokens, every character, fixed sizes,
+    and random cuts (fixed seed)."""
+    token_ids = tokenizer.encode(text, add_special_tokens=False)
+    tokens = [tokenizer.decode(token_ids[:i]) for i in range(len(token_ids) + 1)]
+    result = [[after[len(before) :] for before, after in zip(tokens, tokens[1:], strict=False)]]
+    result += [[text[i : i + size] for i in range(0, len(text), size)] for size in (1, 2, 7, 64)]
+    rng = random.Random(0)
+    for _ in range(50):
+        cuts = sorted(rng.sample(range(1, len(text)), rng.randint(0, min(12, len(text) - 1))))
+        result.append([text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)])
+    for pieces in result:
+        assert "".join(pieces) == text
+    return result
+
+
+def assert_streams_like_the_whole(text: str, tokenizer, **parser_args) -> None:
+    """Every split, streamed, gives the whole output's calls and content: the content pieces a
+    client receives, joined, are the whole content (nothing where it is None)."""
+    whole = Hermes2ProToolParser(**parser_args).extract_tool_calls(text)
+    for pieces in splits(text, tokenizer):
+        for end in ([], [""]):  # the last token finishes, or an empty final delta does
+            deltas = stream(Hermes2ProToolParser(**parser_args), pieces + end)
+            received = "".join(d.content for d in deltas if d is not None and d.content)
+            assert received == (whole.content or ""), pieces
+            assert not any(d is not None and d.content == "" for d in deltas)
+            streamed = merge_deltas(deltas)
+            assert (calls(streamed), streamed.content) == (calls(whole), whole.content), pieces
+
+
+def test_hermes_two_calls_with_whitespace_between_stream_no_content(default_tokenizer):
+    whole = Hermes2ProToolParser().extract_tool_calls(TWO_CALLS)
+    assert calls(whole) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Lyon"})]
+    assert whole.content is None
+    assert_streams_like_the_whole(TWO_CALLS, default_tokenizer)
+    # Whitespace around the calls too.
+    assert_streams_like_the_whole(f"\n  {TWO_CALLS}\n\n", default_tokenizer)
+    assert_streams_like_the_whole(f"\n{TWO_CALLS}\n", default_tokenizer, parallel_tool_calls=False)
+
+
+def test_hermes_text_before_the_calls_keeps_the_whitespace_between_them(default_tokenizer):
+    text = f"\nI will check both cities.\n{CALL_WEATHER}\n\n{CALL_LYON}\n"
+    whole = Hermes2ProToolParser().extract_tool_calls(text)
+    assert whole.content == "\nI will check both cities.\n\n\n\n"
+    assert len(whole.tool_calls) == 2
+    assert_streams_like_the_whole(text, default_tokenizer)
+    assert_streams_like_the_whole(MIXED, default_tokenizer)
+
+
+@pytest.mark.parametrize("text", ["  \n", "\n\nHello\n", "Hello\n  world\n"])
+def test_hermes_text_without_calls_keeps_its_whitespace(text, default_tokenizer):
+    assert Hermes2ProToolParser().extract_tool_calls(text).content == text
+    assert_streams_like_the_whole(text, default_tokenizer)
+
+
+def test_hermes_streams_text_at_once_and_holds_only_leading_whitespace():
+    parser = Hermes2ProToolParser()
+    pieces = ["\n", "Hello", "\n", " ", "world", "\n"]
+    deltas = [parser.extract_tool_calls_streaming(piece, False) for piece in pieces]
+    assert [d and d.content for d in deltas] == [None, "\nHello", "\n", " ", "world", "\n"]
+    assert parser.extract_tool_calls_streaming("", True) is None
+    # Whitespace after a call waits for what follows it.
+    parser = Hermes2ProToolParser()
+    assert parser.extract_tool_calls_streaming(CALL_WEATHER, False).content is None
+    assert parser.extract_tool_calls_streaming("\n", False) is None
+    assert parser.extract_tool_calls_streaming("Done", False) == DeltaMessage(content="\nDone")
 
 
 def test_hermes_streaming_holds_back_a_tag_split_across_deltas():

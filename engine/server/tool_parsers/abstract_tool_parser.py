@@ -25,7 +25,7 @@ class ExtractedToolCallInformation:
         tools_called: whether any call was found.
         tool_calls: the calls, in the order generated.
         content: the text outside the calls; None when calls were found and nothing but
-            whitespace surrounds them.
+            whitespace surrounds them (``ToolParser.stream_content``).
     """
 
     tools_called: bool
@@ -38,7 +38,9 @@ class ToolParser:
 
     One instance per choice: ``extract_tool_calls_streaming`` keeps state between deltas, and
     ``extract_tool_calls`` feeds it the whole output at once, so a streamed and a whole response
-    always agree.
+    always agree: the deltas of any split of the output, joined (``merge_deltas``), are the
+    whole output's calls and content. Parsers that find content pass it through
+    ``stream_content``, which gives whitespace around calls the same treatment in both.
 
     Args:
         parallel_tool_calls: when False, only the first call is kept (as vLLM filters them).
@@ -47,6 +49,8 @@ class ToolParser:
     def __init__(self, parallel_tool_calls: bool = True) -> None:
         self.parallel_tool_calls = parallel_tool_calls
         self.num_tool_calls = 0
+        self._held_whitespace = ""
+        self._content_started = False
 
     @property
     def tools_called(self) -> bool:
@@ -76,6 +80,29 @@ class ToolParser:
         """OpenAI's ``tool_calls`` for an output that ended normally after making calls."""
         return "tool_calls" if self.tools_called and finish_reason == "stop" else finish_reason
 
+    def stream_content(self, text: str, finished: bool) -> str:
+        """The part of newly found content to send now.
+
+        An output whose calls have nothing but whitespace around them has no content (OpenAI's
+        ``content: null``), which is known only at the end; so whitespace is held back until
+        content that is not whitespace follows (then both go out, and all later content goes
+        out at once), and at the end it is sent when no call was made and dropped otherwise.
+        Only leading whitespace waits: text streams as soon as it has a visible character.
+
+        Args:
+            text: content found in the latest delta (outside any call).
+            finished: the output is complete; calls found in it must already be counted.
+        """
+        if self._content_started:
+            return text
+        self._held_whitespace += text
+        if self._held_whitespace.strip():
+            self._content_started = True
+        elif not finished or self.tools_called:
+            return ""
+        text, self._held_whitespace = self._held_whitespace, ""
+        return text
+
     def start_tool_call(self, name: str, arguments: str) -> DeltaToolCall | None:
         """The first piece of a new call, with a fresh ``chatcmpl-tool-<hex>`` id; None when
         parallel tool calls are off and a call was already made."""
@@ -92,8 +119,9 @@ class ToolParser:
 
 
 def merge_deltas(deltas: Iterable[DeltaMessage | None]) -> ExtractedToolCallInformation:
-    """Join streamed deltas into a whole message: contents concatenated, each call's argument
-    pieces joined (pieces of one call share its ``index``)."""
+    """Join streamed deltas into a whole message, as a client does: contents concatenated,
+    each call's argument pieces joined (pieces of one call share its ``index``); the content is
+    None when calls were found and no delta carried content."""
     content: list[str] = []
     calls: dict[int, ToolCall] = {}
     for delta in deltas:
@@ -110,6 +138,6 @@ def merge_deltas(deltas: Iterable[DeltaMessage | None]) -> ExtractedToolCallInfo
                     function=FunctionCall(name=piece.function.name or "", arguments=arguments),
                 )
     text = "".join(content)
-    if calls and not text.strip():
+    if calls and not text:
         return ExtractedToolCallInformation(True, list(calls.values()), None)
     return ExtractedToolCallInformation(bool(calls), list(calls.values()), text)

@@ -5,11 +5,13 @@
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
-Text outside the blocks is ``content``; a block whose JSON does not parse (or lacks a ``name``,
-or whose ``arguments`` is not an object) stays text. A block still open when the output ends is
-parsed as if closed (the model stopped at EOS). Streaming holds a block back until it closes
-and then sends the whole call in one delta; text that could be the start of ``<tool_call>`` is
-held back too, so a tag split across tokens never leaks into ``content``.
+Text outside the blocks is ``content`` (none when only whitespace surrounds the calls); a
+block whose JSON does not parse (or lacks a ``name``, or whose ``arguments`` is not an object)
+stays text. A block still open when the output ends is parsed as if closed (the model stopped
+at EOS). Streaming holds a block back until it closes and then sends the whole call in one
+delta; text that could be the start of ``<tool_call>`` is held back too, so a tag split across
+tokens never leaks into ``content``, and so is leading whitespace, until it is known whether it
+is content (``ToolParser.stream_content``).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ class Hermes2ProToolParser(ToolParser):
                 content.append(TOOL_CALL_START + block)
             elif (call := self.start_tool_call(*parsed)) is not None:
                 calls.append(call)
-        text = "".join(content)
+        text = self.stream_content("".join(content), finished)
         if not text and not calls:
             return None
         return DeltaMessage(content=text or None, tool_calls=calls or None)

@@ -1,0 +1,64 @@
+"""The API key check (``--api-key``), ahead of everything else a protected request meets.
+
+A plain ASGI middleware rather than a FastAPI dependency: dependencies run after the body has
+been read and validated, so a request without a key would learn from a 400 what its body got
+wrong before it is told it may not ask at all. Here a request to ``/v1/...`` (or
+``/kv_events``) without ``Authorization: Bearer <key>`` is answered 401 before its body is read,
+as vLLM's server does; ``/health``, ``/version`` and ``/metrics`` stay open (probes and
+Prometheus scrape them without a key).
+"""
+
+from __future__ import annotations
+
+import hmac
+from http import HTTPStatus
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kvpilot.engine.server.errors import error_response
+
+# Paths (a prefix, or the whole path) that need the key.
+PROTECTED_PREFIX = "/v1"
+PROTECTED_PATHS = frozenset({"/v1", "/kv_events"})
+
+
+def is_protected(path: str) -> bool:
+    """Whether a request to ``path`` needs the API key."""
+    return path in PROTECTED_PATHS or path.startswith(PROTECTED_PREFIX + "/")
+
+
+def bearer_token(headers: list[tuple[bytes, bytes]]) -> str:
+    """The token of an ``Authorization: Bearer <token>`` header among raw ASGI ``headers``;
+    ``""`` when there is none."""
+    for name, value in headers:
+        if name.lower() == b"authorization":
+            text = value.decode("latin-1")
+            return text[len("Bearer ") :].strip() if text.startswith("Bearer ") else ""
+    return ""
+
+
+class APIKeyMiddleware:
+    """Answers 401 (OpenAI's error body, ``AuthenticationError``) to a protected request whose
+    bearer token is not ``api_key``, compared in constant time.
+
+    Args:
+        app: the application it guards.
+        api_key: the key clients must send.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.api_key = api_key.encode("utf-8")
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and is_protected(scope["path"]):
+            token = bearer_token(scope.get("headers", []))
+            # latin-1 gives back the header's own bytes; the key is compared as UTF-8 bytes.
+            if not hmac.compare_digest(token.encode("latin-1"), self.api_key):
+                response = error_response(
+                    HTTPStatus.UNAUTHORIZED,
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
