@@ -123,8 +123,9 @@ class AsyncLLM:
     Args:
         client: an engine-core client (``engine.core_client``), or a loaded ``LLMEngine``,
             served in this process (``InprocClient``).
-        max_waiting_requests: the most requests allowed to wait for their first scheduling;
-            ``add_request`` raises ``QueueFullError`` beyond it. None: unbounded.
+        max_waiting_requests: the most requests allowed to wait for their first scheduling
+            beyond the free sequence slots (``num_queued``); ``add_request`` raises
+            ``QueueFullError`` beyond it. None: unbounded.
         stat_loggers: observers of every step (Prometheus metrics).
 
     Call ``start()`` from the event loop before adding requests and ``shutdown()`` at the end.
@@ -202,10 +203,7 @@ class AsyncLLM:
             raise EngineError("the engine loop is not running")
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        if (
-            self.max_waiting_requests is not None
-            and self.stats.num_waiting_reqs + self._num_adding >= self.max_waiting_requests
-        ):
+        if self.max_waiting_requests is not None and self.num_queued() >= self.max_waiting_requests:
             raise QueueFullError(
                 f"the waiting queue is full ({self.max_waiting_requests} requests); retry later"
             )
@@ -235,6 +233,13 @@ class AsyncLLM:
         self._keep_stats(stats)
         self._notify_stats()
         return RequestStream(self, request_id, tracked)
+
+    def num_queued(self) -> int:
+        """Sequences that will still wait after the next step has filled its free slots:
+        those waiting (or being added) beyond ``max_num_seqs`` minus the running ones. A burst
+        that fits the free slots is not a queue, so it is not refused."""
+        free_slots = max(self.client.info.max_num_seqs - self.stats.num_running_reqs, 0)
+        return max(self.stats.num_waiting_reqs + self._num_adding - free_slots, 0)
 
     async def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Compile a structured-output constraint beside the steps (not between them) into the

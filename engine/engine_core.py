@@ -31,6 +31,7 @@ class EngineCoreInfo:
 
     Attributes:
         max_model_len: the longest sequence, prompt plus output (tokens).
+        max_num_seqs: the most sequences a step runs (its slots).
         block_size: tokens per KV block.
         num_blocks: KV blocks in the cache.
         enable_prefix_caching: whether full blocks are shared between requests.
@@ -45,6 +46,7 @@ class EngineCoreInfo:
     """
 
     max_model_len: int
+    max_num_seqs: int
     block_size: int
     num_blocks: int
     enable_prefix_caching: bool
@@ -64,6 +66,7 @@ class EngineCoreInfo:
         cache = engine.cache_config
         return cls(
             max_model_len=engine.scheduler_config.max_model_len,
+            max_num_seqs=engine.scheduler_config.max_num_seqs,
             block_size=cache.block_size,
             num_blocks=cache.num_blocks,
             enable_prefix_caching=cache.enable_prefix_caching,

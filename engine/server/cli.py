@@ -45,7 +45,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-waiting-requests",
         type=int,
         default=None,
-        help="answer 503 with Retry-After once this many requests wait (default: no limit)",
+        help="answer 503 with Retry-After once this many requests wait beyond the free "
+        "--max-num-seqs slots (default: no limit)",
     )
     server.add_argument(
         "--engine-core-process",

@@ -97,6 +97,18 @@ async def test_waiting_queue_limit_raises_queue_full(llm):
     await eventually(lambda: llm.stats.num_free_blocks == llm.stats.num_total_blocks)
 
 
+async def test_a_burst_that_fits_the_free_slots_is_not_refused(llm):
+    # max_num_seqs 2, max_waiting_requests 1: two requests take the two slots and a third may
+    # wait, whether or not a step scheduled the first two in between; a fourth is refused.
+    streams = [await llm.add_request(f"b{i}", PROMPT, params(60)) for i in range(3)]
+    assert llm.num_queued() == 1
+    with pytest.raises(QueueFullError, match="1 requests"):
+        await llm.add_request("b3", PROMPT, params(60))
+    for stream in streams:
+        stream.close()
+    await eventually(lambda: llm.stats.num_free_blocks == llm.stats.num_total_blocks)
+
+
 async def test_bad_requests_raise_value_error_and_leave_no_trace(llm, engine):
     with pytest.raises(ValueError, match="empty"):
         await llm.add_request("empty", {"prompt_token_ids": []}, params(3))
