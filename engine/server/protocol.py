@@ -72,7 +72,16 @@ def _non_nullable_defaults(model: type[BaseModel]) -> frozenset[str]:
 
 
 class StreamOptions(OpenAIModel):
+    """``stream_options``: ``include_usage`` sends a last chunk with the request's usage (and
+    no choices); vLLM's ``continuous_usage_stats`` with it puts the usage so far on every
+    chunk too."""
+
     include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+    def every_chunk(self) -> bool:
+        """Whether every chunk carries the usage so far."""
+        return self.include_usage and self.continuous_usage_stats
 
 
 class JsonSchemaResponseFormat(OpenAIModel):

@@ -229,17 +229,24 @@ class OpenAIServingChat(OpenAIServing):
     ) -> AsyncIterator[str]:
         model = self.response_model(lora_request)
 
-        def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
-            return sse(ChatCompletionStreamResponse(id=request_id, model=model, choices=choices))
-
         n = request.n
+        num_tokens = [0] * n
+        every = request.stream_options is not None and request.stream_options.every_chunk()
+
+        def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+            usage = self.usage(num_prompt_tokens, sum(num_tokens)) if every else None
+            return sse(
+                ChatCompletionStreamResponse(
+                    id=request_id, model=model, choices=choices, usage=usage
+                )
+            )
+
         for index in range(n):
             # The first chunk of each choice carries the role, as OpenAI's does.
             delta = DeltaMessage(role=ASSISTANT, content=echo)
             yield chunk([ChatCompletionStreamChoice(index=index, delta=delta)])
         sent_text = [0] * n
         sent_tokens = [0] * n
-        num_tokens = [0] * n
         finished = [False] * n
         parsers = [make_tool_parser() for _ in range(n)] if make_tool_parser else None
         try:

@@ -220,6 +220,9 @@ class OpenAIServingCompletion(OpenAIServing):
         finished = [False] * num_choices
         # Echoed logprobs start with the prompt's tokens, so every choice's offsets start at 0.
         text_offsets = [0] * num_choices
+        # The usage so far on every chunk counts the prompts as the last chunk does.
+        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        every = request.stream_options is not None and request.stream_options.every_chunk()
         try:
             async for i, output in merge_streams(streams):
                 for seq in output.outputs:
@@ -257,9 +260,14 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason=seq.finish_reason,
                         stop_reason=seq.stop_reason,
                     )
-                    yield sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+                    usage = self.usage(num_prompt_tokens, sum(num_tokens)) if every else None
+                    yield sse(
+                        CompletionResponse(
+                            id=request_id, model=model, choices=[choice], usage=usage
+                        )
+                    )
             if request.stream_options and request.stream_options.include_usage:
-                usage = self.usage(sum(len(p.token_ids) for p in prompts), sum(num_tokens))
+                usage = self.usage(num_prompt_tokens, sum(num_tokens))
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
         except EngineError as exc:
             yield sse_error(exc)

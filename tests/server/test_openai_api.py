@@ -128,6 +128,27 @@ def test_streamed_chat_equals_non_streamed(client):
     assert chunks[-1].usage == full.usage
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kwargs = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    _, _, chunks = stream_completion(client, prompt=PROMPT, stream_options=options, **kwargs)
+    _, _, chat_chunks = stream_chat(client, messages=CHAT, stream_options=options, **kwargs)
+    for stream in (chunks, chat_chunks):
+        final = stream[-1].usage
+        assert stream[-1].choices == [] and final.completion_tokens == 8
+        counts = [c.usage.completion_tokens for c in stream]
+        assert counts == sorted(counts) and counts[-2] == 8  # the last token's chunk: all 8
+        assert {c.usage.prompt_tokens for c in stream} == {final.prompt_tokens}
+        assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens
+                   for c in stream)  # fmt: skip
+    assert chat_chunks[0].usage.completion_tokens == 0  # the role chunk
+    # Without the flag, only the last chunk has it.
+    _, _, plain = stream_completion(
+        client, prompt=PROMPT, stream_options={"include_usage": True}, **kwargs
+    )
+    assert [c.usage is not None for c in plain] == [False] * (len(plain) - 1) + [True]
+
+
 def test_n_choices_streamed_and_not(client):
     kwargs = dict(
         model=MODEL, prompt=PROMPT, max_tokens=6, temperature=1.0, seed=7, n=3,
