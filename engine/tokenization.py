@@ -94,7 +94,7 @@ def parse_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]
 
     Args:
         messages: the conversation, oldest first; content is a string, None, or a list of
-            ``{"type": "text", "text": ...}`` parts (joined).
+            ``{"type": "text", "text": ...}`` parts (joined one a line, ``TEXT_PART_SEPARATOR``).
 
     Returns:
         ``[{"role", "content"(, "name", "tool_calls", "tool_call_id")}]`` with string contents;
@@ -191,6 +191,10 @@ def _tool_calls(tool_calls: Any, index: int) -> list[dict[str, Any]]:
     return parsed
 
 
+TEXT_PART_SEPARATOR = "\n"
+"""What joins a message's text content parts into the string its template renders."""
+
+
 def _content_text(content: Any, index: int) -> str:
     if content is None or isinstance(content, str):
         return content or ""
@@ -200,7 +204,8 @@ def _content_text(content: Any, index: int) -> str:
         and isinstance(part.get("text"), str)
         for part in content
     ):
-        return "".join(part["text"] for part in content)
+        # One line a part, as vLLM (and TensorRT-LLM, Dynamo) join them for string templates.
+        return TEXT_PART_SEPARATOR.join(part["text"] for part in content)
     raise ValueError(
         f"messages: message {index} content must be a string or a list of text parts "
         "({'type': 'text', 'text': ...})"

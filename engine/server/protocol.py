@@ -24,7 +24,7 @@ from kvpilot.engine.input_processor import check_cache_salt, check_sampling_para
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.structured_output import check_json_schema
-from kvpilot.engine.tokenization import parse_chat_tools
+from kvpilot.engine.tokenization import TEXT_PART_SEPARATOR, parse_chat_tools
 
 # vLLM's default --max-logprobs: the most top logprobs one request may ask for.
 MAX_LOGPROBS = 20
@@ -435,7 +435,7 @@ class ChatMessage(OpenAIModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content)
+            return TEXT_PART_SEPARATOR.join(part.text for part in self.content)
         return self.content or ""
 
 

@@ -29,13 +29,14 @@ CONVERSATIONS = [
 
 
 def hf_chat_ids(tokenizer, conversation, **kwargs) -> list[int]:
-    """transformers' own rendering of a conversation (text parts joined, as OpenAI's)."""
+    """transformers' own rendering of a conversation (text parts one a line, as vLLM joins
+    them)."""
     flat = [
         {
             **m,
             "content": m["content"]
             if isinstance(m["content"], str)
-            else "".join(p["text"] for p in m["content"]),
+            else "\n".join(p["text"] for p in m["content"]),
         }
         for m in conversation
     ]

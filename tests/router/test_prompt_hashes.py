@@ -81,7 +81,7 @@ def test_token_id_prompts_and_batches_hash_their_first_prompt(engine, tokenizer)
 def test_chat_hashes_equal_the_engines_on_transformers_rendering(engine, tokenizer) -> None:
     body = {"model": "m", "messages": CHAT, "cache_salt": "s"}
     token_ids = prompt_token_ids(tokenizer, "/v1/chat/completions", body)
-    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else "And three more?"}
+    flat = [{**m, "content": m["content"] if isinstance(m["content"], str) else "And three \nmore?"}
             for m in CHAT]  # fmt: skip
     reference = tokenizer.apply_chat_template(flat, tokenize=True, add_generation_prompt=True)
     reference = reference if isinstance(reference, list) else reference["input_ids"]
