@@ -358,18 +358,18 @@ def apply_chat_template(
             together with ``add_generation_prompt``; ``chat_template_kwargs: ...`` for a key
             that is not a template variable.
     """
-    merged = merge_chat_template_kwargs(
+    # transformers' own keyword names: tools, chat_template, add_generation_prompt,
+    # continue_final_message; the other template variables go in beside them.
+    options = merge_chat_template_kwargs(
         tools=tools,
         chat_template=chat_template,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         chat_template_kwargs=chat_template_kwargs,
     )
-    tools, chat_template = merged["tools"], merged["chat_template"]
-    add_generation_prompt = merged["add_generation_prompt"]
-    continue_final_message = merged["continue_final_message"]
-    chat_template_kwargs = merged["chat_template_kwargs"]
-    if continue_final_message and add_generation_prompt:
+    variables = options.pop("chat_template_kwargs")
+    chat_template = options["chat_template"]
+    if options["continue_final_message"] and options["add_generation_prompt"]:
         raise ValueError("continue_final_message: cannot be combined with add_generation_prompt")
     if chat_template is None and getattr(tokenizer, "chat_template", None) is None:
         raise ValueError("messages: the model has no chat template")
@@ -380,15 +380,7 @@ def apply_chat_template(
         except ValueError as exc:
             raise ValueError(f"chat_template: {exc}") from None
     try:
-        text = tokenizer.apply_chat_template(
-            conversation,
-            tools=tools,
-            chat_template=chat_template,
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            **(chat_template_kwargs or {}),
-        )
+        text = tokenizer.apply_chat_template(conversation, tokenize=False, **options, **variables)
     except Exception as exc:  # jinja2 errors from the template itself: the input's fault
         raise ValueError(f"{param}: the chat template refused them: {exc}") from None
     token_ids = encode_text(

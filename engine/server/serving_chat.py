@@ -73,10 +73,9 @@ class OpenAIServingChat(OpenAIServing):
 
         Raises:
             OpenAIError: 400 for invalid parameters or messages (including a template that
-                refuses them, and ``chat_template_kwargs`` that are not template variables:
-                ``chat_template_arguments``), a request ``chat_template`` the server does not
-                trust or that fails to compile or render; 404 for an unknown model, 503 when the waiting
-                queue is full.
+                refuses them, and ``chat_template_kwargs`` that are not template variables), a
+                request ``chat_template`` the server does not trust or that fails to compile or
+                render; 404 for an unknown model, 503 when the waiting queue is full.
         """
         lora_request = self.check_model(request.model)
         self._check_template_trusted(request)

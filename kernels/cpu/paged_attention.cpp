@@ -46,6 +46,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -627,9 +628,9 @@ template <typename Cost>
 std::vector<std::vector<int64_t>> share_out(const std::vector<Item>& items, int64_t workers,
                                             Cost cost) {
   std::vector<std::vector<int64_t>> shares(workers);
-  if (workers == 1) {
+  if (workers == 1) {  // what the rule gives one thread, without sorting for it
     shares[0].resize(items.size());
-    for (size_t i = 0; i < items.size(); ++i) shares[0][i] = static_cast<int64_t>(i);
+    std::iota(shares[0].begin(), shares[0].end(), int64_t{0});
     return shares;
   }
   std::vector<std::pair<int64_t, int64_t>> order;  // (cost, index)

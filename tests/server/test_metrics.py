@@ -42,6 +42,11 @@ def output(request_id, tokens, finish_reason=None, n=1, **times) -> RequestOutpu
     )
 
 
+def hist(values: dict, name: str) -> tuple[float, float]:
+    """A histogram's ``(count, sum)`` among ``read``'s values."""
+    return values[(f"{name}_count", ())], values[(f"{name}_sum", ())]
+
+
 def read(registry: CollectorRegistry) -> dict:
     text = generate_latest(registry).decode()
     return {
@@ -103,20 +108,17 @@ def test_request_latencies_follow_vllm_definitions(logger_and_registry):
     )  # fmt: skip
     values = read(registry)
 
-    def hist(name):
-        return values[(f"{name}_count", ())], values[(f"{name}_sum", ())]
-
-    assert hist("vllm:time_to_first_token_seconds") == (1, pytest.approx(1.0))
+    assert hist(values, "vllm:time_to_first_token_seconds") == (1, pytest.approx(1.0))
     # Steps that gave new tokens: at 101.2 (0.2 s after 101.0) and 102.0 (0.8 s after 101.2).
-    assert hist("vllm:inter_token_latency_seconds") == (2, pytest.approx(1.0))
-    assert hist("vllm:request_queue_time_seconds") == (1, pytest.approx(0.5))
-    assert hist("vllm:request_prefill_time_seconds") == (1, pytest.approx(0.5))
-    assert hist("vllm:request_decode_time_seconds") == (1, pytest.approx(0.9))
-    assert hist("vllm:request_inference_time_seconds") == (1, pytest.approx(1.4))
-    assert hist("vllm:e2e_request_latency_seconds") == (1, pytest.approx(2.0))
-    assert hist("vllm:request_time_per_output_token_seconds") == (1, pytest.approx(0.3))
-    assert hist("vllm:request_prompt_tokens") == (1, 5)
-    assert hist("vllm:request_generation_tokens") == (1, 4)
+    assert hist(values, "vllm:inter_token_latency_seconds") == (2, pytest.approx(1.0))
+    assert hist(values, "vllm:request_queue_time_seconds") == (1, pytest.approx(0.5))
+    assert hist(values, "vllm:request_prefill_time_seconds") == (1, pytest.approx(0.5))
+    assert hist(values, "vllm:request_decode_time_seconds") == (1, pytest.approx(0.9))
+    assert hist(values, "vllm:request_inference_time_seconds") == (1, pytest.approx(1.4))
+    assert hist(values, "vllm:e2e_request_latency_seconds") == (1, pytest.approx(2.0))
+    assert hist(values, "vllm:request_time_per_output_token_seconds") == (1, pytest.approx(0.3))
+    assert hist(values, "vllm:request_prompt_tokens") == (1, 5)
+    assert hist(values, "vllm:request_generation_tokens") == (1, 4)
     assert values[("vllm:request_success_total", (("finished_reason", "length"),))] == 1
     assert values[("vllm:request_success_total", (("finished_reason", "stop"),))] == 0
     # The 1 s TTFT falls in the le=1.0 bucket, not in le=0.75.
@@ -176,22 +178,19 @@ def test_sequences_of_one_request_are_timed_each_on_its_own(logger_and_registry)
         logger.record_step([sequences_output("a", seqs, **times, **more)], stats(), now=now)
     values = read(registry)
 
-    def hist(name):
-        return values[(f"{name}_count", ())], values[(f"{name}_sum", ())]
-
     # TTFT: 1.0 (sequence 0, engine time) + 1.5 (sequence 1, first seen at 101.5).
-    assert hist("vllm:time_to_first_token_seconds") == (2, pytest.approx(2.5))
+    assert hist(values, "vllm:time_to_first_token_seconds") == (2, pytest.approx(2.5))
     # Sequence 0: 101.0 -> 101.5; sequence 1: 101.5 -> 102.0 -> 103.0.
-    assert hist("vllm:inter_token_latency_seconds") == (3, pytest.approx(2.0))
+    assert hist(values, "vllm:inter_token_latency_seconds") == (3, pytest.approx(2.0))
     # e2e: 1.4 (sequence 0 finished at 101.4) + 3.0 (sequence 1, seen finished at 103.0).
-    assert hist("vllm:e2e_request_latency_seconds") == (2, pytest.approx(4.4))
-    assert hist("vllm:request_queue_time_seconds") == (2, pytest.approx(1.0))
+    assert hist(values, "vllm:e2e_request_latency_seconds") == (2, pytest.approx(4.4))
+    assert hist(values, "vllm:request_queue_time_seconds") == (2, pytest.approx(1.0))
     # Prefill: 0.5 + 1.0; decode: 0.4 + 1.5; time per output token: 0.4 / 1 + 1.5 / 2.
-    assert hist("vllm:request_prefill_time_seconds") == (2, pytest.approx(1.5))
-    assert hist("vllm:request_decode_time_seconds") == (2, pytest.approx(1.9))
-    assert hist("vllm:request_time_per_output_token_seconds") == (2, pytest.approx(1.15))
-    assert hist("vllm:request_generation_tokens") == (2, 5)
-    assert hist("vllm:request_prompt_tokens") == (2, 10)
+    assert hist(values, "vllm:request_prefill_time_seconds") == (2, pytest.approx(1.5))
+    assert hist(values, "vllm:request_decode_time_seconds") == (2, pytest.approx(1.9))
+    assert hist(values, "vllm:request_time_per_output_token_seconds") == (2, pytest.approx(1.15))
+    assert hist(values, "vllm:request_generation_tokens") == (2, 5)
+    assert hist(values, "vllm:request_prompt_tokens") == (2, 10)
     assert values[("vllm:request_success_total", (("finished_reason", "length"),))] == 1
     assert values[("vllm:request_success_total", (("finished_reason", "stop"),))] == 1
 
