@@ -51,6 +51,7 @@ from kvpilot.engine.layers.linear import (
 )
 from kvpilot.engine.layers.rotary_embedding import RotaryEmbedding, RotaryPositions
 from kvpilot.engine.layers.weight_loading import CheckpointTensor, copy_weight
+from kvpilot.engine.models import cpu_decoder
 
 if TYPE_CHECKING:
     from kvpilot.engine.layers.quantization import QuantizationConfig
@@ -417,11 +418,36 @@ class LlamaModel(nn.Module):
             hidden, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
         layers = self.layers[self.start_layer : self.end_layer]
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+        plain = self._plain_layers(layers)
+        done = plain and cpu_decoder.forward(
+            plain,
+            layers[0].self_attn.attn.backend,
+            rope,
+            hidden,
+            residual,
+            kv_caches,
+            attn_metadata,
+        )
+        if done:
+            hidden, residual = done
+        else:
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
         if isinstance(self.norm, PPMissingLayer):
             return IntermediateTensors(hidden, residual)
         return self.norm(hidden, residual)[0]
+
+    def _plain_layers(self, layers: nn.ModuleList) -> list[cpu_decoder.PlainLayer] | None:
+        """``layers`` for :func:`cpu_decoder.forward`, or None when one is not plain; worked out
+        on the first step and again when the first layer's projection or its weight is replaced
+        (the CPU packing once the weights are loaded, LoRA wrappers)."""
+        qkv_proj = layers[0].self_attn.qkv_proj
+        key = (id(qkv_proj), id(getattr(qkv_proj, "weight", None)))
+        cached = getattr(self, "_plain", None)
+        if cached is None or cached[0] != key:
+            cached = (key, cpu_decoder.plain_layers(layers))
+            self._plain = cached
+        return cached[1]
 
 
 class LlamaForCausalLM(nn.Module):

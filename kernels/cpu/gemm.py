@@ -207,11 +207,19 @@ def packed_silu_and_mul(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
 
 def _run(x: torch.Tensor, weight: PackedWeight, width: int, output: int) -> torch.Tensor:
     """The kernel's ``output`` for ``x`` ``[..., K]``: ``[..., width]``, a new tensor."""
-    ext = _extension()
-    rows = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
+    # A packed weight means the kernel was available when it was packed: no other check a call
+    # (this runs four times a layer and step).
+    ext = load_extension()
+    if ext is None:
+        raise RuntimeError("the CPU GEMM kernel could not be built")
+    rows = (
+        x
+        if x.dim() == 2 and x.is_contiguous()
+        else x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).contiguous()
+    )
     out = torch.empty((rows.shape[0], width), dtype=x.dtype, device=x.device)
     ext.packed_linear(out, rows, weight.panels, weight.shape[0], weight.gated, output)
-    return out.view(*x.shape[:-1], width)
+    return out if rows is x else out.view(*x.shape[:-1], width)
 
 
 def _extension() -> ModuleType:
