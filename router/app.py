@@ -13,6 +13,10 @@ a byte it never does. Every answer of a replica, 4xx and 5xx included, comes bac
 wrote it. A body the router cannot read (not JSON, no ``model``) is still forwarded, to the
 least loaded replica, so that the engine answers it with its own 400.
 
+``POST /tokenize`` and ``POST /detokenize`` (vLLM's): routed as above by their ``model``, but
+never tokenized or recorded as a prompt a replica has cached (nothing is generated from them),
+so the choice is by load and the body's consistent hash alone.
+
 ``POST /debug/route``: the same body as a completions or chat request (chat when it has
 ``messages``); answers the decision the router would take now, with every replica's score terms,
 and forwards nothing; a body the engine refuses (not JSON, not an object, a parameter of the
@@ -62,6 +66,8 @@ from kvpilot.router.wake import NoWake, WakeHook
 logger = logging.getLogger("kvpilot.router")
 
 ROUTED_PATHS = ("/v1/completions", CHAT_PATH)
+TOKENIZER_PATHS = ("/tokenize", "/detokenize")
+"""Routed by model and load; their bodies are not prompts (nothing is cached from them)."""
 FALLBACK_MAX_MODEL_LEN = 32768
 """The context (tokens) that bounds what the router tokenizes while no replica serving the
 model has reported its ``max_model_len`` (e.g. its ``/v1/models`` refused the router's key)."""
@@ -74,7 +80,7 @@ class Plan:
     """What the router knows of one request before choosing a replica.
 
     Attributes:
-        path: the routed path.
+        path: the routed path (``ROUTED_PATHS``, ``TOKENIZER_PATHS``).
         body: the body as a JSON object (``{}`` when it is none).
         model: the body's ``model`` when it is a string.
         token_ids: the prompt's token ids, or None (see ``untokenized``).
@@ -202,7 +208,7 @@ class Router:
             plan.untokenized = "policy"
         elif self.tokenizer is None:
             plan.untokenized = "no tokenizer"
-        elif not body:
+        elif not body or path in TOKENIZER_PATHS:
             plan.untokenized = "not a prompt"
         else:
             max_chars = await self._max_prompt_chars(model)
@@ -594,7 +600,7 @@ def create_app(
 
         return handler
 
-    for path in ROUTED_PATHS:
+    for path in ROUTED_PATHS + TOKENIZER_PATHS:
         app.add_api_route(path, routed(path), methods=["POST"])
 
     @app.post("/debug/route")

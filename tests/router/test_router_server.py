@@ -240,6 +240,29 @@ def test_a_shared_prefix_lands_on_the_replica_that_holds_it(router, replicas, cl
     assert router.metric("kvpilot:router_prefix_matched_tokens_total", replica=replicas[chosen].url)
 
 
+def test_tokenize_and_detokenize_reach_a_replica_and_leave_no_prompt_behind(
+    router, replicas
+) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": "Only ever tokenized, never generated from. " * 8}
+    routed = httpx.post(f"{router.url}/tokenize", json=body, headers=headers)
+    direct = httpx.post(f"{replicas[0].url}/tokenize", json=body, headers=headers)
+    assert routed.status_code == direct.status_code == 200
+    assert routed.json() == direct.json()
+    tokens = routed.json()["tokens"]
+    assert len(tokens) == routed.json()["count"] > 64
+    text = httpx.post(
+        f"{router.url}/detokenize", json={"model": MODEL, "tokens": tokens}, headers=headers
+    )
+    assert text.status_code == 200
+    assert text.json()["prompt"] == body["prompt"]
+    # No replica is taken to hold the prompt's blocks: a completion of it matches nothing.
+    debug = httpx.post(f"{router.url}/debug/route", json=body, headers=headers).json()
+    assert debug["prompt_tokens"] == len(tokens)
+    assert debug["decision"]["matched_tokens"] == 0
+    assert all(c["matched_tokens"] == 0 for c in debug["decision"]["candidates"])
+
+
 def test_a_client_that_disconnects_mid_stream_frees_the_replicas_blocks(router, replicas) -> None:
     body = {
         "model": MODEL,
