@@ -192,7 +192,9 @@ def forward(
         or rope.cos is None
         or not backend.uses_kernel(hidden, k_cache)
         or not paged_attention.tiles_prompts(hidden, k_cache)
-        or not elementwise.supports(hidden, rope.cos, rope.sin)
+        or not elementwise.supports(
+            hidden, rope.cos, rope.sin, *([] if residual is None else [residual])
+        )
     ):
         return None
     plan = backend.plan(attn_metadata, k_cache.shape[1], True, True).in_place

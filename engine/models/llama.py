@@ -418,18 +418,15 @@ class LlamaModel(nn.Module):
             hidden, residual = intermediate_tensors.hidden_states, intermediate_tensors.residual
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
         layers = self.layers[self.start_layer : self.end_layer]
-        plain = self._plain_layers(layers)
-        done = plain and cpu_decoder.forward(
-            plain,
-            layers[0].self_attn.attn.backend,
-            rope,
-            hidden,
-            residual,
-            kv_caches,
-            attn_metadata,
-        )
-        if done:
-            hidden, residual = done
+        plain = self._plain_layers(layers) if len(layers) else None
+        out = None
+        if plain is not None:  # the same kernels without the modules, where the step allows
+            backend = layers[0].self_attn.attn.backend
+            out = cpu_decoder.forward(
+                plain, backend, rope, hidden, residual, kv_caches, attn_metadata
+            )
+        if out is not None:
+            hidden, residual = out
         else:
             for layer, kv_cache in zip(layers, kv_caches, strict=True):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
