@@ -6,7 +6,8 @@ its backend, the MLP), each dispatching and checking again which kernel takes it
 two-thread decode step of SmolLM2-135M (32 sequences, ~50 ms) that Python costs ~2 ms while the
 second core waits for the next kernel. Where every layer is plain (below), this module runs the
 same kernels in the same order with those decisions taken once a step: the same bits as the
-module path (``tests/engine/test_cpu_decoder.py`` compares the logits of mixed steps).
+module path (``tests/engine/test_cpu_decoder.py`` compares the tokens and logprobs of mixed
+steps).
 
 A layer is plain when it is float32 with every projection packed for
 :mod:`kvpilot.kernels.cpu.gemm` (no bias, no LoRA wrapper, no quantization, no tensor
