@@ -251,6 +251,10 @@ def test_tokenize_and_detokenize_reach_a_replica_and_leave_no_prompt_behind(
     assert routed.json() == direct.json()
     tokens = routed.json()["tokens"]
     assert len(tokens) == routed.json()["count"] > 64
+    # ``model`` is optional there, as in vLLM: any replica answers.
+    anyone = httpx.post(f"{router.url}/tokenize", json={"prompt": body["prompt"]}, headers=headers)
+    assert anyone.status_code == 200
+    assert anyone.json()["tokens"] == tokens
     text = httpx.post(
         f"{router.url}/detokenize", json={"model": MODEL, "tokens": tokens}, headers=headers
     )
