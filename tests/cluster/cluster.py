@@ -185,6 +185,35 @@ class Cluster:
             path = f"{path}?{urllib.parse.urlencode(query)}"
         return self.api().request("GET", path).get("items") or []
 
+    def wait_for_owner_kind(self, api_version: str, kind: str) -> None:
+        """Wait until the API server's admission knows ``kind`` (a CRD just installed) as an
+        owner: until its discovery is refreshed (every 10 s), ``OwnerReferencesPermissionEnforcement``
+        refuses any user's object that sets ``blockOwnerDeletion`` on an owner of that kind with a
+        403 ("cannot find RESTMapping"), which is not the RBAC a test checks. Probes with a
+        server-side dry run of such an object, retried (nothing is stored)."""
+        probe = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": {
+                "generateName": "owner-probe-",
+                "ownerReferences": [
+                    {
+                        "apiVersion": api_version,
+                        "kind": kind,
+                        "name": "probe",
+                        "uid": "00000000-0000-0000-0000-000000000000",
+                        "blockOwnerDeletion": True,
+                    }
+                ],
+            },
+        }
+        wait_for(
+            lambda: self.api().request(
+                "POST", "/api/v1/namespaces/default/configmaps?dryRun=All", probe
+            ),
+            f"the API server to map {api_version} {kind} for owner references",
+        )
+
     def create_namespace(self, prefix: str = "t") -> str:
         """Create a namespace with a unique name starting with ``prefix``; returns the name."""
         name = f"{prefix}-{next(_counter)}-{os.getpid() % 10000}"

@@ -45,6 +45,9 @@ def install(
         f"--set-json=operator.extraArgs={json.dumps(FAST)}", *sets,
     )  # fmt: skip
     assert extra  # the flags above make its loops tick fast enough for a test
+    # The operator's first children must not meet the admission's lag on the new CRD (a 403
+    # that the test of the chart's RBAC would take for a missing rule).
+    kube.wait_for_owner_kind("kvpilot.dev/v1alpha1", "LLMDeployment")
 
 
 def rendered_rules(kube: Cluster, *sets: str) -> list[dict]:
