@@ -7,11 +7,14 @@ emitted token (``prefix_offset:read_offset``) and once up to the newest token
 keeps tokenizer-specific context right (a SentencePiece ``▁`` becomes a space only after another
 token; byte-level BPE splits one character over several tokens). When the window ends in an
 incomplete UTF-8 sequence (the decoder yields U+FFFD there) the offsets stay put until a later
-token completes it, so no replacement character is ever emitted in the middle of a character.
+token completes it, so no replacement character is ever emitted; a character still incomplete
+when the sequence ends (``max_tokens`` cut it) is left out, as vLLM leaves it out.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
 from typing import Any
 
 from kvpilot.engine.sampling_params import SamplingParams
@@ -26,12 +29,14 @@ class IncrementalDetokenizer:
     """Turns one sequence's output token ids into text as they arrive, and finds stop strings.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerBase``); only ``decode`` and
-            ``added_tokens_decoder`` are used.
+        tokenizer: a Hugging Face tokenizer (``PreTrainedTokenizerBase``); only ``decode`` is
+            used.
         prompt_token_ids: the prompt, ``[num_prompt_tokens]`` token ids; its last tokens give
             the first output token its context.
         params: ``stop``, ``include_stop_str_in_output``, ``min_tokens``,
-            ``skip_special_tokens`` and ``spaces_between_special_tokens`` are read.
+            ``skip_special_tokens`` and ``spaces_between_special_tokens`` are read (the latter
+            goes to the tokenizer's ``decode``: transformers' SentencePiece tokenizers honour
+            it, fast ones put no spaces around special tokens, as vLLM's fast-tokenizer path).
 
     ``update`` appends tokens and reports a matched stop string; ``get_text`` returns the text
     that is safe to show. Text returned by ``get_text`` only ever grows, so streamed deltas
@@ -45,8 +50,6 @@ class IncrementalDetokenizer:
         self._num_prompt_tokens = len(prompt_token_ids)
         self._read_offset = len(prompt_token_ids)
         self._prefix_offset = max(len(prompt_token_ids) - _INITIAL_PREFIX_TOKENS, 0)
-        self._added_token_ids = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
-        self._added_token_text: dict[int, str] = {}
         # Text of windows that ended on a character boundary (final; never changes).
         self._text = ""
         # Text decoded after ``_read_offset``, still waiting for the rest of a character.
@@ -55,6 +58,11 @@ class IncrementalDetokenizer:
         self._checked_len = 0  # visible characters already searched for stop strings
         self._stop_text: str | None = None  # the final text once a stop string matched
         self.stop_reason: str | None = None
+
+    @property
+    def recent_output_token_ids(self) -> list[int]:
+        """The last (up to) 4 output token ids: context enough for any UTF-8 character."""
+        return self._token_ids[max(self._num_prompt_tokens, len(self._token_ids) - 4) :]
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -105,9 +113,10 @@ class IncrementalDetokenizer:
         """Return the cumulative output text that is safe to emit now.
 
         Args:
-            finished: True once the sequence is done (stop, length, EOS, abort): everything is
-                released, including an incomplete trailing UTF-8 sequence (as U+FFFD) and any
-                text held back for a possible stop string.
+            finished: True once the sequence is done (stop, length, EOS, abort): the text
+                held back for a possible stop string is released; an incomplete trailing UTF-8
+                sequence is not (vLLM leaves it out too; transformers' ``decode`` would end the
+                text in U+FFFD).
 
         Returns:
             While not finished: the text up to the last complete character, minus the longest
@@ -119,7 +128,7 @@ class IncrementalDetokenizer:
         if self._stop_text is not None:
             return self._stop_text
         if finished:
-            return self._text + self._pending
+            return self._visible_text()
         visible = self._visible_text()
         if self._params.include_stop_str_in_output or not self._params.stop:
             return visible
@@ -155,42 +164,47 @@ class IncrementalDetokenizer:
         return 0
 
     def _decode(self, token_ids: list[int]) -> str:
-        skip = self._params.skip_special_tokens
-        if not self._params.spaces_between_special_tokens or not self._added_token_ids.intersection(
-            token_ids
-        ):
-            return self._tokenizer.decode(
-                token_ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False
-            )
-        # Added tokens (chat markers and the like) become pieces of their own, joined by single
-        # spaces, as in transformers' original Python decoder; skipped ones do not split text.
-        pieces: list[str] = []
-        run: list[int] = []
-        for token_id in token_ids:
-            if token_id not in self._added_token_ids:
-                run.append(token_id)
-                continue
-            piece = self._added_token_piece(token_id)
-            if not piece:
-                continue
-            if run:
-                pieces.append(self._decode_run(run))
-                run = []
-            pieces.append(piece)
-        if run:
-            pieces.append(self._decode_run(run))
-        return " ".join(pieces)
-
-    def _decode_run(self, token_ids: list[int]) -> str:
         return self._tokenizer.decode(
             token_ids,
             skip_special_tokens=self._params.skip_special_tokens,
+            spaces_between_special_tokens=self._params.spaces_between_special_tokens,
             clean_up_tokenization_spaces=False,
         )
 
-    def _added_token_piece(self, token_id: int) -> str:
-        piece = self._added_token_text.get(token_id)
-        if piece is None:
-            piece = self._decode_run([token_id])
-            self._added_token_text[token_id] = piece
-        return piece
+
+def logprob_token_text(tokenizer: Any, token_id: int, text: str, context: Sequence[int]) -> str:
+    """The text a logprobs entry shows for ``token_id``, as vLLM's logprobs show it.
+
+    A token decoded alone is usually its text. A byte-level token that holds part of a UTF-8
+    character decodes alone to U+FFFD; then the text is what the token adds to the sequence
+    once its character is complete: the whole character on the token that completes it (with
+    the bytes the tokens before it held), and ``""`` on the tokens before, so that the entries'
+    texts join into the output text and their ``bytes`` are real UTF-8.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer (``decode`` is used).
+        token_id: the token of the entry (the sampled one or an alternative).
+        text: ``token_id`` decoded alone.
+        context: the token ids before it in the sequence, oldest first; the last 4 are read
+            (a UTF-8 character has at most 4 bytes).
+
+    Returns:
+        ``text`` when it does not end in U+FFFD; else the completed character(s) the token
+        adds, or ``""`` while the character is still incomplete.
+    """
+    if not text.endswith(_REPLACEMENT_CHAR):
+        return text
+    context = list(context[-4:])
+    for size in range(1, len(context) + 1):
+        window = context[-size:]
+        full = tokenizer.decode(window + [token_id])
+        if full.endswith(_REPLACEMENT_CHAR):
+            continue
+        # The window's trailing tokens that are themselves parts of this character give their
+        # bytes to this token; the text of those before them is not this token's.
+        clean = len(window)
+        while clean and tokenizer.decode(window[clean - 1 : clean]).endswith(_REPLACEMENT_CHAR):
+            clean -= 1
+        prefix = tokenizer.decode(window[:clean]) if clean else ""
+        return full[len(os.path.commonprefix([prefix, full])) :]
+    return ""

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvpilot.engine.detokenizer import IncrementalDetokenizer
+from kvpilot.engine.detokenizer import IncrementalDetokenizer, logprob_token_text
 from kvpilot.engine.logits_processors import TokenLogprobs
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from kvpilot.engine.request import Request, RequestStatus
@@ -160,8 +160,10 @@ class OutputProcessor:
                     f"prompt logprobs of {sched.request.request_id!r}: got tokens from {first} "
                     f"on, only {len(recorded)} recorded"
                 )
+            prompt = sched.request.prompt_token_ids
             for _, top in chunk[len(recorded) - first :]:
-                recorded.append(self._logprob_dict(top))
+                position = len(recorded)
+                recorded.append(self._logprob_dict(top, prompt[max(position - 4, 0) : position]))
 
     def detokenize(
         self, deltas: Iterable[RequestDelta], logprobs: dict[str, list[TokenLogprobs]]
@@ -189,7 +191,8 @@ class OutputProcessor:
                 self.generation_tokens_total += 1
                 if i < len(token_logprobs) and seq.logprobs is not None:
                     sampled_logprob, top = token_logprobs[i]
-                    seq.logprobs.append(self._logprob_dict(top))
+                    context = seq.detokenizer.recent_output_token_ids
+                    seq.logprobs.append(self._logprob_dict(top, context))
                     seq.cumulative_logprob += sampled_logprob
                 stopped_by_token = i == last and request.status == RequestStatus.FINISHED_STOPPED
                 if stopped_by_token and not request.sampling_params.include_stop_str_in_output:
@@ -222,9 +225,16 @@ class OutputProcessor:
                 finished += self.abort_request(parent_id)
         return outputs, finished
 
-    def _logprob_dict(self, top: dict[int, tuple[float, int]]) -> dict[int, Logprob]:
-        """``{token_id: Logprob}`` with each token's text (decoded once per token id)."""
+    def _logprob_dict(
+        self, top: dict[int, tuple[float, int]], context: list[int]
+    ) -> dict[int, Logprob]:
+        """``{token_id: Logprob}`` with each token's text (decoded once per token id; a part of
+        a UTF-8 character completed from ``context``, the tokens before it, by
+        ``logprob_token_text``)."""
         texts = self._token_texts
         for token_id in top.keys() - texts.keys():
             texts[token_id] = self.tokenizer.decode([token_id])
-        return {t: Logprob(lp, rank, texts[t]) for t, (lp, rank) in top.items()}
+        return {
+            t: Logprob(lp, rank, logprob_token_text(self.tokenizer, t, texts[t], context))
+            for t, (lp, rank) in top.items()
+        }

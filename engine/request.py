@@ -137,20 +137,19 @@ class Request:
     def check_stop(self) -> bool:
         """Finish the request if its last token ends it; return whether it did.
 
-        Order as in vLLM: the length limit, then EOS (unless ``ignore_eos``), then
-        ``stop_token_ids`` (``stop_reason`` = that id). Stop strings are the detokenizer's.
+        Order as in vLLM: EOS (unless ``ignore_eos``), then ``stop_token_ids``
+        (``stop_reason`` = that id), then the length limit, so that a stop token sampled as
+        the last allowed one still finishes with ``"stop"`` (and its text is left out). EOS and
+        stop ids count only from ``min_tokens`` on. Stop strings are the detokenizer's.
         """
         params = self.sampling_params
         last = self.output_token_ids[-1]
-        if self.num_output_tokens >= self.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        elif (
-            self.num_output_tokens >= params.min_tokens
-            and not params.ignore_eos
-            and last in self.eos_token_ids
-        ):
+        may_stop = self.num_output_tokens >= params.min_tokens
+        if may_stop and not params.ignore_eos and last in self.eos_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
-        elif self.num_output_tokens >= params.min_tokens and last in params.stop_token_ids:
+        elif may_stop and last in params.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
             self.stop_reason = last
+        elif self.num_output_tokens >= self.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return self.is_finished

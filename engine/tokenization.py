@@ -317,6 +317,44 @@ def merge_chat_template_kwargs(
     }
 
 
+def developer_as_system(conversation: list[dict[str, Any]], template: Any) -> list[dict[str, Any]]:
+    """OpenAI's ``developer`` role for a chat template that does not know it, as vLLM maps it.
+
+    A template that names ``"developer"`` (quoted) renders the messages as they are. For any
+    other, ``developer`` messages become ``system`` ones, and when that leaves a system message
+    anywhere but first, or more than one, they are merged (contents joined by a blank line)
+    into one system message at the start: templates that read the system prompt from the first
+    message only (most do) would otherwise add their default one and render the rest as an
+    unknown role.
+
+    Args:
+        conversation: messages as ``parse_chat_messages`` returns them (not modified).
+        template: the chat template to render with (a string, or a dict of named ones).
+
+    Returns:
+        The conversation to render (the same list when no change is needed).
+    """
+    if not any(m["role"] == "developer" for m in conversation):
+        return conversation
+    texts = template.values() if isinstance(template, Mapping) else [template]
+    if any('"developer"' in t or "'developer'" in t for t in texts if isinstance(t, str)):
+        return conversation
+    converted = [
+        {k: v for k, v in m.items() if k != "tools"} | {"role": "system"}
+        if m["role"] == "developer"
+        else m
+        for m in conversation
+    ]
+    system = [i for i, m in enumerate(converted) if m["role"] == "system"]
+    if system == [0]:
+        return converted
+    merged = {
+        "role": "system",
+        "content": "\n\n".join(converted[i]["content"] for i in system if converted[i]["content"]),
+    }
+    return [merged] + [m for m in converted if m["role"] != "system"]
+
+
 def apply_chat_template(
     tokenizer: Any,
     conversation: list[dict[str, Any]],
@@ -379,6 +417,9 @@ def apply_chat_template(
             compile_chat_template(chat_template)
         except ValueError as exc:
             raise ValueError(f"chat_template: {exc}") from None
+    conversation = developer_as_system(
+        conversation, chat_template or getattr(tokenizer, "chat_template", None)
+    )
     try:
         text = tokenizer.apply_chat_template(conversation, tokenize=False, **options, **variables)
     except Exception as exc:  # jinja2 errors from the template itself: the input's fault

@@ -107,23 +107,29 @@ class OpenAIServing:
             raise bad_request(exc, param) from None
 
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
-        """The output limit: ``requested`` or all room left, checked against ``max_model_len``.
+        """The output limit, as vLLM sets it: ``requested`` (None: no limit) cut to the room
+        the prompt leaves in ``max_model_len``, so that generation ends with ``"length"`` at
+        the end of the context instead of the request being refused.
 
         Raises:
-            OpenAIError: 400 when the prompt alone (``param``) or prompt plus ``max_tokens``
-                exceeds ``max_model_len``, with vLLM's wording.
+            OpenAIError: 400 when the prompt alone (``param``) fills ``max_model_len``, or when
+                ``max_tokens`` alone exceeds it, with vLLM's wording.
         """
         room = self.max_model_len - num_prompt_tokens
-        if room <= 0 or (requested is not None and requested > room):
-            wanted = num_prompt_tokens + (requested or 0)
+        if room <= 0:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, "
-                f"you requested {wanted} tokens ({num_prompt_tokens} in the {param}, "
-                f"{requested or 0} in the completion). Please reduce the length of the "
-                f"{param} or completion.",
-                param if room <= 0 else "max_tokens",
+                f"your {param} contains {num_prompt_tokens} input tokens, which leaves no room "
+                f"for output tokens. Please reduce the length of the {param}.",
+                param,
             )
-        return requested if requested is not None else room
+        if requested is not None and requested > self.max_model_len:
+            raise bad_request(
+                f"max_tokens={requested} cannot be greater than max_model_len="
+                f"{self.max_model_len}. Please request fewer output tokens.",
+                "max_tokens",
+            )
+        return room if requested is None else min(requested, room)
 
     def sampling_params(
         self, request: Any, max_tokens: int, logprobs: int | None

@@ -92,6 +92,30 @@ def test_template_options_match_transformers(tiny_llm):
     assert [len(o.outputs[0].token_ids) for o in batch] == [1, 3]
 
 
+def test_developer_messages_are_system_ones_for_a_template_without_that_role(tiny_llm):
+    # As vLLM: OpenAI's "developer" role becomes "system" unless the template names it, and
+    # the system messages then go first, merged.
+    tokenizer = tiny_llm.get_tokenizer()
+    user = {"role": "user", "content": "hi"}
+
+    def prompt(conversation, **kwargs):
+        [out] = tiny_llm.chat(conversation, greedy(max_tokens=1), use_tqdm=False, **kwargs)
+        return out.prompt_token_ids
+
+    developer = [{"role": "developer", "content": "Be brief."}, user]
+    assert prompt(developer) == hf_chat_ids(
+        tokenizer, [{"role": "system", "content": "Be brief."}, user], add_generation_prompt=True
+    )
+    late = [{"role": "system", "content": "S."}, user, {"role": "developer", "content": "D."}]
+    assert prompt(late) == hf_chat_ids(
+        tokenizer, [{"role": "system", "content": "S.\n\nD."}, user], add_generation_prompt=True
+    )
+    knows_it = "{% for m in messages %}{% if m.role == 'developer' %}DEV {% endif %}{{ m.content }}\n{% endfor %}"
+    assert prompt(developer, chat_template=knows_it) == tokenizer.encode(
+        "DEV Be brief.\nhi\n", add_special_tokens=False
+    )
+
+
 def test_tools_reach_the_template_as_transformers_renders_them(tiny_llm):
     tokenizer = tiny_llm.get_tokenizer()
     tools = [WEATHER, TIME]

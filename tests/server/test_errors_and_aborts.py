@@ -77,7 +77,7 @@ CHAT = "/v1/chat/completions"
         (COMPLETIONS, completion(prompt=[[]]), "prompt"),
         (COMPLETIONS, completion(prompt=[10**9]), "prompt"),
         (COMPLETIONS, completion(prompt="hello " * 300), "prompt"),
-        (COMPLETIONS, completion(max_tokens=MAX_MODEL_LEN), "max_tokens"),
+        (COMPLETIONS, completion(max_tokens=MAX_MODEL_LEN + 1), "max_tokens"),
         (COMPLETIONS, completion(max_tokens=0), "max_tokens"),
         (COMPLETIONS, completion(max_tokens=0, echo=True, min_tokens=1), "min_tokens"),
         (COMPLETIONS, completion(prompt_logprobs=-1), "prompt_logprobs"),

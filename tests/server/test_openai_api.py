@@ -389,8 +389,12 @@ def test_chat_logprobs(client):
 def test_non_ascii_text_streams_byte_safe(client, prompt, pattern):
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stop=["\n"])
     full = client.completions.create(logprobs=0, **kwargs).choices[0]
-    # Some character of the answer is split over several tokens (each alone is not valid UTF-8).
-    assert any("\ufffd" in token for token in full.logprobs.tokens)
+    # Some character of the answer is split over several tokens (each alone is not valid
+    # UTF-8): as in vLLM, the tokens before the last part show "" and the last the character,
+    # so that the tokens join into the text (the stop string "\n" may follow it).
+    assert "" in full.logprobs.tokens
+    assert not any("\ufffd" in token for token in full.logprobs.tokens)
+    assert "".join(full.logprobs.tokens).startswith(full.text)
     assert "\ufffd" not in full.text and any(ord(c) > 0x2E80 for c in full.text), pattern
     texts, _, chunks = stream_completion(client, **kwargs)
     assert texts == {0: full.text}
@@ -442,6 +446,57 @@ def test_stop_token_ids_and_echo(client, offline):
     assert choice.model_extra["stop_reason"] == generated_ids[2]
     assert response.usage.completion_tokens == 3
     assert choice.text == tokenizer.decode(generated_ids[:2])
+
+
+def test_a_stop_token_on_the_last_allowed_token_finishes_with_stop(client, offline):
+    # vLLM checks EOS and stop_token_ids before the length limit: the token that ends the
+    # output on max_tokens still reports "stop", and its text is left out.
+    [greedy] = offline.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False
+    )
+    first, second = greedy.outputs[0].token_ids
+    choice = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=2,
+        extra_body={"stop_token_ids": [second]},
+    ).choices[0]
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", second)
+    assert choice.text == offline.get_tokenizer().decode([first])
+    # EOS as the last allowed token: a chat that ends by itself, cut to exactly its length.
+    ended = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=64)
+    assert ended.choices[0].finish_reason == "stop"
+    exact = client.chat.completions.create(
+        model=MODEL, messages=CHAT, temperature=0, max_tokens=ended.usage.completion_tokens
+    )
+    assert exact.choices[0].finish_reason == "stop"
+    assert exact.choices[0].message.content == ended.choices[0].message.content
+
+
+def test_max_tokens_is_cut_to_the_context_left_as_vllm_cuts_it(client, offline):
+    tokenizer = offline.get_tokenizer()
+    # null is completions' default of 16 (OpenAI's and vLLM's), not "no limit".
+    unset = client.completions.create(
+        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=None, extra_body={"ignore_eos": True}
+    )
+    assert (unset.usage.completion_tokens, unset.choices[0].finish_reason) == (16, "length")
+    # A prompt one token short of the context with the default 16: one token, "length".
+    long_prompt = tokenizer.encode(" hello" * (MAX_MODEL_LEN - 1))[: MAX_MODEL_LEN - 1]
+    full = client.completions.create(model=MODEL, prompt=long_prompt, temperature=0)
+    assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (MAX_MODEL_LEN - 1, 1)
+    assert full.choices[0].finish_reason == "length"
+    # max_tokens up to max_model_len is taken and cut to the room the prompt leaves.
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        temperature=0,
+        max_tokens=MAX_MODEL_LEN,
+        extra_body={"ignore_eos": True},
+    )
+    usage = chat.usage
+    assert usage.prompt_tokens + usage.completion_tokens == MAX_MODEL_LEN
+    assert chat.choices[0].finish_reason == "length"
 
 
 def test_batch_of_token_id_prompts(client, offline):
