@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -251,11 +251,13 @@ def create_app(
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         serving = ready_state().completion
+        body = _named_by_header(body, raw)
         return await _respond(raw, serving.create_completion(body, now()))
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         serving = ready_state().chat
+        body = _named_by_header(body, raw)
         return await _respond(raw, serving.create_chat_completion(body, now()))
 
     app.include_router(v1)
@@ -334,3 +336,13 @@ async def _respond(raw: Request, work: Awaitable[Any]) -> Response:
 async def _wait_for_disconnect(raw: Request) -> None:
     while (await raw.receive())["type"] != "http.disconnect":
         pass
+
+
+RequestBody = TypeVar("RequestBody", CompletionRequest, ChatCompletionRequest)
+
+
+def _named_by_header(body: RequestBody, raw: Request) -> RequestBody:
+    """The request with its ``request_id`` taken from the ``X-Request-Id`` header when there
+    is one (vLLM's order: the header, then the body's field)."""
+    header = raw.headers.get("x-request-id")
+    return body if not header else body.model_copy(update={"request_id": header})

@@ -155,6 +155,12 @@ class _SamplingFields(OpenAIModel):
     # vLLM's extension: each prompt token's logprob with this many top candidates, returned
     # as prompt_logprobs (on each completion choice; at the top of a chat completion).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    # vLLM's extensions: keep only the prompt's last k tokens (-1: as many as leave room for
+    # one output token); logprobs' tokens as "token_id:<id>"; the response's id (the
+    # X-Request-Id header wins over it; the engine's own id stays unique).
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    return_tokens_as_token_ids: bool = False
+    request_id: str | None = None
 
     @field_validator("cache_salt")
     @classmethod

@@ -27,6 +27,7 @@ from kvpilot.engine.server.serving_engine import (
     RequestStream,
     clamp_logprob,
     new_request_id,
+    response_id,
     sse,
     sse_error,
 )
@@ -84,7 +85,9 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as exc:
             raise bad_request(exc, "tool_choice") from None
         template_args = chat_template_arguments(request)
-        prompt_token_ids = await self._render(request, template_args)
+        prompt_token_ids = self.truncate_prompt(
+            await self._render(request, template_args), request.truncate_prompt_tokens
+        )
         max_tokens = self.max_tokens_for(
             len(prompt_token_ids), request.requested_max_tokens(), "messages"
         )
@@ -100,10 +103,11 @@ class OpenAIServingChat(OpenAIServing):
             request_id, prompt_token_ids, params, arrival_time, request.cache_salt, lora_request
         )
         echo = self._echo_text(request, template_args["add_generation_prompt"])
+        shown_id = response_id("chatcmpl", request_id, request.request_id)
         if request.stream:
             return self._stream(
                 request,
-                request_id,
+                shown_id,
                 len(prompt_token_ids),
                 stream,
                 echo,
@@ -116,7 +120,7 @@ class OpenAIServingChat(OpenAIServing):
             stream.close()
         choices = [self._choice(request, seq, echo, make_tool_parser) for seq in final.outputs]
         return ChatCompletionResponse(
-            id=request_id,
+            id=shown_id,
             model=self.response_model(lora_request),
             choices=choices,
             usage=self.usage(
@@ -142,7 +146,7 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionChoice(
             index=seq.index,
             message=ChatResponseMessage(role=ASSISTANT, content=content, tool_calls=tool_calls),
-            logprobs=self._logprobs(seq, 0, request.top_logprobs),
+            logprobs=self._logprobs(seq, 0, request),
             finish_reason=finish_reason,
             stop_reason=seq.stop_reason,
         )
@@ -189,22 +193,23 @@ class OpenAIServingChat(OpenAIServing):
         return last.text() if last.role == role else ""
 
     def _logprobs(
-        self, seq: CompletionOutput, start: int, top_logprobs: int | None
+        self, seq: CompletionOutput, start: int, request: ChatCompletionRequest
     ) -> ChatChoiceLogprobs | None:
         if seq.logprobs is None:
             return None
+        as_id = request.return_tokens_as_token_ids
         content = []
         for token_id, candidates in zip(seq.token_ids[start:], seq.logprobs[start:], strict=False):
             sampled = candidates.get(token_id)
-            text = self.token_text(token_id, sampled)
+            text = self.token_text(token_id, sampled, as_id)
             ranked = sorted(candidates.items(), key=lambda item: item[1].rank or 0)
             top = [
                 TopLogprob(
-                    token=self.token_text(t, lp),
+                    token=(top_text := self.token_text(t, lp, as_id)),
                     logprob=clamp_logprob(lp.logprob),
-                    bytes=list(self.token_text(t, lp).encode()),
+                    bytes=list(top_text.encode()),
                 )
-                for t, lp in ranked[: top_logprobs or 0]
+                for t, lp in ranked[: request.top_logprobs or 0]
             ]
             content.append(
                 ChatTokenLogprob(
@@ -265,7 +270,7 @@ class OpenAIServingChat(OpenAIServing):
                         parser = parsers[index]
                         delta = parser.extract_tool_calls_streaming(text, finished[index])
                         finish_reason = parser.finish_reason(finish_reason)
-                    logprobs = self._logprobs(seq, sent_tokens[index], request.top_logprobs)
+                    logprobs = self._logprobs(seq, sent_tokens[index], request)
                     has_logprobs = logprobs is not None and bool(logprobs.content)
                     if delta is None and not has_logprobs and not finished[index]:
                         continue

@@ -22,6 +22,7 @@ from kvpilot.engine.server.serving_engine import (
     clamp_logprob,
     merge_streams,
     new_request_id,
+    response_id,
     sse,
     sse_error,
     top_candidates,
@@ -62,7 +63,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 when the waiting queue is full.
         """
         lora_request = self.check_model(request.model)
-        prompts = [await self._encode(p) for p in request.prompts()]
+        prompts = [await self._encode(p, request.truncate_prompt_tokens) for p in request.prompts()]
         if request.echo and request.logprobs is not None:
             for prompt in prompts:
                 prompt.first_token_text = await self.tokenizer.decode(prompt.token_ids[:1])
@@ -94,24 +95,32 @@ class OpenAIServingCompletion(OpenAIServing):
             for stream in streams:
                 stream.close()
             raise
+        shown_id = response_id("cmpl", request_id, request.request_id)
         if request.stream:
-            return self._stream(request, request_id, prompts, streams, lora_request)
+            return self._stream(request, shown_id, prompts, streams, lora_request)
         try:
             finals = await asyncio.gather(*(self.final_output(s) for s in streams))
         finally:
             for stream in streams:
                 stream.close()
-        return self._response(request, request_id, prompts, finals, lora_request)
+        return self._response(request, shown_id, prompts, finals, lora_request)
 
-    async def _encode(self, prompt: str | list[int]) -> _Prompt:
+    async def _encode(self, prompt: str | list[int], truncate: int | None) -> _Prompt:
+        """One prompt's text and token ids, cut to ``truncate_prompt_tokens`` (the text then
+        is the kept tokens', for ``echo``)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise bad_request("prompt: must not be empty", "prompt")
-            return _Prompt(prompt, await self.encode(prompt, "prompt"))
-        if not prompt:
-            raise bad_request("prompt: a token id list must not be empty", "prompt")
-        self.check_token_ids(prompt, "prompt")
-        return _Prompt(await self.tokenizer.decode(prompt), list(prompt))
+            token_ids = await self.encode(prompt, "prompt")
+        else:
+            if not prompt:
+                raise bad_request("prompt: a token id list must not be empty", "prompt")
+            self.check_token_ids(prompt, "prompt")
+            token_ids = list(prompt)
+        kept = self.truncate_prompt(token_ids, truncate)
+        if isinstance(prompt, str) and kept is token_ids:
+            return _Prompt(prompt, token_ids)
+        return _Prompt(await self.tokenizer.decode(kept), kept)
 
     def _response(
         self,
@@ -184,9 +193,10 @@ class OpenAIServingCompletion(OpenAIServing):
             token_ids = prompt.token_ids + token_ids
             candidates = output.prompt_logprobs + candidates
         result = CompletionLogprobs()
+        as_id = request.return_tokens_as_token_ids
         for token_id, top in zip(token_ids, candidates, strict=False):
             own = None if top is None else top.get(token_id)
-            text = prompt.first_token_text if top is None else self.token_text(token_id, own)
+            text = prompt.first_token_text if top is None else self.token_text(token_id, own, as_id)
             result.tokens.append(text)
             result.text_offset.append(text_offset)
             text_offset += len(text)
@@ -198,7 +208,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 top_candidates(top, token_id, request.logprobs), key=lambda t: t[1].rank or 0
             )
             result.top_logprobs.append(
-                {self.token_text(t, lp): clamp_logprob(lp.logprob) for t, lp in ranked}
+                {self.token_text(t, lp, as_id): clamp_logprob(lp.logprob) for t, lp in ranked}
             )
         return result
 

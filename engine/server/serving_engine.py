@@ -202,11 +202,30 @@ class OpenAIServing:
             raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the request ended unfinished")
         return final
 
+    def truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
+        """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (vLLM's
+        tokenizers truncate on the left); -1 keeps ``max_model_len - 1``; None keeps all.
+
+        Raises:
+            OpenAIError: 400 for 0 (no prompt left) or more than ``max_model_len``.
+        """
+        if keep is None:
+            return token_ids
+        if keep == 0 or keep > self.max_model_len:
+            raise bad_request(
+                f"truncate_prompt_tokens: must be -1 or between 1 and max_model_len "
+                f"({self.max_model_len}), got {keep}",
+                "truncate_prompt_tokens",
+            )
+        keep = self.max_model_len - 1 if keep == -1 else keep
+        return token_ids[-keep:] if len(token_ids) > keep else token_ids
+
     @staticmethod
-    def token_text(token_id: int, logprob: Logprob | None) -> str:
+    def token_text(token_id: int, logprob: Logprob | None, as_token_id: bool = False) -> str:
         """The text of one token on its own, as logprobs report it: decoded by the engine, or
-        vLLM's ``token_id:<id>`` when it was not decoded (the event loop never tokenizes)."""
-        if logprob is not None and logprob.decoded_token is not None:
+        vLLM's ``token_id:<id>`` when it was not decoded (the event loop never tokenizes) or
+        the request asked for ids (``return_tokens_as_token_ids``)."""
+        if not as_token_id and logprob is not None and logprob.decoded_token is not None:
             return logprob.decoded_token
         return f"token_id:{token_id}"
 
@@ -240,6 +259,13 @@ class OpenAIServing:
 def new_request_id(prefix: str) -> str:
     """An id like OpenAI's: ``cmpl-<32 hex>`` / ``chatcmpl-<32 hex>``."""
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def response_id(prefix: str, engine_request_id: str, requested: str | None) -> str:
+    """The ``id`` of a response: ``<prefix>-<requested>`` when the client named the request
+    (its ``request_id``, or the ``X-Request-Id`` header), as vLLM names it; else the
+    engine's own id (which stays unique either way)."""
+    return engine_request_id if requested is None else f"{prefix}-{requested}"
 
 
 def now() -> float:

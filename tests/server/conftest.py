@@ -72,6 +72,15 @@ def api_key() -> str:
     return API_KEY
 
 
+@pytest.fixture(scope="module")
+def http(server, api_key) -> Iterator[httpx.Client]:
+    """Raw HTTP to the module's ``server`` fixture, authorized."""
+    with httpx.Client(
+        base_url=server.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
+    ) as client:
+        yield client
+
+
 @pytest.fixture(scope="session")
 def default_tokenizer(default_model_dir):
     """The default model's tokenizer, for the test's side (never shared with a server)."""

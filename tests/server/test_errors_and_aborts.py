@@ -29,14 +29,6 @@ def server(start_server):
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def http(server, api_key):
-    with httpx.Client(
-        base_url=server.url, headers={"Authorization": f"Bearer {api_key}"}, timeout=60
-    ) as client:
-        yield client
-
-
 def completion(**body) -> dict:
     return {"model": MODEL, "prompt": "Hello", "max_tokens": 3, **body}
 

@@ -499,6 +499,76 @@ def test_max_tokens_is_cut_to_the_context_left_as_vllm_cuts_it(client, offline):
     assert chat.choices[0].finish_reason == "length"
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, offline, http):
+    tokenizer = offline.get_tokenizer()
+    ids = tokenizer.encode(PROMPT)
+    kwargs = dict(model=MODEL, temperature=0, max_tokens=4)
+    cut = client.completions.create(
+        prompt=PROMPT, echo=True, extra_body={"truncate_prompt_tokens": 2}, **kwargs
+    )
+    kept = client.completions.create(prompt=ids[-2:], echo=True, **kwargs)
+    assert cut.usage.prompt_tokens == 2
+    # The echo is the kept prompt's text, and the answer that of the kept tokens alone.
+    assert cut.choices[0].text == kept.choices[0].text
+    assert cut.choices[0].text.startswith(tokenizer.decode(ids[-2:]))
+    assert not cut.choices[0].text.startswith(PROMPT)
+    chat = client.chat.completions.create(
+        messages=CHAT, extra_body={"truncate_prompt_tokens": 3}, **kwargs
+    )
+    assert chat.usage.prompt_tokens == 3
+    for bad in (0, MAX_MODEL_LEN + 1):
+        response = http.post(
+            "/v1/completions",
+            json={"model": MODEL, "prompt": PROMPT, "truncate_prompt_tokens": bad},
+        )
+        assert response.status_code == 400
+        assert response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_return_tokens_as_token_ids(client, offline):
+    [greedy] = offline.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+    )
+    expected = [f"token_id:{t}" for t in greedy.outputs[0].token_ids]
+    completion = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        temperature=0,
+        max_tokens=3,
+        logprobs=1,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    logprobs = completion.choices[0].logprobs
+    assert logprobs.tokens == expected
+    assert [list(top) for top in logprobs.top_logprobs] == [[t] for t in expected]
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=CHAT,
+        temperature=0,
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    for entry in chat.choices[0].logprobs.content:
+        assert entry.token.startswith("token_id:") and bytes(entry.bytes).decode() == entry.token
+        assert all(top.token.startswith("token_id:") for top in entry.top_logprobs)
+
+
+def test_response_id_from_the_request_id_or_the_x_request_id_header(http):
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 1}
+    named = http.post("/v1/completions", json={**body, "request_id": "mine"}).json()
+    assert named["id"] == "cmpl-mine"
+    # The header wins; two requests of the same name both run (the engine's ids stay unique).
+    headers = {"X-Request-Id": "same"}
+    chat = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+    ids = [http.post("/v1/chat/completions", json=chat, headers=headers) for _ in range(2)]
+    assert [r.status_code for r in ids] == [200, 200]
+    assert {r.json()["id"] for r in ids} == {"chatcmpl-same"}
+    plain = http.post("/v1/completions", json=body).json()["id"]
+    assert plain.startswith("cmpl-") and len(plain) == len("cmpl-") + 32
+
+
 def test_batch_of_token_id_prompts(client, offline):
     tokenizer = offline.get_tokenizer()
     batch = [tokenizer.encode(PROMPT), tokenizer.encode("Once upon a time")]
