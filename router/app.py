@@ -201,8 +201,7 @@ class Router:
     async def plan(self, path: str, body: dict[str, Any]) -> Plan:
         """Read the model and the prompt's token ids (on the tokenizer's thread, and only when
         the prompt can fit the replicas' context: ``tokenization.max_prompt_chars``)."""
-        model = body.get("model")
-        model = model if isinstance(model, str) else None
+        model = _requested_model(body)
         plan = Plan(path, body, model, None, None, prefix_key(body), {})
         if self.config.routing_policy != "kvpilot":
             plan.untokenized = "policy"
@@ -259,8 +258,7 @@ class Router:
         arrival = time.perf_counter()
         payload = await raw.body()
         body = _json_object(payload)
-        model = body.get("model")
-        model = model if isinstance(model, str) else None
+        model = _requested_model(body)
         label = model or ""
         if model is not None and not self.replicas.ready(model):
             if self.wake.can_wake(model):
@@ -530,6 +528,13 @@ def _json_object(payload: bytes) -> dict[str, Any]:
     except (ValueError, UnicodeDecodeError):
         return {}
     return body if isinstance(body, dict) else {}
+
+
+def _requested_model(body: dict[str, Any]) -> str | None:
+    """The body's ``model``; None when it names none (absent, not a string, or ``""``, which
+    the engine reads as its base model, as vLLM does)."""
+    model = body.get("model")
+    return model if isinstance(model, str) and model else None
 
 
 def _request_type(body: Any) -> type[CompletionRequest | ChatCompletionRequest]:

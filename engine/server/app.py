@@ -25,7 +25,14 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 from kvpilot import __version__
 from kvpilot.engine.async_llm import AsyncLLM
@@ -98,6 +105,18 @@ class ServerConfig:
             )
 
 
+def _server_registry() -> CollectorRegistry:
+    """A registry of the server's own (tests start several servers in one process), with
+    ``prometheus_client``'s process, platform and garbage-collector metrics
+    (``process_resident_memory_bytes``, ``python_info``, ...) as vLLM's ``/metrics`` has them;
+    they describe the API process."""
+    registry = CollectorRegistry()
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    return registry
+
+
 @dataclass
 class _State:
     engine: AsyncLLM | None = None
@@ -110,7 +129,7 @@ class _State:
     block_size: int = 0
     root_hash: str = ""
     load_error: BaseException | None = None
-    registry: CollectorRegistry = field(default_factory=CollectorRegistry)
+    registry: CollectorRegistry = field(default_factory=_server_registry)
 
 
 def create_app(
@@ -187,6 +206,7 @@ def create_app(
         return state
 
     @app.get("/health")
+    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's) name for it
     async def health() -> Response:
         try:
             await ready_state().engine.check_health()

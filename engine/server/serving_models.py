@@ -46,10 +46,12 @@ class OpenAIServingModels:
     def resolve(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's ``model`` names, or None for the base model.
 
+        ``None`` or ``""`` (some clients send an empty name) is the base model, as in vLLM.
+
         Raises:
             OpenAIError: 404 for a name that is neither the base model nor a loaded adapter.
         """
-        if model is None or model in self.served_model_names:
+        if not model or model in self.served_model_names:
             return None
         lora = self.lora_requests.get(model)
         if lora is None:

@@ -255,6 +255,10 @@ def test_tokenize_and_detokenize_reach_a_replica_and_leave_no_prompt_behind(
     anyone = httpx.post(f"{router.url}/tokenize", json={"prompt": body["prompt"]}, headers=headers)
     assert anyone.status_code == 200
     assert anyone.json()["tokens"] == tokens
+    # An empty name is no name (the engine reads it as its base model, as vLLM does).
+    empty = httpx.post(f"{router.url}/tokenize", json={**body, "model": ""}, headers=headers)
+    assert empty.status_code == 200
+    assert empty.json()["tokens"] == tokens
     text = httpx.post(
         f"{router.url}/detokenize", json={"model": MODEL, "tokens": tokens}, headers=headers
     )

@@ -83,6 +83,19 @@ def test_models_and_version(client, server):
     assert httpx.get(f"{server.url}/version").json()["version"]
 
 
+def test_vllm_routes_and_names_a_client_may_rely_on(http, server, offline):
+    # /ping as vLLM (SageMaker) has it; an empty model name is the base model, as vLLM reads it.
+    assert [http.get("/ping").status_code, http.post("/ping").status_code] == [200, 200]
+    body = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0}
+    empty = http.post("/v1/completions", json={**body, "model": ""}).json()
+    assert empty["model"] == MODEL
+    assert empty["choices"][0]["text"] == offline_text(offline, PROMPT, temperature=0, max_tokens=3)
+    # prometheus_client's process metrics beside the engine's, as on vLLM's /metrics.
+    metrics = server.metrics()
+    rss = metrics[("process_resident_memory_bytes", ())]
+    assert 50e6 < rss < 64e9
+
+
 def test_greedy_completion_equals_offline_llm(client, offline):
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
     [choice] = response.choices
