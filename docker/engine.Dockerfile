@@ -67,9 +67,12 @@ ENV PATH=/opt/kvpilot/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HOME=/home/kvpilot \
     KVPILOT_CACHE_DIR=/cache/kvpilot \
-    HF_HOME=/cache/huggingface
+    HF_HOME=/cache/huggingface \
+    KVPILOT_HOST=0.0.0.0
 USER 1000:1000
 WORKDIR /home/kvpilot
 EXPOSE 8000
 ENTRYPOINT ["kvpilot", "serve"]
-CMD ["--host", "0.0.0.0", "--port", "8000"]
+# The host comes from KVPILOT_HOST above, so that a manifest's args (which replace CMD) still
+# listen beyond the pod's loopback, as vLLM's image does.
+CMD ["--port", "8000"]

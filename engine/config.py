@@ -83,6 +83,45 @@ def _memory_size(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+_SUFFIXES = {"k": 1000, "m": 1000**2, "g": 1000**3, "K": 2**10, "M": 2**20, "G": 2**30}
+_QUANTIZATION_ALIASES = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+
+
+def _token_count(text: str) -> int:
+    """A count of tokens as vLLM's flags read it: an integer, or with a suffix, lowercase in
+    powers of 1,000 (``32k``: 32,000; ``1.5k``: 1,500), uppercase in powers of 1,024 (``32K``:
+    32,768). An argparse type."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG]?)", text.strip())
+    if match is None:
+        raise argparse.ArgumentTypeError(f"not a number of tokens: {text!r} (e.g. 2048, 32k, 32K)")
+    number, suffix = match.groups()
+    value = float(number) * _SUFFIXES.get(suffix, 1)
+    if not value.is_integer():
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}")
+    return int(value)
+
+
+def _max_model_len(text: str) -> int | None:
+    """``--max-model-len``: a token count (``_token_count``), or ``auto`` / ``-1`` for the
+    default (None: the model's ``max_position_embeddings``)."""
+    return None if text.strip() in ("auto", "-1") else _token_count(text)
+
+
+def _quantization(text: str) -> str:
+    """``--quantization``, with vLLM's kernel-specific names taken as their method
+    (``awq_marlin``: ``awq``)."""
+    return _QUANTIZATION_ALIASES.get(text, text)
+
+
+class _ServedModelNames(argparse.Action):
+    """``--served-model-name a b``: every name in ``served_model_names``, the first (the one
+    responses report) in ``served_model_name``."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        namespace.served_model_names = list(values)
+        setattr(namespace, self.dest, values[0])
+
+
 def name_flags(message: str, flags: Mapping[str, str]) -> str:
     """``message`` with each argument name of ``flags`` it holds as a whole word (``max_model_len``)
     spelled as the flag a command-line user wrote (``--max-model-len``).
@@ -199,6 +238,11 @@ class EngineArgs:
     lora_modules: list[str] | None = None
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     quantization: str | None = None
+    download_dir: str | None = None
+    # Accepted as vLLM takes them; nothing to change here: kvpilot serves the architectures it
+    # implements (a model repository's own code never runs) and always runs eagerly.
+    trust_remote_code: bool = False
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         self.validate()
@@ -259,8 +303,11 @@ class EngineArgs:
         positive_int("max_lora_rank", optional=False)
         if not isinstance(self.enable_expert_parallel, bool):
             bad("enable_expert_parallel", "must be a boolean")
-        if not isinstance(self.enable_lora, bool):
-            bad("enable_lora", "must be a boolean")
+        for name in ("enable_lora", "trust_remote_code", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                bad(name, "must be a boolean")
+        if self.download_dir is not None and not isinstance(self.download_dir, str):
+            bad("download_dir", "must be a folder's path")
         if self.lora_modules is not None:
             if isinstance(self.lora_modules, str) or not isinstance(
                 self.lora_modules, list | tuple
@@ -347,11 +394,31 @@ class EngineArgs:
         group.add_argument(
             "--quantization",
             "-q",
+            type=_quantization,
             default=None,
             choices=QUANTIZATION_METHODS,
             help="weight quantization method (default: the checkpoint's quantization_config); "
             "must match the checkpoint's, except fp8, which also quantizes an unquantized "
-            "checkpoint while loading",
+            "checkpoint while loading; vLLM's awq_marlin and gptq_marlin are awq and gptq",
+        )
+        group.add_argument(
+            "--download-dir",
+            default=None,
+            help="folder the Hugging Face Hub downloads go to (default: the Hub's cache)",
+        )
+        group.add_argument(
+            "--trust-remote-code",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="accepted as vLLM takes it; changes nothing: kvpilot serves the architectures "
+            "it implements and never runs a model repository's own code",
+        )
+        group.add_argument(
+            "--enforce-eager",
+            action=argparse.BooleanOptionalAction,
+            default=False,
+            help="accepted as vLLM takes it; changes nothing: kvpilot always runs eagerly (no "
+            "CUDA graphs, no torch.compile)",
         )
         group.add_argument(
             "--seed",
@@ -361,9 +428,10 @@ class EngineArgs:
         )
         group.add_argument(
             "--max-model-len",
-            type=int,
+            type=_max_model_len,
             default=None,
-            help="longest prompt + output in tokens (default: the model's max_position_embeddings)",
+            help="longest prompt + output in tokens, as vLLM reads it: 2048, 32k (32,000), 32K "
+            "(32,768); auto or -1: the default, the model's max_position_embeddings",
         )
         group.add_argument(
             "--block-size",
@@ -380,7 +448,7 @@ class EngineArgs:
         )
         group.add_argument(
             "--max-num-batched-tokens",
-            type=int,
+            type=_token_count,
             default=None,
             help=f"token budget of one step (default {GPU_MAX_NUM_BATCHED_TOKENS} on GPU, {CPU_MAX_NUM_BATCHED_TOKENS} on CPU)",
         )
@@ -444,7 +512,7 @@ class EngineArgs:
         )
         group.add_argument(
             "--enable-expert-parallel",
-            action="store_true",
+            action=argparse.BooleanOptionalAction,
             default=False,
             help="mixture-of-experts models: place whole experts on the tensor-parallel ranks "
             "instead of a slice of every expert on each",
@@ -458,8 +526,11 @@ class EngineArgs:
         )
         group.add_argument(
             "--served-model-name",
+            nargs="+",
+            action=_ServedModelNames,
             default=None,
-            help="model name reported by the API (default: the model's)",
+            metavar="NAME",
+            help="model name(s) the API answers to; the first is reported (default: the model's)",
         )
         group.add_argument(
             "--generation-config",
@@ -470,7 +541,7 @@ class EngineArgs:
         )
         group.add_argument(
             "--enable-lora",
-            action="store_true",
+            action=argparse.BooleanOptionalAction,
             default=False,
             help="serve LoRA adapters (--lora-modules, /v1/load_lora_adapter)",
         )

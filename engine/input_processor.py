@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.tokenization import encode_text
@@ -60,6 +61,25 @@ def check_sampling_params(params: SamplingParams, vocab_size: int) -> None:
             )
     check_token_ids(params.logit_bias or (), vocab_size, "logit_bias")
     check_token_ids(params.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_ids(params.allowed_token_ids or (), vocab_size, "allowed_token_ids")
+
+
+def bad_words_token_ids(tokenizer: Any, bad_words: list[str]) -> list[list[int]]:
+    """The token sequences that spell each bad word, as vLLM finds them: the word alone (as at
+    the start of a text) and with a leading space (as after another word) where that is a
+    different first token and as many tokens.
+
+    Returns:
+        ``[num_sequences][num_tokens]`` token ids, one or two sequences per word.
+    """
+    sequences: list[list[int]] = []
+    for word in bad_words:
+        alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            sequences.append(spaced)
+    return sequences
 
 
 def sequence_ids(request_id: str, n: int) -> list[str]:
@@ -116,6 +136,8 @@ class InputProcessor:
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_sampling_params(params, self.vocab_size)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if isinstance(prompt, dict) and "cache_salt" in prompt:
             if cache_salt is not None:
                 raise ValueError(

@@ -81,7 +81,7 @@ class LLMEngine:
         self._stats_snapshots = itertools.count(1)  # EngineStats.snapshot
         # What the arguments decide without loading weights is checked first, before the
         # progress bar starts: a bad argument is one line of error, with no bar before it.
-        self.model_dir = resolve_model(args.model, args.revision)
+        self.model_dir = resolve_model(args.model, args.revision, args.download_dir)
         # config.json is read once: the shape for sizing, the transformers config for the
         # dtype and the model classes (handed to the workers).
         config_dict, self.model_config = read_model_config(self.model_dir)

@@ -1,7 +1,7 @@
 """Per-request logits adjustments applied before sampling, and sample log-probabilities.
 
-Order follows vLLM V1's sampler: ``min_tokens`` masking and ``logit_bias`` first, then the
-penalties (repetition, frequency, presence). Temperature, top-k/top-p/min-p and the draw itself
+Order follows vLLM V1's sampler: ``allowed_token_ids``, ``bad_words``, ``min_tokens`` masking
+and ``logit_bias`` first, then the penalties (repetition, frequency, presence). Temperature, top-k/top-p/min-p and the draw itself
 belong to the sampler, which runs after ``apply_logits_processors``.
 """
 
@@ -30,6 +30,10 @@ def apply_logits_processors(
             row has fewer than ``min_tokens`` outputs (unless the row sets ``ignore_eos``).
 
     Semantics:
+        - ``allowed_token_ids`` (vLLM): every other token gets ``-inf``.
+        - ``bad_words`` (vLLM): a bad word's last token gets ``-inf`` where the output so far
+          ends with the rest of its token sequence (``bad_words_token_ids``; a one-token word
+          always).
         - ``min_tokens``: EOS and ``stop_token_ids`` get ``-inf`` until ``min_tokens`` tokens
           exist (vLLM).
         - ``logit_bias``: ``logits[token] += bias`` (OpenAI).
@@ -55,6 +59,14 @@ def apply_logits_processors(
             f"{len(prompt_token_ids)} prompts and {len(output_token_ids)} outputs"
         )
     for row, (p, output) in enumerate(zip(params, output_token_ids, strict=True)):
+        if p.allowed_token_ids is not None:
+            allowed = logits[row, p.allowed_token_ids].clone()
+            logits[row] = float("-inf")
+            logits[row, p.allowed_token_ids] = allowed
+        for word in p.bad_words_token_ids or ():
+            *start, last = word
+            if not start or output[len(output) - len(start) :] == start:
+                logits[row, last] = float("-inf")
         if len(output) < p.min_tokens:
             # As in vLLM, EOS only counts as a stop token when it is not ignored.
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else eos_token_ids)

@@ -105,6 +105,13 @@ class SamplingParams:
     spaces_between_special_tokens: bool = True
     # None: unconstrained. With speculative decoding, constrained requests are not speculated.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: sample only among these token ids; never produce these words (each banned as
+    # its token sequence, at the start of a word and inside one).
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # The bad words' token sequences, filled from the tokenizer when the request is added
+    # (vLLM's ``_bad_words_token_ids``).
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -149,6 +156,12 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            bad("allowed_token_ids", "must not be empty (no token could be sampled)")
+        if self.bad_words is not None and not all(
+            isinstance(w, str) and w.strip() for w in self.bad_words
+        ):
+            bad("bad_words", "must be non-blank strings")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):

@@ -11,6 +11,8 @@ import argparse
 import importlib
 import sys
 
+from kvpilot.argv import dash_flag_names, expand_config_file
+
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": (
@@ -54,8 +56,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand."""
+    """Parse ``argv`` (default: ``sys.argv[1:]``) and run the chosen subcommand.
+
+    As vLLM's command line: flag names may be spelled with underscores, and a subcommand's
+    ``--config FILE`` (YAML) stands for the flags in it (``kvpilot.argv``).
+    """
     parser = build_parser()
+    argv = dash_flag_names(sys.argv[1:] if argv is None else argv)
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))  # noqa: SLF001
+    if argv and argv[0] in subparsers.choices:
+        try:
+            argv = argv[:1] + expand_config_file(argv[1:], subparsers.choices[argv[0]])
+        except ValueError as exc:
+            parser.exit(2, f"kvpilot {argv[0]}: error: {exc}\n")
     args = parser.parse_args(argv)
     if not getattr(args, "command", None):
         parser.print_help()

@@ -36,7 +36,9 @@ def get_cache_dir() -> pathlib.Path:
     return pathlib.Path(os.environ.get("KVPILOT_CACHE_DIR", "~/.cache/kvpilot")).expanduser()
 
 
-def resolve_model(model: str | None, revision: str | None = None) -> pathlib.Path:
+def resolve_model(
+    model: str | None, revision: str | None = None, download_dir: str | None = None
+) -> pathlib.Path:
     """Return a local folder holding config.json, ``*.safetensors`` and the tokenizer files.
 
     Args:
@@ -47,6 +49,8 @@ def resolve_model(model: str | None, revision: str | None = None) -> pathlib.Pat
             such as ``HuggingFaceTB/SmolLM2-135M-Instruct`` (downloaded through huggingface_hub,
             which honours ``HF_TOKEN`` and ``HF_HOME``).
         revision: Hub branch, tag or commit; only meaningful for Hub ids.
+        download_dir: where a Hub id's files go (vLLM's ``--download-dir``; default: the
+            Hub's cache).
 
     Returns:
         The model folder.
@@ -67,7 +71,7 @@ def resolve_model(model: str | None, revision: str | None = None) -> pathlib.Pat
         raise FileNotFoundError(
             f"model {model!r} is neither a model folder nor a .gguf file, and not a Hub id"
         )
-    return _check_folder(_download(model, revision))
+    return _check_folder(_download(model, revision, download_dir))
 
 
 def _check_folder(path: pathlib.Path) -> pathlib.Path:
@@ -80,7 +84,7 @@ def _check_folder(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def _download(repo_id: str, revision: str | None) -> pathlib.Path:
+def _download(repo_id: str, revision: str | None, download_dir: str | None) -> pathlib.Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -89,6 +93,7 @@ def _download(repo_id: str, revision: str | None) -> pathlib.Path:
             snapshot_download(
                 repo_id,
                 revision=revision,
+                cache_dir=download_dir,
                 allow_patterns=_HUB_PATTERNS,
                 ignore_patterns=_HUB_IGNORED,
             )

@@ -24,6 +24,7 @@ from http import HTTPStatus
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -71,7 +72,7 @@ class ServerConfig:
 
     Attributes:
         served_model_names: names clients may put in ``model``; the first is reported.
-        api_key: when set, ``/v1/*`` requires ``Authorization: Bearer <api_key>``.
+        api_keys: when any, ``/v1/*`` requires ``Authorization: Bearer <one of them>``.
         max_waiting_requests: queue bound; beyond it requests get 503 + ``Retry-After``.
         enable_auto_tool_choice: allow ``tool_choice`` ``"auto"`` (vLLM's
             ``--enable-auto-tool-choice``); needs ``tool_call_parser``.
@@ -81,6 +82,9 @@ class ServerConfig:
             of the model's (or for a model without one); None keeps the model's.
         trust_request_chat_template: accept a request's own ``chat_template`` (vLLM's
             ``--trust-request-chat-template``); otherwise such a request is a 400.
+        cors: Starlette ``CORSMiddleware`` keyword arguments (vLLM's ``--allowed-origins``, ...);
+            None: no CORS headers.
+        log_requests: log each request's id, prompt length and sampling parameters at INFO.
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, or an unknown
@@ -88,12 +92,14 @@ class ServerConfig:
     """
 
     served_model_names: list[str]
-    api_key: str | None = None
+    api_keys: list[str] = field(default_factory=list)
     max_waiting_requests: int | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     chat_template: str | None = None
     trust_request_chat_template: bool = False
+    cors: dict[str, Any] | None = None
+    log_requests: bool = False
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -186,8 +192,11 @@ def create_app(
     # For the server's bounded drain (engine/server/shutdown.py): AsyncLLM.abort_all.
     app.state.abort_all = abort_all
 
-    if config.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=config.api_key)
+    if config.api_keys:
+        app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    if config.cors is not None:
+        # Added last, so outermost: a browser's preflight is answered before the key check.
+        app.add_middleware(CORSMiddleware, **config.cors)
 
     v1 = APIRouter(prefix="/v1")
 
@@ -320,9 +329,10 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         models,
         info.default_sampling_params,
     )
-    state.completion = OpenAIServingCompletion(*args)
+    state.completion = OpenAIServingCompletion(*args, log_requests=config.log_requests)
     state.chat = OpenAIServingChat(
         *args,
+        log_requests=config.log_requests,
         auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         trust_request_chat_template=config.trust_request_chat_template,
     )

@@ -11,6 +11,7 @@ Prometheus scrape them without a key).
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from http import HTTPStatus
 
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -39,22 +40,23 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str:
 
 class APIKeyMiddleware:
     """Answers 401 (OpenAI's error body, ``AuthenticationError``) to a protected request whose
-    bearer token is not ``api_key``, compared in constant time.
+    bearer token is none of ``api_keys``, each compared in constant time.
 
     Args:
         app: the application it guards.
-        api_key: the key clients must send.
+        api_keys: the keys clients may send (vLLM's ``--api-key`` takes several).
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_keys: Sequence[str]) -> None:
         self.app = app
-        self.api_key = api_key.encode("utf-8")
+        self.api_keys = [key.encode("utf-8") for key in api_keys]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and is_protected(scope["path"]):
             token = bearer_token(scope.get("headers", []))
             # latin-1 gives back the header's own bytes; the key is compared as UTF-8 bytes.
-            if not hmac.compare_digest(token.encode("latin-1"), self.api_key):
+            sent = token.encode("latin-1")
+            if not any([hmac.compare_digest(sent, key) for key in self.api_keys]):
                 response = error_response(
                     HTTPStatus.UNAUTHORIZED,
                     "Incorrect or missing API key: send 'Authorization: Bearer <key>'",

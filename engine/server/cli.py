@@ -6,6 +6,7 @@ Imports nothing heavy at module level: ``kvpilot --help`` must not load torch.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from kvpilot.engine.server.app import ServerConfig
 
 API_KEY_ENV_VARS = ("KVPILOT_API_KEY", "VLLM_API_KEY")
+HOST_ENV_VAR = "KVPILOT_HOST"
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -32,14 +34,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     server = parser.add_argument_group("server")
     server.add_argument(
-        "--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)"
+        "--host",
+        default=os.environ.get(HOST_ENV_VAR, "127.0.0.1"),
+        help=f"address to listen on (default: ${HOST_ENV_VAR}, else 127.0.0.1; the engine "
+        "image sets 0.0.0.0)",
     )
     server.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     server.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a YAML file of flags, as vLLM's: {max-model-len: 2048, enable-prefix-caching: "
+        "true, ...}; the command line's own flags win (read before parsing: kvpilot.argv)",
+    )
+    server.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="require 'Authorization: Bearer <key>' on /v1 routes "
+        metavar="KEY",
+        help="require 'Authorization: Bearer <key>' on /v1 routes, any of these keys "
         f"(default: ${API_KEY_ENV_VARS[0]} or ${API_KEY_ENV_VARS[1]})",
+    )
+    server.add_argument(
+        "--root-path",
+        default="",
+        help="the path prefix a proxy serves the app under (ASGI root_path, as vLLM's)",
+    )
+    server.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this key file")
+    server.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate")
+    for flag, what in (
+        ("--allowed-origins", "origins"),
+        ("--allowed-methods", "methods"),
+        ("--allowed-headers", "headers"),
+    ):
+        server.add_argument(
+            flag,
+            type=_json_list,
+            default=["*"],
+            help=f'CORS: allowed {what}, a JSON list (default ["*"], as vLLM)',
+        )
+    server.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials")
+    server.add_argument(
+        "--disable-uvicorn-access-log",
+        action="store_true",
+        help="no access log line per HTTP request",
+    )
+    server.add_argument(
+        "--enable-log-requests",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log each request's id, prompt length and sampling parameters at INFO "
+        "(--disable-log-requests, older vLLM's flag, is the default)",
+    )
+    server.add_argument(
+        "--disable-log-requests",
+        dest="enable_log_requests",
+        action="store_false",
+        help=argparse.SUPPRESS,
+    )
+    server.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted as vLLM takes it; changes nothing: kvpilot logs no periodic stats (its "
+        "numbers are on /metrics)",
     )
     server.add_argument(
         "--max-waiting-requests",
@@ -88,7 +144,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     tools = parser.add_argument_group("tool calling")
     tools.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="allow tool_choice 'auto': the model decides whether to call a tool and "
         "--tool-call-parser finds the calls in its text ('required' and named tools need no flag)",
     )
@@ -99,6 +156,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "and Qwen models)",
     )
     EngineArgs.add_cli_args(parser)
+
+
+def _json_list(text: str) -> list[str]:
+    """A JSON list of strings, as vLLM's CORS flags take it (an argparse type)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f'expected a JSON list of strings, e.g. ["*"]: {text!r}')
+    return value
 
 
 def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
@@ -120,6 +188,7 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
     if args.shutdown_timeout is not None and not args.shutdown_timeout >= 0:
         raise ValueError("--shutdown-timeout must be 0 or more seconds")
     args.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
+    served_model_names = getattr(args, "served_model_names", None) or [args.served_model_name]
     engine_args = EngineArgs.from_cli_args(args)
     try:
         chat_template = (
@@ -127,15 +196,22 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
         )
     except ValueError as exc:
         raise ValueError(f"--chat-template: {exc}") from None
+    env_key = next((os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None)
     config = ServerConfig(
-        served_model_names=[args.served_model_name],
-        api_key=args.api_key
-        or next((os.environ[name] for name in API_KEY_ENV_VARS if os.environ.get(name)), None),
+        served_model_names=served_model_names,
+        api_keys=args.api_key or ([env_key] if env_key else []),
         max_waiting_requests=args.max_waiting_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
+        cors={
+            "allow_origins": args.allowed_origins,
+            "allow_methods": args.allowed_methods,
+            "allow_headers": args.allowed_headers,
+            "allow_credentials": args.allow_credentials,
+        },
+        log_requests=args.enable_log_requests,
     )
     return engine_args, config
 
@@ -180,7 +256,14 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(load_engine, config, on_load_error=on_load_error)
     server = DrainingServer(
         uvicorn.Config(
-            app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, access_log=True
+            app,
+            host=args.host,
+            port=args.port,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            root_path=args.root_path,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
         ),
         args.shutdown_timeout,
         app.state.abort_all,

@@ -156,9 +156,12 @@ class _SamplingFields(OpenAIModel):
     # as prompt_logprobs (on each completion choice; at the top of a chat completion).
     prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     # vLLM's extensions: keep only the prompt's last k tokens (-1: as many as leave room for
-    # one output token); logprobs' tokens as "token_id:<id>"; the response's id (the
-    # X-Request-Id header wins over it; the engine's own id stays unique).
+    # one output token); sample only among allowed_token_ids; never write bad_words; logprobs'
+    # tokens as "token_id:<id>"; the response's id (the X-Request-Id header wins over it; the
+    # engine's own id stays unique).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False
     request_id: str | None = None
 
@@ -260,6 +263,8 @@ class _SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             structured_outputs=self.structured_outputs_params(),
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
         )
         check_sampling_params(params, vocab_size)
         return params

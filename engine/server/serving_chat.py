@@ -59,8 +59,9 @@ class OpenAIServingChat(OpenAIServing):
         *args: Any,
         auto_tool_parser: str | None = None,
         trust_request_chat_template: bool = False,
+        log_requests: bool = False,
     ) -> None:
-        super().__init__(*args)
+        super().__init__(*args, log_requests=log_requests)
         self.auto_tool_parser = auto_tool_parser
         self.trust_request_chat_template = trust_request_chat_template
 

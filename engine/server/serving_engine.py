@@ -6,6 +6,7 @@ Named after vLLM's ``OpenAIServing`` base class.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,6 +31,8 @@ from kvpilot.engine.server.errors import OpenAIError, bad_request, error_body
 from kvpilot.engine.server.protocol import PromptLogprobs, UsageInfo
 from kvpilot.engine.server.serving_models import OpenAIServingModels
 
+logger = logging.getLogger("kvpilot.server")
+
 # JSON has no -inf; vLLM reports impossible tokens with this floor.
 MIN_LOGPROB = -9999.0
 # Seconds a client is told to wait after a 503 for a full queue.
@@ -51,6 +54,8 @@ class OpenAIServing:
         models: the served names and LoRA adapters (default: ``served_model_names`` alone).
         default_sampling_params: what a request's unset sampling fields take (the engine's
             ``get_default_sampling_params()``; default ``SamplingParams()``).
+        log_requests: log each request as it is submitted (id, prompt length, sampling
+            parameters) at INFO, as vLLM's ``--enable-log-requests``.
     """
 
     def __init__(
@@ -62,8 +67,10 @@ class OpenAIServing:
         vocab_size: int,
         models: OpenAIServingModels | None = None,
         default_sampling_params: SamplingParams | None = None,
+        log_requests: bool = False,
     ) -> None:
         self.engine = engine
+        self.log_requests = log_requests
         self.default_sampling_params = default_sampling_params or SamplingParams()
         self.models = models or OpenAIServingModels(engine, served_model_names, max_model_len, [])
         self.tokenizer = tokenizer
@@ -169,6 +176,14 @@ class OpenAIServing:
         lora_request: LoRARequest | None = None,
     ) -> RequestStream:
         """Submit to the engine, mapping refusals to HTTP errors (400, 503 + Retry-After)."""
+        if self.log_requests:
+            logger.info(
+                "request %s: %d prompt tokens, lora %s, %s",
+                request_id,
+                len(prompt_token_ids),
+                None if lora_request is None else lora_request.lora_name,
+                params,
+            )
         try:
             return await self.engine.add_request(
                 request_id,

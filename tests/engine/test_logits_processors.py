@@ -58,6 +58,26 @@ def test_logit_bias_adds_per_token():
     assert out == [[1.0, 1.0, 6.0, 1.0, -99.0, 1.0]]
 
 
+def test_allowed_token_ids_leave_only_those_tokens():
+    logits = [[1.0, -2.0, 0.5, 3.0, 0.0, 2.0]]
+    out = run(logits, [SamplingParams(allowed_token_ids=[1, 4])], [[0]], [[]])
+    inf = float("-inf")
+    assert out == [[inf, -2.0, inf, inf, 0.0, inf]]
+
+
+def test_bad_words_ban_the_last_token_after_the_rest_of_their_sequence():
+    logits = [[0.0] * 6, [0.0] * 6, [0.0] * 6]
+    params = SamplingParams(bad_words=["x"], bad_words_token_ids=[[4], [2, 3]])
+    # Token 4 (a one-token word) always; 3 only right after 2.
+    out = run(logits, [params] * 3, [[0]] * 3, [[1, 2], [2, 1], []])
+    inf = float("-inf")
+    assert out == [
+        [0.0, 0.0, 0.0, inf, inf, 0.0],
+        [0.0, 0.0, 0.0, 0.0, inf, 0.0],
+        [0.0, 0.0, 0.0, 0.0, inf, 0.0],
+    ]
+
+
 def test_min_tokens_masks_eos_and_stop_token_ids_until_reached():
     params = SamplingParams(min_tokens=2, stop_token_ids=[3])
     logits = [[1.0] * 6, [1.0] * 6]

@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from kvpilot.argv import dash_flag_names, expand_config_file
 from kvpilot.engine.server import cli
 
 
@@ -41,8 +42,77 @@ def test_engine_flags_use_vllm_spellings_and_model_is_positional():
         32,
     )
     assert (args.gpu_memory_utilization, args.dtype) == (0.8, "float16")
-    assert (args.served_model_name, args.max_waiting_requests, args.api_key) == ("alias", 7, "k")
+    assert (args.served_model_name, args.max_waiting_requests, args.api_key) == ("alias", 7, ["k"])
     assert args.enable_prefix_caching is False
+
+
+def test_flags_copied_from_vllm_manifests_are_taken(tmp_path):
+    args = parse(
+        "org/model", "--trust-remote-code", "--enforce-eager", "--disable-log-stats",
+        "--disable-log-requests", "--download-dir", str(tmp_path), "--max-model-len", "32k",
+        "--max-num-batched-tokens", "4K", "-q", "awq_marlin", "--served-model-name", "a", "b",
+        "--api-key", "k1", "k2", "--root-path", "/llm", "--allowed-origins", '["https://x.example"]',
+        "--no-enable-lora", "--no-enable-auto-tool-choice", "--disable-uvicorn-access-log",
+    )  # fmt: skip
+    engine_args, config = cli._configure(args)
+    assert (engine_args.max_model_len, engine_args.max_num_batched_tokens) == (32_000, 4096)
+    assert (engine_args.quantization, engine_args.download_dir) == ("awq", str(tmp_path))
+    assert engine_args.trust_remote_code and engine_args.enforce_eager
+    assert (engine_args.served_model_name, config.served_model_names) == ("a", ["a", "b"])
+    assert config.api_keys == ["k1", "k2"] and not config.log_requests
+    assert config.cors["allow_origins"] == ["https://x.example"]
+    assert (args.root_path, args.disable_uvicorn_access_log) == ("/llm", True)
+    assert parse("--max-model-len", "auto").max_model_len is None
+    assert parse("--max-model-len", "-1").max_model_len is None
+    assert parse("--enable-log-requests").enable_log_requests is True
+    assert cli._configure(parse())[1].cors["allow_origins"] == ["*"]  # vLLM's default
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--max-model-len", "2.5.1k"], "not a number of tokens"),
+        (["--max-model-len", "2.5"], "not a whole number of tokens"),
+        (["--allowed-origins", "*"], "JSON list of strings"),
+        (["-q", "bitsandbytes"], "invalid choice"),
+    ],
+)
+def test_bad_vllm_style_values_are_argparse_errors(capsys, argv, message):
+    with pytest.raises(SystemExit):
+        parse(*argv)
+    assert message in capsys.readouterr().err
+
+
+def test_config_file_and_underscore_flags_as_vllms_parser_reads_them(tmp_path):
+    parser = argparse.ArgumentParser()
+    cli.add_arguments(parser)
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "model: org/model\nmax_model_len: 1024\nenable-prefix-caching: false\n"
+        "served-model-name: [a, b]\ntrust-remote-code: true\nenforce-eager: false\n"
+    )
+    argv = dash_flag_names(["--config", str(config), "--max_model_len=2048", "--", "--x_y"])
+    argv = expand_config_file(argv, parser)
+    assert argv[-3:] == ["--max-model-len=2048", "--", "--x_y"]
+    args = parser.parse_args(argv[:-2])
+    assert (args.model, args.max_model_len, args.enable_prefix_caching) == (
+        "org/model",
+        2048,
+        False,
+    )
+    assert (args.served_model_names, args.trust_remote_code, args.enforce_eager) == (
+        ["a", "b"],
+        True,
+        False,
+    )
+    config.write_text("max_modl_len: 1\n")
+    with pytest.raises(ValueError, match="unknown flag 'max_modl_len'"):
+        expand_config_file([f"--config={config}"], parser)
+    config.write_text("- a list\n")
+    with pytest.raises(ValueError, match="a mapping"):
+        expand_config_file(["--config", str(config)], parser)
+    with pytest.raises(ValueError, match="--config"):
+        expand_config_file(["--config", str(tmp_path / "missing.yaml")], parser)
 
 
 def test_tool_calling_flags_use_vllm_spellings_and_are_checked(capsys):

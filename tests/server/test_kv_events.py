@@ -29,7 +29,7 @@ def served(tiny_model_dir):
         engines.append(engine)
         return engine
 
-    app = create_app(load, ServerConfig(["tiny"], api_key=KEY))
+    app = create_app(load, ServerConfig(["tiny"], api_keys=[KEY]))
     with TestClient(app) as client:
         deadline = time.monotonic() + 120
         while client.get("/health").status_code != 200:

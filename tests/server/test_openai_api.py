@@ -18,9 +18,20 @@ PROMPT = "The capital of France is"
 CHAT = [{"role": "user", "content": "Name three colors."}]
 
 
+SECOND_KEY = "second-key"
+ORIGIN = "https://ui.example"
+
+
 @pytest.fixture(scope="module")
-def server(start_server):
-    return start_server("--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8")
+def server(start_server, tmp_path_factory, api_key):
+    # Flags as a vLLM manifest may give them: a --config YAML file (underscores or dashes),
+    # an underscore-spelled flag, several API keys.
+    config = tmp_path_factory.mktemp("serve") / "config.yaml"
+    config.write_text(
+        f"max_model_len: {MAX_MODEL_LEN}\nmax-num-seqs: 8\nallowed-origins: '[\"{ORIGIN}\"]'\n"
+        "trust-remote-code: true\nenable-prefix-caching: true\n"
+    )
+    return start_server("--config", str(config), "--api_key", api_key, SECOND_KEY)
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +105,20 @@ def test_vllm_routes_and_names_a_client_may_rely_on(http, server, offline):
     metrics = server.metrics()
     rss = metrics[("process_resident_memory_bytes", ())]
     assert 50e6 < rss < 64e9
+
+
+def test_several_api_keys_and_cors_as_vllm_serves_them(server, api_key):
+    url = f"{server.url}/v1/models"
+    for key in (api_key, SECOND_KEY):
+        assert httpx.get(url, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+    assert httpx.get(url, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    # A browser's preflight is answered before the key check, for the allowed origin only.
+    preflight = {"Access-Control-Request-Method": "POST"}
+    allowed = httpx.options(url, headers={"Origin": ORIGIN, **preflight})
+    assert allowed.status_code == 200
+    assert allowed.headers["access-control-allow-origin"] == ORIGIN
+    other = httpx.options(url, headers={"Origin": "https://elsewhere.example", **preflight})
+    assert "access-control-allow-origin" not in other.headers
 
 
 def test_greedy_completion_equals_offline_llm(client, offline):
@@ -536,6 +561,28 @@ def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(client, offline, h
         )
         assert response.status_code == 400
         assert response.json()["error"]["param"] == "truncate_prompt_tokens"
+
+
+def test_allowed_token_ids_and_bad_words_as_vllm_takes_them(client, offline):
+    tokenizer = offline.get_tokenizer()
+    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=12, logprobs=0)
+    free = client.completions.create(**kwargs).choices[0]
+    assert "Paris" in free.text
+    # bad_words: the word never comes out, wherever it would start.
+    banned = client.completions.create(**kwargs, extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in banned.choices[0].text
+    # allowed_token_ids: every sampled token is one of them.
+    allowed = [tokenizer.encode(t, add_special_tokens=False)[0] for t in (" yes", " no", ".")]
+    only = client.completions.create(
+        **kwargs, extra_body={"allowed_token_ids": allowed, "return_tokens_as_token_ids": True}
+    ).choices[0]
+    assert {int(t.removeprefix("token_id:")) for t in only.logprobs.tokens} <= set(allowed)
+    [expected] = offline.generate(
+        [PROMPT],
+        SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=allowed),
+        use_tqdm=False,
+    )
+    assert only.logprobs.tokens == [f"token_id:{t}" for t in expected.outputs[0].token_ids]
 
 
 def test_return_tokens_as_token_ids(client, offline):
