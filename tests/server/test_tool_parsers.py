@@ -16,6 +16,7 @@ from kvpilot.engine.server.protocol import ChatCompletionRequest, DeltaMessage
 from kvpilot.engine.server.tool_parsers import (
     AUTO_TOOL_CHOICE_DISABLED,
     Hermes2ProToolParser,
+    Llama3JsonToolParser,
     NamedToolParser,
     RequiredToolParser,
     ToolParser,
@@ -156,13 +157,15 @@ def splits(text: str, tokenizer) -> list[list[str]]:
     return result
 
 
-def assert_streams_like_the_whole(text: str, tokenizer, **parser_args) -> None:
+def assert_streams_like_the_whole(
+    text: str, tokenizer, parser: type[ToolParser] = Hermes2ProToolParser, **parser_args
+) -> None:
     """Every split, streamed, gives the whole output's calls and content: the content pieces a
     client receives, joined, are the whole content (nothing where it is None)."""
-    whole = Hermes2ProToolParser(**parser_args).extract_tool_calls(text)
+    whole = parser(**parser_args).extract_tool_calls(text)
     for pieces in splits(text, tokenizer):
         for end in ([], [""]):  # the last token finishes, or an empty final delta does
-            deltas = stream(Hermes2ProToolParser(**parser_args), pieces + end)
+            deltas = stream(parser(**parser_args), pieces + end)
             received = "".join(d.content for d in deltas if d is not None and d.content)
             assert received == (whole.content or ""), pieces
             assert not any(d is not None and d.content == "" for d in deltas)
@@ -227,6 +230,51 @@ def test_hermes_keeps_special_tokens_in_the_text():
     params = SamplingParams()
     Hermes2ProToolParser().adjust_request(params)
     assert params.skip_special_tokens is False
+
+
+LLAMA_WEATHER = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+LLAMA_TIME = '{"name": "get_time", "arguments": {"timezone": "CET"}}'
+
+
+@pytest.mark.parametrize(
+    ("text", "expected", "content"),
+    [
+        (LLAMA_WEATHER, [("get_weather", {"city": "Paris"})], None),
+        (f"<|python_tag|>{LLAMA_WEATHER}", [("get_weather", {"city": "Paris"})], None),
+        (
+            f" <|python_tag|>{LLAMA_WEATHER}; {LLAMA_TIME}\n",
+            [("get_weather", {"city": "Paris"}), ("get_time", {"timezone": "CET"})],
+            None,
+        ),
+        ("The weather in Paris is sunny.", [], "The weather in Paris is sunny."),
+        ('{"answer": 42}', [], '{"answer": 42}'),
+        (f'{LLAMA_WEATHER}; {{"name": "get_time", "param', [("get_weather", {"city": "Paris"})],
+         '{"name": "get_time", "param'),
+        ("<|python_tag|>", [], "<|python_tag|>"),
+    ],
+)  # fmt: skip
+def test_llama3_json_reads_the_calls_llama_writes(text, expected, content, default_tokenizer):
+    extracted = Llama3JsonToolParser().extract_tool_calls(text)
+    assert calls(extracted) == expected
+    assert extracted.content == content
+    assert extracted.tools_called == bool(expected)
+    assert_streams_like_the_whole(text, default_tokenizer, Llama3JsonToolParser)
+
+
+def test_llama3_json_streams_plain_answers_at_once_and_keeps_special_tokens():
+    parser = Llama3JsonToolParser()
+    assert parser.extract_tool_calls_streaming("<|py", finished=False) is None  # the tag?
+    assert parser.extract_tool_calls_streaming("thon", finished=False) is None
+    parser = Llama3JsonToolParser()
+    first = parser.extract_tool_calls_streaming("Sunny", finished=False)
+    assert first.content == "Sunny" and first.tool_calls is None
+    params = SamplingParams()
+    parser.adjust_request(params)
+    assert params.skip_special_tokens is False
+    single = Llama3JsonToolParser(parallel_tool_calls=False)
+    assert calls(single.extract_tool_calls(f"{LLAMA_WEATHER};{LLAMA_TIME}")) == [
+        ("get_weather", {"city": "Paris"})
+    ]
 
 
 def test_named_parser_streams_the_arguments_of_the_named_function():

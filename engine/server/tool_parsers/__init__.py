@@ -23,12 +23,14 @@ from kvpilot.engine.server.tool_parsers.constrained_tool_parsers import (
     RequiredToolParser,
 )
 from kvpilot.engine.server.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+from kvpilot.engine.server.tool_parsers.llama3_json_tool_parser import Llama3JsonToolParser
 
 __all__ = [
     "AUTO_TOOL_CHOICE_DISABLED",
     "TOOL_PARSERS",
     "ExtractedToolCallInformation",
     "Hermes2ProToolParser",
+    "Llama3JsonToolParser",
     "NamedToolParser",
     "RequiredToolParser",
     "ToolParser",
@@ -37,7 +39,10 @@ __all__ = [
 ]
 
 # --tool-call-parser names (vLLM's) -> parser.
-TOOL_PARSERS: dict[str, type[ToolParser]] = {"hermes": Hermes2ProToolParser}
+TOOL_PARSERS: dict[str, type[ToolParser]] = {
+    "hermes": Hermes2ProToolParser,
+    "llama3_json": Llama3JsonToolParser,
+}
 
 # vLLM's wording, which clients match on to fall back to prompting for tool use.
 AUTO_TOOL_CHOICE_DISABLED = (
