@@ -21,6 +21,8 @@ _LAZY = {
     "StructuredOutputsParams": "kvpilot.engine.sampling_params",
     "RequestOutput": "kvpilot.engine.outputs",
     "CompletionOutput": "kvpilot.engine.outputs",
+    "TextPrompt": "kvpilot.engine.input_processor",
+    "TokensPrompt": "kvpilot.engine.input_processor",
 }
 
 __all__ = list(_LAZY)

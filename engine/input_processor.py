@@ -10,10 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.tokenization import encode_text
+
+
+class TextPrompt(TypedDict, total=False):
+    """A prompt as text (vLLM's ``vllm.inputs.TextPrompt``); ``prompt`` is required."""
+
+    prompt: str
+    cache_salt: str
+
+
+class TokensPrompt(TypedDict, total=False):
+    """A prompt as token ids (vLLM's ``vllm.inputs.TokensPrompt``); ``prompt_token_ids`` is
+    required."""
+
+    prompt_token_ids: list[int]
+    cache_salt: str
+
 
 PromptType = str | dict
 PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")

@@ -112,6 +112,9 @@ class SamplingParams:
     # The bad words' token sequences, filled from the tokenizer when the request is added
     # (vLLM's ``_bad_words_token_ids``).
     bad_words_token_ids: list[list[int]] | None = None
+    # vLLM's: arguments for custom logits processors, carried with the request (kvpilot's own
+    # processors read none of them).
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +123,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if self.seed == -1:  # vLLM's "no seed"
+            self.seed = None
         self._check()
 
     def _check(self) -> None:

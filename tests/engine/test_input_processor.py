@@ -3,11 +3,13 @@
 import pytest
 
 from kvpilot.engine.input_processor import (
+    bad_words_token_ids,
     check_cache_salt,
     check_sampling_params,
     check_token_ids,
     sequence_ids,
 )
+from kvpilot.engine.model_loader import load_tokenizer
 from kvpilot.engine.sampling_params import SamplingParams
 
 
@@ -18,6 +20,7 @@ from kvpilot.engine.sampling_params import SamplingParams
         (SamplingParams(min_tokens=1, stop_token_ids=[-1]), "stop_token_ids: token ids \\[-1\\]"),
         (SamplingParams(logprobs=7), "logprobs must be at most the vocabulary size \\(6\\)"),
         (SamplingParams(prompt_logprobs=7), "prompt_logprobs must be at most"),
+        (SamplingParams(allowed_token_ids=[0, 6]), "allowed_token_ids: token ids \\[6\\]"),
     ],
 )
 def test_token_ids_outside_the_vocabulary_are_named(params, match):
@@ -46,3 +49,30 @@ def test_a_salt_must_be_a_non_empty_string(salt):
 def test_n_fans_out_into_numbered_sequence_ids():
     assert sequence_ids("r", 1) == ["r"]
     assert sequence_ids("r", 3) == ["r:0", "r:1", "r:2"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"bad_words": ["ok", " "]}, "bad_words must be non-blank strings"),
+    ],
+)
+def test_vllms_token_restrictions_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_vllms_seed_minus_one_means_no_seed_and_extra_args_are_carried():
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(extra_args={"k": 1}).extra_args == {"k": 1}
+
+
+def test_a_bad_word_is_banned_alone_and_after_a_space(default_model_dir):
+    # As vLLM tokenizes bad words: the word as at a text's start, and with a leading space
+    # (another first token, as many tokens) as after another word.
+    tokenizer = load_tokenizer(default_model_dir)
+    [alone, spaced] = bad_words_token_ids(tokenizer, ["Paris"])
+    assert tokenizer.decode(alone) == "Paris"
+    assert tokenizer.decode(spaced) == " Paris"
+    assert alone != spaced
