@@ -73,6 +73,6 @@ USER 1000:1000
 WORKDIR /home/kvpilot
 EXPOSE 8000
 ENTRYPOINT ["kvpilot", "serve"]
-# The host comes from KVPILOT_HOST above, so that a manifest's args (which replace CMD) still
-# listen beyond the pod's loopback, as vLLM's image does.
-CMD ["--port", "8000"]
+# KVPILOT_HOST above keeps 0.0.0.0 when a manifest's args replace this CMD (as vLLM's image
+# listens on every address whatever its args).
+CMD ["--host", "0.0.0.0", "--port", "8000"]

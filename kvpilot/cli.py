@@ -49,7 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        sp = sub.add_parser(name, help=help_text, description=help_text)
+        # No abbreviated flags: --max-model would otherwise set --max-model-len, past the
+        # operator's check of the flags it manages (spec.engine.extraArgs).
+        sp = sub.add_parser(name, help=help_text, description=help_text, allow_abbrev=False)
         module.add_arguments(sp)
         sp.set_defaults(_run=module.run)
     return parser

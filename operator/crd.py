@@ -100,9 +100,29 @@ MANAGED_FLAGS = (
     "--enable-chunked-prefill",
     "--no-enable-chunked-prefill",
     "--speculative-config",
+    "--config",
 )
 """Flags the operator derives from the spec and the plan; ``spec.engine.extraArgs`` may not
-repeat them, so a pod never receives two conflicting values."""
+repeat them, so a pod never receives two conflicting values (nor ``--config``, a file of flags
+that could). The engine reads flag names with underscores as with dashes (vLLM's spelling):
+both are refused (``flag_pattern``, ``managed_flag``)."""
+
+
+def flag_pattern(flag: str) -> str:
+    """A regular expression (RE2, as CEL takes it) of ``flag`` spelled with dashes or
+    underscores after its leading dashes (``--max-model-len``, ``--max_model_len``)."""
+    dashes = len(flag) - len(flag.lstrip("-"))
+    return flag[:dashes] + flag[dashes:].replace("-", "[-_]")
+
+
+def managed_flag(arg: str) -> str | None:
+    """The managed flag an extra argument sets (``--max_model_len=8``: ``--max-model-len``), or
+    None."""
+    name = arg.split("=", 1)[0]
+    dashes = len(name) - len(name.lstrip("-"))
+    flag = name[:dashes] + name[dashes:].replace("_", "-")
+    return flag if flag in MANAGED_FLAGS else None
+
 
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 DNS_1035 = r"^[a-z]([-a-z0-9]*[a-z0-9])?$"
@@ -281,9 +301,10 @@ ENGINE = obj(
             maxItems=64,
             rules=(
                 rule(
-                    f"self.all(a, !a.matches('^({'|'.join(MANAGED_FLAGS)})(=.*)?$'))",
-                    "extraArgs may not set flags the operator derives from the spec; use the "
-                    "matching spec field",
+                    f"self.all(a, !a.matches('^({'|'.join(map(flag_pattern, MANAGED_FLAGS))})"
+                    "(=.*)?$'))",
+                    "extraArgs may not set flags the operator derives from the spec (nor "
+                    "--config); use the matching spec field",
                 ),
             ),
         ),

@@ -35,12 +35,12 @@ from kvpilot.operator.crd import (
     DNS_1035,
     FILE_SOURCE,
     HF_SOURCE,
-    MANAGED_FLAGS,
     NAME_MAX_LENGTH,
     PVC_SOURCE,
     SPEC_SCHEMA,
     default,
     field_schema,
+    managed_flag,
 )
 from kvpilot.operator.gpus import CUSTOM, DEFAULT_RESOURCE_NAME, GpuType, gpu_type
 from kvpilot.operator.images import ENGINE_IMAGE
@@ -383,11 +383,12 @@ def _engine(r: _Reader | None) -> EngineSpec:
         )
     extra_args = tuple(r.list("extraArgs", lambda item: item.as_str()))
     for i, arg in enumerate(extra_args):
-        flag = arg.split("=", 1)[0]
-        if flag in MANAGED_FLAGS:
+        if (flag := managed_flag(arg)) is not None:
             raise SpecError(
                 f"spec.engine.extraArgs[{i}]",
-                f"{flag} is set by the operator from the spec; use the matching spec field",
+                "--config could set flags the operator derives from the spec; give flags one by one"
+                if flag == "--config"
+                else f"{flag} is set by the operator from the spec; use the matching spec field",
             )
     return EngineSpec(
         max_model_len=max_model_len,

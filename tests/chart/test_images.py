@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -85,6 +86,17 @@ def test_dockerfile_entry_points() -> None:
     serve_args = _dockerfile_instruction(DOCKER / "engine.Dockerfile", "CMD")
     parsed = build_parser().parse_args(["serve", *serve_args])
     assert (parsed.host, parsed.port) == ("0.0.0.0", 8000)
+
+
+def test_engine_image_listens_beyond_loopback_when_args_replace_its_cmd(monkeypatch) -> None:
+    """A manifest's ``args`` replace CMD (and its --host): the image's KVPILOT_HOST keeps the
+    server on every address, as vLLM's image listens whatever its args."""
+    text = (DOCKER / "engine.Dockerfile").read_text()
+    assert re.search(r"^\s+KVPILOT_HOST=0\.0\.0\.0\b", text, re.MULTILINE)
+    monkeypatch.setenv("KVPILOT_HOST", "0.0.0.0")
+    assert build_parser().parse_args(["serve", "--port", "8001"]).host == "0.0.0.0"
+    monkeypatch.delenv("KVPILOT_HOST")
+    assert build_parser().parse_args(["serve"]).host == "127.0.0.1"
 
 
 def test_image_users_are_the_pods_users(default_objects: list[dict]) -> None:

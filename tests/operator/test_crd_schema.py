@@ -15,8 +15,9 @@ import re
 import pytest
 import yaml
 
+from kvpilot.operator.crd import MANAGED_FLAGS
 from kvpilot.operator.gpus import CATALOGUE, CUSTOM
-from kvpilot.operator.spec import MANAGED_FLAGS, SpecError, parse_spec, validate_name
+from kvpilot.operator.spec import SpecError, parse_spec, validate_name
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +176,11 @@ CEL_CASES = [
     ({"model": {"revision": "main"}}, "spec.model.revision"),
     ({"engine": {"extraArgs": ["--tensor-parallel-size=4"]}}, "spec.engine.extraArgs"),
     ({"engine": {"extraArgs": ["--no-enable-prefix-caching"]}}, "spec.engine.extraArgs"),
+    # The engine reads underscores as dashes (vLLM's parser), and a --config file could set
+    # any managed flag: refused too.
+    ({"engine": {"extraArgs": ["--max_model_len=4096"]}}, "spec.engine.extraArgs"),
+    ({"engine": {"extraArgs": ["--gpu_memory-utilization", "0.5"]}}, "spec.engine.extraArgs"),
+    ({"engine": {"extraArgs": ["--config", "/etc/flags.yaml"]}}, "spec.engine.extraArgs"),
     (
         {
             "engine": {

@@ -12,10 +12,11 @@ import pytest
 
 from kvpilot.engine.model_shape import ModelShape
 from kvpilot.operator import manifests
+from kvpilot.operator.crd import MANAGED_FLAGS
 from kvpilot.operator.gpus import GiB
 from kvpilot.operator.images import ENGINE_IMAGE
 from kvpilot.operator.planner import plan_for_spec
-from kvpilot.operator.spec import MANAGED_FLAGS, parse_spec
+from kvpilot.operator.spec import parse_spec
 from kvpilot.operator.tuning import EngineSettings, Rollout
 
 CONFIGS = Path(__file__).parent / "configs"
