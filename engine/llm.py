@@ -187,10 +187,18 @@ class LLM:
             engine.abort_request(request_ids)
             raise
         finished: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="Processed prompts", disable=not use_tqdm) as bar:
-            while len(finished) < len(request_ids):
-                for output in engine.step():
-                    if output.finished:
-                        finished[output.request_id] = output
-                        bar.update()
+        try:
+            with tqdm(
+                total=len(request_ids), desc="Processed prompts", disable=not use_tqdm
+            ) as bar:
+                while len(finished) < len(request_ids):
+                    for output in engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            bar.update()
+        except BaseException:
+            # A failed step (or Ctrl-C) must not leave this call's requests in the engine,
+            # where every later call would run them again.
+            engine.abort_request([r for r in request_ids if r not in finished])
+            raise
         return [finished[request_id] for request_id in request_ids]

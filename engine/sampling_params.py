@@ -119,6 +119,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
@@ -161,12 +163,19 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be >= 0, got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             bad("stop", "must not contain empty strings")
-        if self.allowed_token_ids is not None and not self.allowed_token_ids:
-            bad("allowed_token_ids", "must not be empty (no token could be sampled)")
-        if self.bad_words is not None and not all(
-            isinstance(w, str) and w.strip() for w in self.bad_words
-        ):
-            bad("bad_words", "must be non-blank strings")
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                bad("allowed_token_ids", "must not be empty (no token could be sampled)")
+            if not all(_is_int(t) for t in self.allowed_token_ids):
+                bad(
+                    "allowed_token_ids",
+                    f"must be token ids (integers), got {self.allowed_token_ids!r}",
+                )
+        if self.bad_words is not None:
+            if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+                bad("bad_words", "must be non-blank strings")
+            if not all(_is_unicode(w) for w in self.bad_words):
+                bad("bad_words", "the text is not valid Unicode (it holds a lone surrogate)")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
         ):
@@ -180,3 +189,17 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature < _GREEDY_EPS
+
+
+def _is_int(value: Any) -> bool:
+    """An integer and not a bool (``True`` would index a tensor as a mask)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_unicode(text: str) -> bool:
+    """Whether UTF-8 can encode ``text`` (JSON may carry lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

@@ -88,10 +88,12 @@ def error_response(
 
 
 def error_body(status: HTTPStatus, message: str, param: str | None = None) -> ErrorResponse:
-    """OpenAI's error body for ``status``: its type as the openai client names it."""
+    """OpenAI's error body for ``status``: its type as the openai client names it. A lone
+    surrogate the message quotes from the request (``"\ud800"``, which UTF-8 cannot carry) is
+    written as its escape."""
     return ErrorResponse(
         error=ErrorInfo(
-            message=message,
+            message=message.encode("utf-8", "backslashreplace").decode("utf-8"),
             type=_ERROR_TYPES.get(status, "APIError"),
             param=param,
             code=int(status),

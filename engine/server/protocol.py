@@ -59,6 +59,23 @@ class OpenAIModel(BaseModel):
         return {k: v for k, v in data.items() if v is not None or k not in defaulted}
 
 
+def _holds_lone_surrogate(value: Any) -> bool:
+    """Whether a JSON value holds, in any string or key, a code point UTF-8 cannot encode."""
+    if isinstance(value, str):
+        if value.isascii():
+            return False
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(_holds_lone_surrogate(v) for v in value)
+    return False
+
+
 @functools.cache
 def _non_nullable_defaults(model: type[BaseModel]) -> frozenset[str]:
     """Names and aliases of ``model``'s optional fields whose type does not take ``None``."""
@@ -164,6 +181,19 @@ class _SamplingFields(OpenAIModel):
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False
     request_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_unicode(cls, data: Any) -> Any:
+        # JSON may carry lone surrogates ("\ud800"), which no tokenizer, regex or response
+        # can use: a 400 naming the field, whichever it is, instead of a 500 later.
+        if isinstance(data, dict):
+            for key, value in data.items():
+                if _holds_lone_surrogate(value):
+                    raise ValueError(
+                        f"{key}: the text is not valid Unicode (it holds a lone surrogate)"
+                    )
+        return data
 
     @field_validator("cache_salt")
     @classmethod

@@ -105,3 +105,50 @@ def test_mismatched_prompts_and_params_are_refused(llm, prompt):
     with pytest.raises(ValueError, match="2 prompts but 3 sampling params"):
         llm.generate([prompt, prompt], [SamplingParams()] * 3, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        (dict(allowed_token_ids=[True]), "allowed_token_ids must be token ids"),
+        (dict(allowed_token_ids=["a"]), "allowed_token_ids must be token ids"),
+        (dict(bad_words=["\ud800"]), "bad_words the text is not valid Unicode"),
+    ],
+)
+def test_bad_token_restrictions_are_refused_and_the_llm_keeps_working(llm, prompt, params, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate(prompt, SamplingParams(max_tokens=3, **params), use_tqdm=False)
+    [after] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(after.outputs[0].token_ids) == 3
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_bad_words_string_is_one_word(llm, prompt):
+    # As stop: a string is one entry, not its characters.
+    assert SamplingParams(bad_words=" the end").bad_words == [" the end"]
+
+
+def test_a_failed_step_leaves_no_request_behind(llm, prompt, monkeypatch):
+    # Fault injection (a stand-in for a kernel or device error): the first step raises.
+    runner = llm.llm_engine.model_runner
+    real = runner.execute_model
+    calls = []
+
+    def fail_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected step failure")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "execute_model", fail_once)
+    with pytest.raises(RuntimeError, match="injected step failure"):
+        llm.generate([prompt, prompt], SamplingParams(max_tokens=3), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    [after] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    expected = [
+        o.outputs[0].token_ids
+        for o in LLM(str(llm.llm_engine.model_dir), max_model_len=128, block_size=8).generate(
+            prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
+        )
+    ]
+    assert [after.outputs[0].token_ids] == expected

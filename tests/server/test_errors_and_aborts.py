@@ -253,6 +253,22 @@ FINITE = "Input should be a finite number"
             "messages",
             "not valid Unicode",
         ),
+        # Any other field's lone surrogate too: these were 500s (the tokenizer, or the
+        # response's UTF-8 encoding, refused them after the model had run).
+        (
+            COMPLETIONS,
+            '{"prompt": "x", "bad_words": ["\\ud800"]}',
+            "bad_words",
+            "not valid Unicode",
+        ),
+        (
+            COMPLETIONS,
+            '{"prompt": "x", "request_id": "\\ud800"}',
+            "request_id",
+            "not valid Unicode",
+        ),
+        (COMPLETIONS, '{"prompt": "x", "model": "\\udc00"}', "model", "not valid Unicode"),
+        (CHAT, raw_chat('"stop": ["ok", "\\ud800"]'), "stop", "not valid Unicode"),
     ],
 )
 def test_json_values_the_parser_accepts_but_the_server_cannot_use_are_400s(
