@@ -43,6 +43,7 @@ from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.auth import APIKeyMiddleware
 from kvpilot.engine.server.errors import OpenAIError, install_error_handlers, read_body
 from kvpilot.engine.server.protocol import (
+    MAX_LOGPROBS,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -85,6 +86,9 @@ class ServerConfig:
         cors: Starlette ``CORSMiddleware`` keyword arguments (vLLM's ``--allowed-origins``, ...);
             None: no CORS headers.
         log_requests: log each request's id, prompt length and sampling parameters at INFO.
+        max_logprobs: the most top logprobs a request may ask for (vLLM's ``--max-logprobs``);
+            None: up to the vocabulary.
+        response_role: the role of chat replies (vLLM's ``--response-role``).
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, or an unknown
@@ -100,6 +104,8 @@ class ServerConfig:
     trust_request_chat_template: bool = False
     cors: dict[str, Any] | None = None
     log_requests: bool = False
+    max_logprobs: int | None = MAX_LOGPROBS
+    response_role: str = "assistant"
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -329,10 +335,12 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         models,
         info.default_sampling_params,
     )
-    state.completion = OpenAIServingCompletion(*args, log_requests=config.log_requests)
+    shared = {"log_requests": config.log_requests, "max_logprobs": config.max_logprobs}
+    state.completion = OpenAIServingCompletion(*args, **shared)
     state.chat = OpenAIServingChat(
         *args,
-        log_requests=config.log_requests,
+        **shared,
+        response_role=config.response_role,
         auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         trust_request_chat_template=config.trust_request_chat_template,
     )

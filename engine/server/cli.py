@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
+from kvpilot.engine.server.protocol import MAX_LOGPROBS
 
 if TYPE_CHECKING:
     from kvpilot.engine.server.app import ServerConfig
@@ -90,6 +91,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         dest="enable_log_requests",
         action="store_false",
         help=argparse.SUPPRESS,
+    )
+    server.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=MAX_LOGPROBS,
+        help=f"the most top logprobs a request may ask for (logprobs, top_logprobs, "
+        f"prompt_logprobs; default {MAX_LOGPROBS}, as vLLM; -1: up to the vocabulary)",
+    )
+    server.add_argument(
+        "--response-role",
+        default="assistant",
+        help="the role of chat replies (default assistant)",
     )
     server.add_argument(
         "--disable-log-stats",
@@ -186,6 +199,8 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
         args.model = args.model_tag
     if args.max_waiting_requests is not None and args.max_waiting_requests < 1:
         raise ValueError("--max-waiting-requests must be at least 1")
+    if args.max_logprobs < -1:
+        raise ValueError("--max-logprobs must be -1 (the vocabulary) or 0 or more")
     if args.shutdown_timeout is not None and not args.shutdown_timeout >= 0:
         raise ValueError("--shutdown-timeout must be 0 or more seconds")
     args.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
@@ -213,6 +228,8 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
             "allow_credentials": args.allow_credentials,
         },
         log_requests=args.enable_log_requests,
+        max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
+        response_role=args.response_role,
     )
     return engine_args, config
 

@@ -27,7 +27,7 @@ from kvpilot.engine.structured_output import check_json_schema
 from kvpilot.engine.tokenization import TEXT_PART_SEPARATOR, parse_chat_tools
 
 # vLLM's default --max-logprobs: the most top logprobs one request may ask for.
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: top logprobs a request may ask for
 # Seeds are 64-bit signed integers (torch.Generator's range, as vLLM bounds them).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # Older vLLM's request fields for structured outputs, accepted as deprecated aliases.
@@ -171,7 +171,7 @@ class _SamplingFields(OpenAIModel):
     guided_whitespace_pattern: str | None = None
     # vLLM's extension: each prompt token's logprob with this many top candidates, returned
     # as prompt_logprobs (on each completion choice; at the top of a chat completion).
-    prompt_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
     # vLLM's extensions: keep only the prompt's last k tokens (-1: as many as leave room for
     # one output token); sample only among allowed_token_ids; never write bad_words; logprobs'
     # tokens as "token_id:<id>"; the response's id (the X-Request-Id header wins over it; the
@@ -335,7 +335,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     # 0 only with echo: the prompt alone comes back (OpenAI's way to score a prompt).
     max_tokens: Annotated[int, Field(ge=0)] = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -488,7 +488,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     add_generation_prompt: bool = True
     continue_final_message: bool = False

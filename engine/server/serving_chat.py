@@ -59,9 +59,11 @@ class OpenAIServingChat(OpenAIServing):
         *args: Any,
         auto_tool_parser: str | None = None,
         trust_request_chat_template: bool = False,
-        log_requests: bool = False,
+        response_role: str = ASSISTANT,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(*args, log_requests=log_requests)
+        super().__init__(*args, **kwargs)
+        self.response_role = response_role
         self.auto_tool_parser = auto_tool_parser
         self.trust_request_chat_template = trust_request_chat_template
 
@@ -146,7 +148,9 @@ class OpenAIServingChat(OpenAIServing):
             finish_reason = parser.finish_reason(seq.finish_reason)
         return ChatCompletionChoice(
             index=seq.index,
-            message=ChatResponseMessage(role=ASSISTANT, content=content, tool_calls=tool_calls),
+            message=ChatResponseMessage(
+                role=self.response_role, content=content, tool_calls=tool_calls
+            ),
             logprobs=self._logprobs(seq, 0, request),
             finish_reason=finish_reason,
             stop_reason=seq.stop_reason,
@@ -183,14 +187,13 @@ class OpenAIServingChat(OpenAIServing):
         except ValueError as exc:
             raise bad_request(exc) from None
 
-    @staticmethod
-    def _echo_text(request: ChatCompletionRequest, add_generation_prompt: bool) -> str:
+    def _echo_text(self, request: ChatCompletionRequest, add_generation_prompt: bool) -> str:
         """vLLM's chat ``echo``: the last message's content when it has the reply's role (the
-        assistant's when the prompt ends with the generation prompt)."""
+        response role when the prompt ends with the generation prompt)."""
         if not request.echo:
             return ""
         last = request.messages[-1]
-        role = ASSISTANT if add_generation_prompt else last.role
+        role = self.response_role if add_generation_prompt else last.role
         return last.text() if last.role == role else ""
 
     def _logprobs(
@@ -248,7 +251,7 @@ class OpenAIServingChat(OpenAIServing):
 
         for index in range(n):
             # The first chunk of each choice carries the role, as OpenAI's does.
-            delta = DeltaMessage(role=ASSISTANT, content=echo)
+            delta = DeltaMessage(role=self.response_role, content=echo)
             yield chunk([ChatCompletionStreamChoice(index=index, delta=delta)])
         sent_text = [0] * n
         sent_tokens = [0] * n

@@ -28,7 +28,7 @@ from kvpilot.engine.outputs import Logprob, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.errors import OpenAIError, bad_request, error_body
-from kvpilot.engine.server.protocol import PromptLogprobs, UsageInfo
+from kvpilot.engine.server.protocol import MAX_LOGPROBS, PromptLogprobs, UsageInfo
 from kvpilot.engine.server.serving_models import OpenAIServingModels
 
 logger = logging.getLogger("kvpilot.server")
@@ -56,6 +56,9 @@ class OpenAIServing:
             ``get_default_sampling_params()``; default ``SamplingParams()``).
         log_requests: log each request as it is submitted (id, prompt length, sampling
             parameters) at INFO, as vLLM's ``--enable-log-requests``.
+        max_logprobs: the most top logprobs a request may ask for (``logprobs``,
+            ``top_logprobs``, ``prompt_logprobs``; vLLM's ``--max-logprobs``, 20); None: up to
+            the vocabulary.
     """
 
     def __init__(
@@ -68,9 +71,11 @@ class OpenAIServing:
         models: OpenAIServingModels | None = None,
         default_sampling_params: SamplingParams | None = None,
         log_requests: bool = False,
+        max_logprobs: int | None = MAX_LOGPROBS,
     ) -> None:
         self.engine = engine
         self.log_requests = log_requests
+        self.max_logprobs = max_logprobs
         self.default_sampling_params = default_sampling_params or SamplingParams()
         self.models = models or OpenAIServingModels(engine, served_model_names, max_model_len, [])
         self.tokenizer = tokenizer
@@ -141,7 +146,19 @@ class OpenAIServing:
     def sampling_params(
         self, request: Any, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
-        """``request.to_sampling_params`` with its ``ValueError`` turned into a 400."""
+        """``request.to_sampling_params`` with its ``ValueError`` turned into a 400.
+
+        Raises:
+            OpenAIError: 400 for an invalid value, or top logprobs beyond ``max_logprobs``.
+        """
+        for name in LOGPROB_FIELDS:
+            value = getattr(request, name, None)
+            if self.max_logprobs is not None and _is_count(value) and value > self.max_logprobs:
+                raise bad_request(
+                    f"{name}: must be at most {self.max_logprobs} (the server's --max-logprobs), "
+                    f"got {value}",
+                    name,
+                )
         try:
             return request.to_sampling_params(
                 max_tokens, logprobs, self.vocab_size, self.default_sampling_params
@@ -269,6 +286,14 @@ class OpenAIServing:
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
         )
+
+
+LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
+"""Request fields that ask for top logprobs (chat's boolean ``logprobs`` asks for none)."""
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def new_request_id(prefix: str) -> str:

@@ -66,6 +66,10 @@ def test_flags_copied_from_vllm_manifests_are_taken(tmp_path):
     assert parse("--max-model-len", "-1").max_model_len is None
     assert parse("--enable-log-requests").enable_log_requests is True
     assert cli._configure(parse())[1].cors["allow_origins"] == ["*"]  # vLLM's default
+    config = cli._configure(parse("--max-logprobs", "50", "--response-role", "bot"))[1]
+    assert (config.max_logprobs, config.response_role) == (50, "bot")
+    assert cli._configure(parse("--max-logprobs", "-1"))[1].max_logprobs is None
+    assert cli._configure(parse())[1].max_logprobs == 20
 
 
 @pytest.mark.parametrize(
@@ -209,4 +213,7 @@ def test_a_bad_engine_flag_stops_serve_naming_the_flag(capsys):
     assert (
         refused(capsys, "--max-waiting-requests", "0")
         == "--max-waiting-requests must be at least 1"
+    )
+    assert refused(capsys, "--max-logprobs", "-2") == (
+        "--max-logprobs must be -1 (the vocabulary) or 0 or more"
     )

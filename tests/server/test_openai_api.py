@@ -29,7 +29,7 @@ def server(start_server, tmp_path_factory, api_key):
     config = tmp_path_factory.mktemp("serve") / "config.yaml"
     config.write_text(
         f"max_model_len: {MAX_MODEL_LEN}\nmax-num-seqs: 8\nallowed-origins: '[\"{ORIGIN}\"]'\n"
-        "trust-remote-code: true\nenable-prefix-caching: true\n"
+        "trust-remote-code: true\nenable-prefix-caching: true\nmax-logprobs: 30\n"
     )
     return start_server("--config", str(config), "--api_key", api_key, SECOND_KEY)
 
@@ -583,6 +583,22 @@ def test_allowed_token_ids_and_bad_words_as_vllm_takes_them(client, offline):
         use_tqdm=False,
     )
     assert only.logprobs.tokens == [f"token_id:{t}" for t in expected.outputs[0].token_ids]
+
+
+def test_max_logprobs_is_the_servers_limit(client, http):
+    # --max-logprobs 30 (from the config file): 25 top logprobs beyond vLLM's default 20.
+    wide = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, logprobs=25
+    )
+    assert [len(top) for top in wide.choices[0].logprobs.top_logprobs] == [25, 25]
+    for field, body in (
+        ("logprobs", {"prompt": PROMPT, "logprobs": 31}),
+        ("prompt_logprobs", {"prompt": PROMPT, "prompt_logprobs": 31}),
+    ):
+        response = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 1, **body})
+        assert response.status_code == 400
+        error = response.json()["error"]
+        assert error["param"] == field and "--max-logprobs" in error["message"]
 
 
 def test_return_tokens_as_token_ids(client, offline):
