@@ -174,12 +174,14 @@ class _SamplingFields(OpenAIModel):
     prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
     # vLLM's extensions: keep only the prompt's last k tokens (-1: as many as leave room for
     # one output token); sample only among allowed_token_ids; never write bad_words; logprobs'
-    # tokens as "token_id:<id>"; the response's id (the X-Request-Id header wins over it; the
-    # engine's own id stays unique).
+    # tokens as "token_id:<id>"; the prompt's and the output's token ids in the response
+    # (return_token_ids, what RL trainers read); the response's id (the X-Request-Id header
+    # wins over it; the engine's own id stays unique).
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     return_tokens_as_token_ids: bool = False
+    return_token_ids: bool = False
     request_id: str | None = None
 
     @model_validator(mode="before")
@@ -643,6 +645,10 @@ class CompletionChoice(OpenAIModel):
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     prompt_logprobs: PromptLogprobs | None = None
+    # vLLM's, with return_token_ids: the prompt's (a stream's first chunk of the choice) and
+    # the output's (a stream's: those since the last chunk).
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -680,6 +686,7 @@ class ChatCompletionChoice(OpenAIModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -691,6 +698,7 @@ class ChatCompletionResponse(OpenAIModel):
     usage: UsageInfo | None = None
     # vLLM's: the prompt's (one for all choices), not in a choice as completions have it.
     prompt_logprobs: PromptLogprobs | None = None
+    prompt_token_ids: list[int] | None = None  # vLLM's, with return_token_ids
 
 
 class DeltaMessage(OpenAIModel):
@@ -705,6 +713,7 @@ class ChatCompletionStreamChoice(OpenAIModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = None  # with return_token_ids: those since the last chunk
 
 
 class ChatCompletionStreamResponse(OpenAIModel):
@@ -714,6 +723,7 @@ class ChatCompletionStreamResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = None  # with return_token_ids: on the first chunks
 
 
 class ModelCard(OpenAIModel):

@@ -111,7 +111,7 @@ class OpenAIServingChat(OpenAIServing):
             return self._stream(
                 request,
                 shown_id,
-                len(prompt_token_ids),
+                prompt_token_ids,
                 stream,
                 echo,
                 lora_request,
@@ -130,6 +130,7 @@ class OpenAIServingChat(OpenAIServing):
                 len(prompt_token_ids), sum(len(seq.token_ids) for seq in final.outputs)
             ),
             prompt_logprobs=self.prompt_logprobs(request, prompt_token_ids, final),
+            prompt_token_ids=prompt_token_ids if request.return_token_ids else None,
         )
 
     def _choice(
@@ -154,6 +155,7 @@ class OpenAIServingChat(OpenAIServing):
             logprobs=self._logprobs(seq, 0, request),
             finish_reason=finish_reason,
             stop_reason=seq.stop_reason,
+            **self.token_ids(request, None, seq.token_ids),
         )
 
     def _check_template_trusted(self, request: ChatCompletionRequest) -> None:
@@ -229,30 +231,36 @@ class OpenAIServingChat(OpenAIServing):
         self,
         request: ChatCompletionRequest,
         request_id: str,
-        num_prompt_tokens: int,
+        prompt_token_ids: list[int],
         stream: RequestStream,
         echo: str,
         lora_request: LoRARequest | None,
         make_tool_parser: Callable[[], ToolParser] | None,
     ) -> AsyncIterator[str]:
         model = self.response_model(lora_request)
-
+        num_prompt_tokens = len(prompt_token_ids)
         n = request.n
         num_tokens = [0] * n
         every = request.stream_options is not None and request.stream_options.every_chunk()
 
-        def chunk(choices: list[ChatCompletionStreamChoice]) -> str:
+        def chunk(choices: list[ChatCompletionStreamChoice], first: bool = False) -> str:
             usage = self.usage(num_prompt_tokens, sum(num_tokens)) if every else None
+            shown = prompt_token_ids if first and request.return_token_ids else None
             return sse(
                 ChatCompletionStreamResponse(
-                    id=request_id, model=model, choices=choices, usage=usage
+                    id=request_id,
+                    model=model,
+                    choices=choices,
+                    usage=usage,
+                    prompt_token_ids=shown,
                 )
             )
 
         for index in range(n):
-            # The first chunk of each choice carries the role, as OpenAI's does.
+            # The first chunk of each choice carries the role, as OpenAI's does (and, with
+            # return_token_ids, the prompt's token ids, as vLLM's).
             delta = DeltaMessage(role=self.response_role, content=echo)
-            yield chunk([ChatCompletionStreamChoice(index=index, delta=delta)])
+            yield chunk([ChatCompletionStreamChoice(index=index, delta=delta)], first=True)
         sent_text = [0] * n
         sent_tokens = [0] * n
         finished = [False] * n
@@ -278,6 +286,7 @@ class OpenAIServingChat(OpenAIServing):
                     has_logprobs = logprobs is not None and bool(logprobs.content)
                     if delta is None and not has_logprobs and not finished[index]:
                         continue
+                    ids = self.token_ids(request, None, seq.token_ids[sent_tokens[index] :])
                     sent_tokens[index] = len(seq.token_ids)
                     choice = ChatCompletionStreamChoice(
                         index=index,
@@ -285,6 +294,7 @@ class OpenAIServingChat(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=finish_reason,
                         stop_reason=seq.stop_reason,
+                        **ids,
                     )
                     yield chunk([choice])
             if request.stream_options and request.stream_options.include_usage:

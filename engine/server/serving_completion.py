@@ -147,6 +147,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         finish_reason=seq.finish_reason,
                         stop_reason=seq.stop_reason,
                         prompt_logprobs=self.prompt_logprobs(request, prompt.token_ids, final),
+                        **self.token_ids(request, prompt.token_ids, seq.token_ids),
                     )
                 )
         return CompletionResponse(
@@ -259,6 +260,11 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     if has_logprobs:
                         text_offsets[index] += sum(len(t) for t in logprobs.tokens)
+                    ids = self.token_ids(
+                        request,
+                        None if started[index] else prompts[i].token_ids,
+                        seq.token_ids[sent_tokens[index] :],
+                    )
                     started[index] = True
                     sent_text[index] = len(seq.text)
                     sent_tokens[index] = len(seq.token_ids)
@@ -269,6 +275,7 @@ class OpenAIServingCompletion(OpenAIServing):
                         logprobs=logprobs,
                         finish_reason=seq.finish_reason,
                         stop_reason=seq.stop_reason,
+                        **ids,
                     )
                     usage = self.usage(num_prompt_tokens, sum(num_tokens)) if every else None
                     yield sse(

@@ -234,6 +234,19 @@ class OpenAIServing:
             raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, "the request ended unfinished")
         return final
 
+    @staticmethod
+    def token_ids(
+        request: Any, prompt_token_ids: list[int] | None, token_ids: list[int]
+    ) -> dict[str, list[int]]:
+        """vLLM's ``return_token_ids`` fields of a choice (or a chunk of one): ``{}`` unless the
+        request asked; ``prompt_token_ids`` only where given."""
+        if not request.return_token_ids:
+            return {}
+        fields = {"token_ids": list(token_ids)}
+        if prompt_token_ids is not None:
+            fields["prompt_token_ids"] = list(prompt_token_ids)
+        return fields
+
     def truncate_prompt(self, token_ids: list[int], keep: int | None) -> list[int]:
         """vLLM's ``truncate_prompt_tokens``: the prompt's last ``keep`` tokens (vLLM's
         tokenizers truncate on the left); -1 keeps ``max_model_len - 1``; None keeps all.

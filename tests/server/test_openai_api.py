@@ -601,6 +601,39 @@ def test_max_logprobs_is_the_servers_limit(client, http):
         assert error["param"] == field and "--max-logprobs" in error["message"]
 
 
+def test_return_token_ids_gives_prompt_and_output_ids_streamed_or_not(client, offline):
+    [greedy] = offline.generate(
+        [PROMPT], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False
+    )
+    kwargs = dict(model=MODEL, temperature=0, max_tokens=6, extra_body={"return_token_ids": True})
+    whole = client.completions.create(prompt=PROMPT, **kwargs).choices[0].model_extra
+    assert whole["prompt_token_ids"] == greedy.prompt_token_ids
+    assert whole["token_ids"] == greedy.outputs[0].token_ids
+    chunks = [c.choices[0].model_extra for c in client.completions.create(
+        prompt=PROMPT, stream=True, **kwargs
+    ) if c.choices]  # fmt: skip
+    assert chunks[0]["prompt_token_ids"] == greedy.prompt_token_ids
+    assert all(c.get("prompt_token_ids") is None for c in chunks[1:])
+    assert sum((c["token_ids"] for c in chunks), []) == greedy.outputs[0].token_ids
+    # Chat: the prompt's ids at the top (as vLLM), the output's in the choice.
+    chat = client.chat.completions.create(messages=CHAT, **kwargs)
+    expected_prompt = offline.get_tokenizer().encode(
+        chat_prompt(offline, CHAT), add_special_tokens=False
+    )
+    assert chat.model_extra["prompt_token_ids"] == expected_prompt
+    output_ids = chat.choices[0].model_extra["token_ids"]
+    assert len(output_ids) == chat.usage.completion_tokens
+    streamed = list(client.chat.completions.create(messages=CHAT, stream=True, **kwargs))
+    assert streamed[0].model_extra["prompt_token_ids"] == expected_prompt
+    ids = [
+        tok for c in streamed if c.choices for tok in c.choices[0].model_extra["token_ids"] or []
+    ]
+    assert ids == output_ids
+    # Not asked: no ids.
+    plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    assert plain.choices[0].model_extra.get("token_ids") is None
+
+
 def test_return_tokens_as_token_ids(client, offline):
     [greedy] = offline.generate(
         [PROMPT], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False
