@@ -54,6 +54,7 @@ from kvpilot.engine.server.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from kvpilot.engine.server.request_id_header import RequestIdHeaderMiddleware
 from kvpilot.engine.server.serving_chat import OpenAIServingChat
 from kvpilot.engine.server.serving_completion import OpenAIServingCompletion
 from kvpilot.engine.server.serving_engine import RETRY_AFTER_SECONDS, now
@@ -89,6 +90,10 @@ class ServerConfig:
         max_logprobs: the most top logprobs a request may ask for (vLLM's ``--max-logprobs``);
             None: up to the vocabulary.
         response_role: the role of chat replies (vLLM's ``--response-role``).
+        return_tokens_as_token_ids: logprobs name tokens ``token_id:<id>`` unless a request
+            says otherwise (vLLM's ``--return-tokens-as-token-ids``).
+        request_id_headers: every response carries ``X-Request-Id`` (vLLM's
+            ``--enable-request-id-headers``).
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, or an unknown
@@ -106,6 +111,8 @@ class ServerConfig:
     log_requests: bool = False
     max_logprobs: int | None = MAX_LOGPROBS
     response_role: str = "assistant"
+    return_tokens_as_token_ids: bool = False
+    request_id_headers: bool = False
 
     def __post_init__(self) -> None:
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -200,6 +207,8 @@ def create_app(
 
     if config.api_keys:
         app.add_middleware(APIKeyMiddleware, api_keys=config.api_keys)
+    if config.request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     if config.cors is not None:
         # Added last, so outermost: a browser's preflight is answered before the key check.
         app.add_middleware(CORSMiddleware, **config.cors)
@@ -335,7 +344,11 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         models,
         info.default_sampling_params,
     )
-    shared = {"log_requests": config.log_requests, "max_logprobs": config.max_logprobs}
+    shared = {
+        "log_requests": config.log_requests,
+        "max_logprobs": config.max_logprobs,
+        "return_tokens_as_token_ids": config.return_tokens_as_token_ids,
+    }
     state.completion = OpenAIServingCompletion(*args, **shared)
     state.chat = OpenAIServingChat(
         *args,

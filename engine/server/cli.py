@@ -100,6 +100,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"prompt_logprobs; default {MAX_LOGPROBS}, as vLLM; -1: up to the vocabulary)",
     )
     server.add_argument(
+        "--return-tokens-as-token-ids",
+        action="store_true",
+        help="logprobs name their tokens token_id:<id> (as a request's return_tokens_as_token_ids)",
+    )
+    server.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="every response carries X-Request-Id: the request's own, else a fresh one",
+    )
+    server.add_argument(
         "--response-role",
         default="assistant",
         help="the role of chat replies (default assistant)",
@@ -230,6 +240,8 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
         log_requests=args.enable_log_requests,
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
         response_role=args.response_role,
+        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+        request_id_headers=args.enable_request_id_headers,
     )
     return engine_args, config
 

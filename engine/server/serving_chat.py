@@ -203,7 +203,7 @@ class OpenAIServingChat(OpenAIServing):
     ) -> ChatChoiceLogprobs | None:
         if seq.logprobs is None:
             return None
-        as_id = request.return_tokens_as_token_ids
+        as_id = request.return_tokens_as_token_ids or self.return_tokens_as_token_ids
         content = []
         for token_id, candidates in zip(seq.token_ids[start:], seq.logprobs[start:], strict=False):
             sampled = candidates.get(token_id)

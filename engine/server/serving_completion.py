@@ -194,7 +194,7 @@ class OpenAIServingCompletion(OpenAIServing):
             token_ids = prompt.token_ids + token_ids
             candidates = output.prompt_logprobs + candidates
         result = CompletionLogprobs()
-        as_id = request.return_tokens_as_token_ids
+        as_id = request.return_tokens_as_token_ids or self.return_tokens_as_token_ids
         for token_id, top in zip(token_ids, candidates, strict=False):
             own = None if top is None else top.get(token_id)
             text = prompt.first_token_text if top is None else self.token_text(token_id, own, as_id)

@@ -59,6 +59,8 @@ class OpenAIServing:
         max_logprobs: the most top logprobs a request may ask for (``logprobs``,
             ``top_logprobs``, ``prompt_logprobs``; vLLM's ``--max-logprobs``, 20); None: up to
             the vocabulary.
+        return_tokens_as_token_ids: name logprobs' tokens ``token_id:<id>`` for every request
+            (vLLM's ``--return-tokens-as-token-ids``; a request may also ask for it).
     """
 
     def __init__(
@@ -72,10 +74,12 @@ class OpenAIServing:
         default_sampling_params: SamplingParams | None = None,
         log_requests: bool = False,
         max_logprobs: int | None = MAX_LOGPROBS,
+        return_tokens_as_token_ids: bool = False,
     ) -> None:
         self.engine = engine
         self.log_requests = log_requests
         self.max_logprobs = max_logprobs
+        self.return_tokens_as_token_ids = return_tokens_as_token_ids
         self.default_sampling_params = default_sampling_params or SamplingParams()
         self.models = models or OpenAIServingModels(engine, served_model_names, max_model_len, [])
         self.tokenizer = tokenizer

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import random
+import re
 import socket
 from collections.abc import Iterator
 
@@ -25,8 +26,22 @@ LONG = {"max_tokens": 200, "ignore_eos": True, "temperature": 0}
 @pytest.fixture(scope="module")
 def server(start_server):
     return start_server(
-        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--max-waiting-requests", "1"
+        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "1", "--max-waiting-requests", "1",
+        "--return-tokens-as-token-ids", "--enable-request-id-headers",
     )  # fmt: skip
+
+
+def test_server_wide_token_ids_and_request_id_headers(http):
+    # --return-tokens-as-token-ids: logprobs name tokens by id for every request.
+    body = completion(max_tokens=2, temperature=0, logprobs=1)
+    answer = http.post(COMPLETIONS, json=body, headers={"X-Request-Id": "trace-7"})
+    assert answer.headers["X-Request-Id"] == "trace-7"
+    tokens = answer.json()["choices"][0]["logprobs"]["tokens"]
+    assert len(tokens) == 2 and all(t.removeprefix("token_id:").isdigit() for t in tokens)
+    # --enable-request-id-headers: a fresh id where the request sent none, errors included.
+    refused = http.post(COMPLETIONS, json=completion(max_tokens=-1))
+    assert refused.status_code == 400
+    assert re.fullmatch("[0-9a-f]{32}", refused.headers["X-Request-Id"])
 
 
 def completion(**body) -> dict:
