@@ -176,8 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--tool-call-parser",
         default=None,
         help="how the model writes tool calls: 'hermes' (<tool_call>{...}</tool_call>, Hermes "
-        "and Qwen models) or 'llama3_json' (Llama 3.1-3.3's JSON calls, after <|python_tag|> "
-        "or alone)",
+        "and Qwen models), 'llama3_json' (Llama 3.1-3.3's JSON calls, after <|python_tag|> "
+        "or alone) or 'mistral' ([TOOL_CALLS] followed by a JSON array or name[ARGS]{...})",
     )
     EngineArgs.add_cli_args(parser)
 

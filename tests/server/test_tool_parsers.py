@@ -17,6 +17,7 @@ from kvpilot.engine.server.tool_parsers import (
     AUTO_TOOL_CHOICE_DISABLED,
     Hermes2ProToolParser,
     Llama3JsonToolParser,
+    MistralToolParser,
     NamedToolParser,
     RequiredToolParser,
     ToolParser,
@@ -275,6 +276,49 @@ def test_llama3_json_streams_plain_answers_at_once_and_keeps_special_tokens():
     assert calls(single.extract_tool_calls(f"{LLAMA_WEATHER};{LLAMA_TIME}")) == [
         ("get_weather", {"city": "Paris"})
     ]
+
+
+PARIS = ("get_weather", {"city": "Paris"})
+CET = ("get_time", {"timezone": "CET"})
+
+
+@pytest.mark.parametrize(
+    ("text", "expected", "content"),
+    [
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', [PARIS], None),
+        (
+            '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]'
+            '{"timezone": "CET"}',
+            [PARIS, CET],
+            None,
+        ),
+        ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris"}', [PARIS], None),
+        (
+            '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+            '{"name": "get_time", "arguments": {"timezone": "CET"}}]',
+            [PARIS, CET],
+            None,
+        ),
+        (
+            'Let me look. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+            [PARIS],
+            "Let me look. ",
+        ),
+        ("It is sunny [TOOL_ in Paris.", [], "It is sunny [TOOL_ in Paris."),
+        ('[TOOL_CALLS]get_weather[ARGS]{"city": "Pa', [], '[TOOL_CALLS]get_weather[ARGS]{"city": "Pa'),
+        ('[TOOL_CALLS][{"answer": 42}]', [], '[TOOL_CALLS][{"answer": 42}]'),
+    ],
+)  # fmt: skip
+def test_mistral_reads_both_tool_call_forms(text, expected, content, default_tokenizer):
+    extracted = MistralToolParser().extract_tool_calls(text)
+    assert calls(extracted) == expected
+    assert extracted.content == content
+    assert_streams_like_the_whole(text, default_tokenizer, MistralToolParser)
+
+
+def test_mistral_without_parallel_calls_keeps_the_first():
+    text = '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {}}]'
+    assert calls(MistralToolParser(parallel_tool_calls=False).extract_tool_calls(text)) == [PARIS]
 
 
 def test_named_parser_streams_the_arguments_of_the_named_function():

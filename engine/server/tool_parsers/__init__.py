@@ -24,6 +24,7 @@ from kvpilot.engine.server.tool_parsers.constrained_tool_parsers import (
 )
 from kvpilot.engine.server.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from kvpilot.engine.server.tool_parsers.llama3_json_tool_parser import Llama3JsonToolParser
+from kvpilot.engine.server.tool_parsers.mistral_tool_parser import MistralToolParser
 
 __all__ = [
     "AUTO_TOOL_CHOICE_DISABLED",
@@ -31,6 +32,7 @@ __all__ = [
     "ExtractedToolCallInformation",
     "Hermes2ProToolParser",
     "Llama3JsonToolParser",
+    "MistralToolParser",
     "NamedToolParser",
     "RequiredToolParser",
     "ToolParser",
@@ -42,6 +44,7 @@ __all__ = [
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": Hermes2ProToolParser,
     "llama3_json": Llama3JsonToolParser,
+    "mistral": MistralToolParser,
 }
 
 # vLLM's wording, which clients match on to fall back to prompting for tool use.

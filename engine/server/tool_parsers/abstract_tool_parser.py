@@ -3,8 +3,10 @@ OpenAI ``tool_calls`` and the ``content`` around them, streamed or whole."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import (
@@ -141,3 +143,23 @@ def merge_deltas(deltas: Iterable[DeltaMessage | None]) -> ExtractedToolCallInfo
     if calls and not text:
         return ExtractedToolCallInformation(True, list(calls.values()), None)
     return ExtractedToolCallInformation(bool(calls), list(calls.values()), text)
+
+
+def json_call(value: Any) -> tuple[str, str] | None:
+    """``(name, arguments as JSON text)`` of a decoded tool-call object, ``{"name": ...,
+    "arguments": {...}}`` (or Llama's ``"parameters"``), or None when it is not one."""
+    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
+        return None
+    arguments = value.get("arguments", value.get("parameters", {}))
+    if not isinstance(arguments, dict):
+        return None
+    return value["name"], json.dumps(arguments, ensure_ascii=False)
+
+
+def partial_tag_length(text: str, tag: str) -> int:
+    """Length of the longest end of ``text`` that begins ``tag`` (0 if none): text a streaming
+    parser holds back, since the next delta may complete the tag."""
+    for length in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:length]):
+            return length
+    return 0

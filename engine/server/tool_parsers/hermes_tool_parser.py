@@ -21,7 +21,7 @@ from typing import Any
 
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import DeltaMessage, DeltaToolCall
-from kvpilot.engine.server.tool_parsers.abstract_tool_parser import ToolParser
+from kvpilot.engine.server.tool_parsers.abstract_tool_parser import ToolParser, partial_tag_length
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -49,7 +49,7 @@ class Hermes2ProToolParser(ToolParser):
             if not self._in_call:
                 start = self._buffer.find(TOOL_CALL_START)
                 if start < 0:
-                    keep = 0 if finished else _partial_tag_length(self._buffer, TOOL_CALL_START)
+                    keep = 0 if finished else partial_tag_length(self._buffer, TOOL_CALL_START)
                     content.append(self._buffer[: len(self._buffer) - keep])
                     self._buffer = self._buffer[len(self._buffer) - keep :]
                     break
@@ -73,14 +73,6 @@ class Hermes2ProToolParser(ToolParser):
         if not text and not calls:
             return None
         return DeltaMessage(content=text or None, tool_calls=calls or None)
-
-
-def _partial_tag_length(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that begins ``tag`` (0 if none)."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0
 
 
 def _parse_call(body: str) -> tuple[str, str] | None:

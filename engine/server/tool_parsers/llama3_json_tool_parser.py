@@ -14,11 +14,10 @@ JSON, an object cut off by the output's end) is content, as it came.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import DeltaMessage, DeltaToolCall
-from kvpilot.engine.server.tool_parsers.abstract_tool_parser import ToolParser
+from kvpilot.engine.server.tool_parsers.abstract_tool_parser import ToolParser, json_call
 
 PYTHON_TAG = "<|python_tag|>"
 SEPARATORS = " \t\r\n;"
@@ -73,18 +72,8 @@ class Llama3JsonToolParser(ToolParser):
             value, end = _DECODER.raw_decode(rest)
         except ValueError:
             return None
-        call = _call(value)
+        call = json_call(value)
         if call is None:
             return None
         self._buffer = rest[end:]
         return call
-
-
-def _call(value: Any) -> tuple[str, str] | None:
-    """``(name, arguments as JSON text)`` of a decoded object, or None when it is not a call."""
-    if not isinstance(value, dict) or not isinstance(value.get("name"), str):
-        return None
-    arguments = value.get("parameters", value.get("arguments", {}))
-    if not isinstance(arguments, dict):
-        return None
-    return value["name"], json.dumps(arguments, ensure_ascii=False)
