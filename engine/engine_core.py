@@ -42,6 +42,8 @@ class EngineCoreInfo:
         tokenizer: a copy of the engine's Hugging Face tokenizer, the API's own.
         loras: the adapters loaded at start.
         default_sampling_params: the model's generation defaults.
+        default_max_tokens: the generation config's ``max_new_tokens`` (the output limit of a
+            request that sets none), or None.
         stats: the engine's stats after loading.
     """
 
@@ -58,6 +60,7 @@ class EngineCoreInfo:
     loras: list[LoRARequest]
     default_sampling_params: SamplingParams
     stats: EngineStats
+    default_max_tokens: int | None = None
 
     @classmethod
     def from_engine(cls, engine: Any) -> EngineCoreInfo:
@@ -78,6 +81,7 @@ class EngineCoreInfo:
             loras=engine.list_loras(),
             default_sampling_params=engine.get_default_sampling_params(),
             stats=engine.get_stats(),
+            default_max_tokens=engine.default_sampling.get("max_tokens"),
         )
 
 

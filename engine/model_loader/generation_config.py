@@ -2,7 +2,8 @@
 
 As vLLM's ``--generation-config auto`` (its default): a request that leaves ``temperature``,
 ``top_p``, ``top_k``, ``min_p`` or ``repetition_penalty`` unset gets the model's value where its
-generation config has one, else the engine's own default (``SamplingParams``').
+generation config has one, else the engine's own default (``SamplingParams``'); its
+``max_new_tokens`` is the output limit of requests that set none.
 ``--generation-config vllm`` ignores the model's; a folder reads that folder's file instead.
 """
 
@@ -17,6 +18,10 @@ logger = logging.getLogger(__name__)
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 """The ``generation_config.json`` keys read, each named as the ``SamplingParams`` field."""
+
+MAX_NEW_TOKENS = "max_new_tokens"
+"""transformers' output limit, read (as vLLM reads it) as ``SamplingParams.max_tokens``: the
+offline default, and the server's for requests that set none (chat)."""
 
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 """``--generation-config`` values besides a folder."""
@@ -33,7 +38,8 @@ def read_sampling_defaults(
             the engine's defaults) or a folder holding a ``generation_config.json``.
 
     Returns:
-        ``{field: value}`` for the :data:`SAMPLING_FIELDS` the file sets (may be empty).
+        ``{field: value}`` for the :data:`SAMPLING_FIELDS` the file sets, and ``max_tokens``
+        from its ``max_new_tokens`` (may be empty).
 
     Raises:
         ValueError: a folder without a ``generation_config.json``, or a file that is not a
@@ -51,6 +57,8 @@ def read_sampling_defaults(
     if not isinstance(config, dict):
         raise ValueError(f"generation_config: {path} is not a JSON object")
     defaults = {key: config[key] for key in SAMPLING_FIELDS if config.get(key) is not None}
+    if isinstance(config.get(MAX_NEW_TOKENS), int) and config[MAX_NEW_TOKENS] > 0:
+        defaults["max_tokens"] = config[MAX_NEW_TOKENS]
     if defaults:
         logger.info(
             "Default sampling parameters from the model's generation config %s: %s "

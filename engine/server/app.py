@@ -348,6 +348,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         "log_requests": config.log_requests,
         "max_logprobs": config.max_logprobs,
         "return_tokens_as_token_ids": config.return_tokens_as_token_ids,
+        "default_max_tokens": info.default_max_tokens,
     }
     state.completion = OpenAIServingCompletion(*args, **shared)
     state.chat = OpenAIServingChat(

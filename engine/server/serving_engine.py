@@ -61,6 +61,8 @@ class OpenAIServing:
             the vocabulary.
         return_tokens_as_token_ids: name logprobs' tokens ``token_id:<id>`` for every request
             (vLLM's ``--return-tokens-as-token-ids``; a request may also ask for it).
+        default_max_tokens: the output limit of a request that sets none (the model's
+            generation config ``max_new_tokens``, as vLLM); None: the rest of the context.
     """
 
     def __init__(
@@ -75,8 +77,10 @@ class OpenAIServing:
         log_requests: bool = False,
         max_logprobs: int | None = MAX_LOGPROBS,
         return_tokens_as_token_ids: bool = False,
+        default_max_tokens: int | None = None,
     ) -> None:
         self.engine = engine
+        self.default_max_tokens = default_max_tokens
         self.log_requests = log_requests
         self.max_logprobs = max_logprobs
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
@@ -123,9 +127,10 @@ class OpenAIServing:
             raise bad_request(exc, param) from None
 
     def max_tokens_for(self, num_prompt_tokens: int, requested: int | None, param: str) -> int:
-        """The output limit, as vLLM sets it: ``requested`` (None: no limit) cut to the room
-        the prompt leaves in ``max_model_len``, so that generation ends with ``"length"`` at
-        the end of the context instead of the request being refused.
+        """The output limit, as vLLM sets it: ``requested`` (None: the generation config's
+        ``max_new_tokens``, else no limit) cut to the room the prompt leaves in
+        ``max_model_len``, so that generation ends with ``"length"`` at the end of the context
+        instead of the request being refused.
 
         Raises:
             OpenAIError: 400 when the prompt alone (``param``) fills ``max_model_len``, or when
@@ -145,6 +150,8 @@ class OpenAIServing:
                 f"{self.max_model_len}. Please request fewer output tokens.",
                 "max_tokens",
             )
+        if requested is None:
+            requested = self.default_max_tokens
         return room if requested is None else min(requested, room)
 
     def sampling_params(

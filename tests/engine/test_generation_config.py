@@ -65,3 +65,26 @@ def test_the_engine_samples_with_the_models_defaults(tiny_model_dir, tmp_path):
     assert llm.generate([prompt])[0].outputs[0].token_ids == greedy
     engine_defaults = LLM(str(folder), max_model_len=64, generation_config="vllm")
     assert engine_defaults.get_default_sampling_params().temperature == 1.0
+
+
+def test_max_new_tokens_is_the_default_output_limit(tiny_model_dir, tmp_path):
+    """As vLLM reads it: the generation config's ``max_new_tokens`` limits requests that set no
+    limit, offline (the default ``SamplingParams``) and on the server (chat's unset
+    ``max_tokens``, cut to the context left)."""
+    from kvpilot.engine.engine_core import EngineCoreInfo
+    from kvpilot.engine.server.serving_engine import OpenAIServing
+
+    folder = tmp_path / "short-model"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    write_config(folder, max_new_tokens=5, temperature=0.0)
+    assert read_sampling_defaults(folder) == {"temperature": 0.0, "max_tokens": 5}
+    llm = LLM(str(folder), max_model_len=64)
+    [out] = llm.generate([{"prompt_token_ids": [5, 6, 7, 8]}], use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 5
+    info = EngineCoreInfo.from_engine(llm.llm_engine)
+    assert info.default_max_tokens == 5
+    serving = OpenAIServing(None, None, ["m"], 64, 100, default_max_tokens=5)
+    assert serving.max_tokens_for(10, None, "messages") == 5
+    assert serving.max_tokens_for(62, None, "messages") == 2  # the context left
+    assert serving.max_tokens_for(10, 30, "messages") == 30  # a request's own limit wins
+    assert OpenAIServing(None, None, ["m"], 64, 100).max_tokens_for(10, None, "messages") == 54
