@@ -54,11 +54,7 @@ def check_token_ids(token_ids: Iterable[int], vocab_size: int, param: str) -> No
         ValueError: ``{param}: token ids [...] are outside the vocabulary [0, vocab_size)``
             (the first five offenders).
     """
-    bad = [
-        t
-        for t in token_ids
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size
-    ]
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(
             f"{param}: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})"

@@ -176,18 +176,14 @@ class LLM:
             if len(lora_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(lora_list)} lora requests")
         engine = self.llm_engine
-        request_ids = []
+        request_ids: list[str] = []
+        finished: dict[str, RequestOutput] = {}
         try:
             for prompt, params, lora in zip(prompts, params_list, lora_list, strict=True):
                 request_id = str(self._counter)
                 self._counter += 1
                 engine.add_request(request_id, prompt, params, lora_request=lora)
                 request_ids.append(request_id)
-        except ValueError:
-            engine.abort_request(request_ids)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        try:
             with tqdm(
                 total=len(request_ids), desc="Processed prompts", disable=not use_tqdm
             ) as bar:
@@ -197,8 +193,8 @@ class LLM:
                             finished[output.request_id] = output
                             bar.update()
         except BaseException:
-            # A failed step (or Ctrl-C) must not leave this call's requests in the engine,
-            # where every later call would run them again.
+            # A refused prompt, a failed step or Ctrl-C leaves none of this call's requests in
+            # the engine, where every later call would run them again.
             engine.abort_request([r for r in request_ids if r not in finished])
             raise
         return [finished[request_id] for request_id in request_ids]

@@ -1,8 +1,9 @@
 """Per-request logits adjustments applied before sampling, and sample log-probabilities.
 
 Order follows vLLM V1's sampler: ``allowed_token_ids``, ``bad_words``, ``min_tokens`` masking
-and ``logit_bias`` first, then the penalties (repetition, frequency, presence). Temperature, top-k/top-p/min-p and the draw itself
-belong to the sampler, which runs after ``apply_logits_processors``.
+and ``logit_bias`` first, then the penalties (repetition, frequency, presence). Temperature,
+top-k/top-p/min-p and the draw itself belong to the sampler, which runs after
+``apply_logits_processors``.
 """
 
 from __future__ import annotations

@@ -166,7 +166,7 @@ class SamplingParams:
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 bad("allowed_token_ids", "must not be empty (no token could be sampled)")
-            if not all(_is_int(t) for t in self.allowed_token_ids):
+            if not all(is_int(t) for t in self.allowed_token_ids):
                 bad(
                     "allowed_token_ids",
                     f"must be token ids (integers), got {self.allowed_token_ids!r}",
@@ -174,7 +174,7 @@ class SamplingParams:
         if self.bad_words is not None:
             if not all(isinstance(w, str) and w.strip() for w in self.bad_words):
                 bad("bad_words", "must be non-blank strings")
-            if not all(_is_unicode(w) for w in self.bad_words):
+            if not all(is_unicode(w) for w in self.bad_words):
                 bad("bad_words", "the text is not valid Unicode (it holds a lone surrogate)")
         if self.structured_outputs is not None and not isinstance(
             self.structured_outputs, StructuredOutputsParams
@@ -191,12 +191,12 @@ class SamplingParams:
         return self.temperature < _GREEDY_EPS
 
 
-def _is_int(value: Any) -> bool:
-    """An integer and not a bool (``True`` would index a tensor as a mask)."""
+def is_int(value: Any) -> bool:
+    """An integer and not a bool (``True`` would index a tensor as a mask, or count as 1)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_unicode(text: str) -> bool:
+def is_unicode(text: str) -> bool:
     """Whether UTF-8 can encode ``text`` (JSON may carry lone surrogates)."""
     try:
         text.encode("utf-8")

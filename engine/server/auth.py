@@ -56,6 +56,7 @@ class APIKeyMiddleware:
             token = bearer_token(scope.get("headers", []))
             # latin-1 gives back the header's own bytes; the key is compared as UTF-8 bytes.
             sent = token.encode("latin-1")
+            # A list, not a generator: every key is compared, whichever matches.
             if not any([hmac.compare_digest(sent, key) for key in self.api_keys]):
                 response = error_response(
                     HTTPStatus.UNAUTHORIZED,

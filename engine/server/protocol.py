@@ -22,12 +22,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from kvpilot.engine.input_processor import check_cache_salt, check_sampling_params
 from kvpilot.engine.outputs import Logprob
-from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams, is_unicode
 from kvpilot.engine.structured_output import check_json_schema
 from kvpilot.engine.tokenization import TEXT_PART_SEPARATOR, parse_chat_tools
 
 # vLLM's default --max-logprobs: the most top logprobs one request may ask for.
-MAX_LOGPROBS = 20  # vLLM's default --max-logprobs: top logprobs a request may ask for
+MAX_LOGPROBS = 20
 # Seeds are 64-bit signed integers (torch.Generator's range, as vLLM bounds them).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 # Older vLLM's request fields for structured outputs, accepted as deprecated aliases.
@@ -62,13 +62,7 @@ class OpenAIModel(BaseModel):
 def _holds_lone_surrogate(value: Any) -> bool:
     """Whether a JSON value holds, in any string or key, a code point UTF-8 cannot encode."""
     if isinstance(value, str):
-        if value.isascii():
-            return False
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
+        return not value.isascii() and not is_unicode(value)
     if isinstance(value, dict):
         return any(_holds_lone_surrogate(k) or _holds_lone_surrogate(v) for k, v in value.items())
     if isinstance(value, list | tuple):

@@ -25,7 +25,7 @@ from kvpilot.engine.async_llm import (
 from kvpilot.engine.input_processor import check_token_ids
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import Logprob, RequestOutput
-from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.sampling_params import SamplingParams, is_int
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.errors import OpenAIError, bad_request, error_body
 from kvpilot.engine.server.protocol import MAX_LOGPROBS, PromptLogprobs, UsageInfo
@@ -164,7 +164,7 @@ class OpenAIServing:
         """
         for name in LOGPROB_FIELDS:
             value = getattr(request, name, None)
-            if self.max_logprobs is not None and _is_count(value) and value > self.max_logprobs:
+            if self.max_logprobs is not None and is_int(value) and value > self.max_logprobs:
                 raise bad_request(
                     f"{name}: must be at most {self.max_logprobs} (the server's --max-logprobs), "
                     f"got {value}",
@@ -314,10 +314,6 @@ class OpenAIServing:
 
 LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")
 """Request fields that ask for top logprobs (chat's boolean ``logprobs`` asks for none)."""
-
-
-def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def new_request_id(prefix: str) -> str:

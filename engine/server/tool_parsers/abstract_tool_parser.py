@@ -59,8 +59,16 @@ class ToolParser:
         """Whether a call has been emitted."""
         return self.num_tool_calls > 0
 
+    keeps_special_tokens = False
+    """Whether the calls are marked by special tokens (``<tool_call>``, ``<|python_tag|>``,
+    ``[TOOL_CALLS]``) the parser must see in the text; skipping them would hide the calls (vLLM
+    keeps them too)."""
+
     def adjust_request(self, params: SamplingParams) -> None:
-        """Change the request's sampling before it is submitted (default: nothing)."""
+        """Change the request's sampling before it is submitted (default: keep special tokens
+        in the text where ``keeps_special_tokens``)."""
+        if self.keeps_special_tokens:
+            params.skip_special_tokens = False
 
     def extract_tool_calls_streaming(self, delta_text: str, finished: bool) -> DeltaMessage | None:
         """The delta to send for newly generated text.

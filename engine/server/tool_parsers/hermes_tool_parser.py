@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import DeltaMessage, DeltaToolCall
 from kvpilot.engine.server.tool_parsers.abstract_tool_parser import ToolParser, partial_tag_length
 
@@ -35,10 +34,7 @@ class Hermes2ProToolParser(ToolParser):
         self._buffer = ""
         self._in_call = False
 
-    def adjust_request(self, params: SamplingParams) -> None:
-        """Keep special tokens in the text: ``<tool_call>`` is one in Hermes and Qwen
-        vocabularies, and skipping it would hide the calls (vLLM does the same)."""
-        params.skip_special_tokens = False
+    keeps_special_tokens = True  # <tool_call> is one in Hermes and Qwen vocabularies
 
     def extract_tool_calls_streaming(self, delta_text: str, finished: bool) -> DeltaMessage | None:
         """Content up to the next possible tag, and each call once its block closes."""

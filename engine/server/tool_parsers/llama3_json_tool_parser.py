@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 
-from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import DeltaMessage, DeltaToolCall
 from kvpilot.engine.server.tool_parsers.abstract_tool_parser import ToolParser, json_call
 
@@ -32,9 +31,7 @@ class Llama3JsonToolParser(ToolParser):
         self._buffer = ""
         self._mode: str | None = None  # None: undecided; "content" or "calls"
 
-    def adjust_request(self, params: SamplingParams) -> None:
-        """Keep special tokens in the text: ``<|python_tag|>`` is one (vLLM does the same)."""
-        params.skip_special_tokens = False
+    keeps_special_tokens = True  # <|python_tag|> is one
 
     def extract_tool_calls_streaming(self, delta_text: str, finished: bool) -> DeltaMessage | None:
         """Content as it comes in a plain answer; in a tool answer, each call once whole."""
@@ -50,7 +47,7 @@ class Llama3JsonToolParser(ToolParser):
         calls: list[DeltaToolCall] = []
         content = ""
         if self._mode == "calls":
-            while (parsed := self._next_call(finished)) is not None:
+            while (parsed := self._next_call()) is not None:
                 if (call := self.start_tool_call(*parsed)) is not None:
                     calls.append(call)
             if finished:
@@ -62,7 +59,7 @@ class Llama3JsonToolParser(ToolParser):
             return None
         return DeltaMessage(content=text or None, tool_calls=calls or None)
 
-    def _next_call(self, finished: bool) -> tuple[str, str] | None:
+    def _next_call(self) -> tuple[str, str] | None:
         """The next whole call at the buffer's start, taken out of it; None when the next
         object is not closed yet, or is no call (left in the buffer: content at the end)."""
         rest = self._buffer.lstrip(SEPARATORS)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 
-from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.protocol import DeltaMessage, DeltaToolCall
 from kvpilot.engine.server.tool_parsers.abstract_tool_parser import (
     ToolParser,
@@ -37,9 +36,7 @@ class MistralToolParser(ToolParser):
         self._in_calls = False
         self._pending: list[tuple[str, str]] = []  # calls decoded from an array, not sent yet
 
-    def adjust_request(self, params: SamplingParams) -> None:
-        """Keep special tokens in the text: ``[TOOL_CALLS]`` is one (vLLM does the same)."""
-        params.skip_special_tokens = False
+    keeps_special_tokens = True  # [TOOL_CALLS] is one
 
     def extract_tool_calls_streaming(self, delta_text: str, finished: bool) -> DeltaMessage | None:
         """Content up to ``[TOOL_CALLS]``, then each call once its JSON closes."""
