@@ -54,6 +54,7 @@ from kvpilot.engine.server.protocol import (
     TokenizeResponse,
     UnloadLoRAAdapterRequest,
 )
+from kvpilot.engine.server.reasoning_parsers import REASONING_PARSERS
 from kvpilot.engine.server.request_id_header import RequestIdHeaderMiddleware
 from kvpilot.engine.server.serving_chat import OpenAIServingChat
 from kvpilot.engine.server.serving_completion import OpenAIServingCompletion
@@ -79,6 +80,8 @@ class ServerConfig:
         enable_auto_tool_choice: allow ``tool_choice`` ``"auto"`` (vLLM's
             ``--enable-auto-tool-choice``); needs ``tool_call_parser``.
         tool_call_parser: the ``TOOL_PARSERS`` name that finds tool calls in free text.
+        reasoning_parser: the ``REASONING_PARSERS`` name that splits chat outputs into
+            reasoning and content (vLLM's ``--reasoning-parser``); None: all content.
         chat_template: the Jinja text of vLLM's ``--chat-template`` (see
             ``tokenization.load_chat_template``): the chat template of every request, in place
             of the model's (or for a model without one); None keeps the model's.
@@ -97,7 +100,7 @@ class ServerConfig:
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, or an unknown
-            parser name.
+            tool or reasoning parser name.
     """
 
     served_model_names: list[str]
@@ -105,6 +108,7 @@ class ServerConfig:
     max_waiting_requests: int | None = None
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
     chat_template: str | None = None
     trust_request_chat_template: bool = False
     cors: dict[str, Any] | None = None
@@ -121,6 +125,11 @@ class ServerConfig:
             raise ValueError(
                 f"--tool-call-parser: unknown parser {self.tool_call_parser!r} "
                 f"(choose from: {', '.join(TOOL_PARSERS)})"
+            )
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(
+                f"--reasoning-parser: unknown parser {self.reasoning_parser!r} "
+                f"(choose from: {', '.join(REASONING_PARSERS)})"
             )
 
 
@@ -356,6 +365,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         **shared,
         response_role=config.response_role,
         auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
+        reasoning_parser=config.reasoning_parser,
         trust_request_chat_template=config.trust_request_chat_template,
     )
     state.models = models

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
 from kvpilot.engine.server.protocol import MAX_LOGPROBS
+from kvpilot.engine.server.reasoning_parsers import REASONING_PARSERS
 
 if TYPE_CHECKING:
     from kvpilot.engine.server.app import ServerConfig
@@ -177,7 +178,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="how the model writes tool calls: 'hermes' (<tool_call>{...}</tool_call>, Hermes "
         "and Qwen models), 'llama3_json' (Llama 3.1-3.3's JSON calls, after <|python_tag|> "
-        "or alone) or 'mistral' ([TOOL_CALLS] followed by a JSON array or name[ARGS]{...})",
+        "or alone), 'mistral' ([TOOL_CALLS] followed by a JSON array or name[ARGS]{...}) or "
+        "'pythonic' ([get_weather(city='Paris')], Llama 3.2 and 4)",
+    )
+    reasoning = parser.add_argument_group("reasoning")
+    reasoning.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=list(REASONING_PARSERS),
+        help="split chat replies into reasoning (message.reasoning, delta.reasoning) and "
+        "content: 'deepseek_r1' or 'qwen3' (<think>...</think>, the reply starting inside the "
+        "block); tool calls are read from the content",
     )
     EngineArgs.add_cli_args(parser)
 
@@ -229,6 +240,7 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
         max_waiting_requests=args.max_waiting_requests,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
         chat_template=chat_template,
         trust_request_chat_template=args.trust_request_chat_template,
         cors={

@@ -496,6 +496,8 @@ class ChatCompletionRequest(_SamplingFields):
     # None with tools means "auto", as OpenAI and vLLM default (set by _check_tools).
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
+    # vLLM's: with a --reasoning-parser, false leaves the reasoning out of the response.
+    include_reasoning: bool = True
 
     @model_validator(mode="before")
     @classmethod
@@ -669,8 +671,12 @@ class ChatChoiceLogprobs(OpenAIModel):
 
 
 class ChatResponseMessage(OpenAIModel):
+    """A chat reply; ``reasoning`` is vLLM's field for the text a ``--reasoning-parser`` found
+    before the answer (``reasoning_parsers``)."""
+
     role: str = "assistant"
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCall] | None = None
 
 
@@ -696,8 +702,12 @@ class ChatCompletionResponse(OpenAIModel):
 
 
 class DeltaMessage(OpenAIModel):
+    """A streamed piece of a chat reply: ``content``, vLLM's ``reasoning`` and/or
+    ``tool_calls`` pieces (the first chunk of a choice carries its ``role``)."""
+
     role: str | None = None
     content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
 

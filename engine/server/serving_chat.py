@@ -1,14 +1,16 @@
 """``POST /v1/chat/completions``: messages through the model's chat template, streamed or not,
-with tool calling (``tool_parsers``)."""
+with reasoning (``reasoning_parsers``) and tool calling (``tool_parsers``)."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engine.async_llm import EngineError
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import CompletionOutput
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.protocol import (
     ChatChoiceLogprobs,
@@ -20,8 +22,10 @@ from kvpilot.engine.server.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     DeltaMessage,
+    ToolCall,
     TopLogprob,
 )
+from kvpilot.engine.server.reasoning_parsers import ReasoningParser, get_reasoning_parser
 from kvpilot.engine.server.serving_engine import (
     OpenAIServing,
     RequestStream,
@@ -50,6 +54,8 @@ class OpenAIServingChat(OpenAIServing):
         auto_tool_parser: the ``TOOL_PARSERS`` name that reads ``tool_choice`` ``"auto"``
             outputs (``--tool-call-parser`` with ``--enable-auto-tool-choice``); None refuses
             ``"auto"``.
+        reasoning_parser: the ``REASONING_PARSERS`` name that splits every output into
+            reasoning and content (``--reasoning-parser``); None: all content.
         trust_request_chat_template: render with a request's ``chat_template`` (vLLM's
             ``--trust-request-chat-template``); False refuses such requests.
     """
@@ -58,6 +64,7 @@ class OpenAIServingChat(OpenAIServing):
         self,
         *args: Any,
         auto_tool_parser: str | None = None,
+        reasoning_parser: str | None = None,
         trust_request_chat_template: bool = False,
         response_role: str = ASSISTANT,
         **kwargs: Any,
@@ -65,6 +72,7 @@ class OpenAIServingChat(OpenAIServing):
         super().__init__(*args, **kwargs)
         self.response_role = response_role
         self.auto_tool_parser = auto_tool_parser
+        self.reasoning_parser = reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
 
     async def create_chat_completion(
@@ -100,6 +108,14 @@ class OpenAIServingChat(OpenAIServing):
                 make_tool_parser().adjust_request(params)
             except ValueError as exc:
                 raise bad_request(exc) from None
+        parsers = OutputParsers(
+            get_reasoning_parser(
+                self.reasoning_parser, template_args["chat_template_kwargs"], params
+            ),
+            make_tool_parser,
+            request.include_reasoning,
+        )
+        parsers.adjust_request(params)
         await self.compile_grammar(request, params)
         request_id = new_request_id("chatcmpl")
         stream = await self.add(
@@ -115,13 +131,13 @@ class OpenAIServingChat(OpenAIServing):
                 stream,
                 echo,
                 lora_request,
-                make_tool_parser,
+                parsers,
             )
         try:
             final = await self.final_output(stream)
         finally:
             stream.close()
-        choices = [self._choice(request, seq, echo, make_tool_parser) for seq in final.outputs]
+        choices = [self._choice(request, seq, echo, parsers) for seq in final.outputs]
         return ChatCompletionResponse(
             id=shown_id,
             model=self.response_model(lora_request),
@@ -138,24 +154,24 @@ class OpenAIServingChat(OpenAIServing):
         request: ChatCompletionRequest,
         seq: CompletionOutput,
         echo: str,
-        make_tool_parser: Callable[[], ToolParser] | None,
+        parsers: OutputParsers,
     ) -> ChatCompletionChoice:
-        content, tool_calls, finish_reason = echo + seq.text, None, seq.finish_reason
-        if make_tool_parser is not None:
-            parser = make_tool_parser()
-            extracted = parser.extract_tool_calls(seq.text)
-            content = echo + extracted.content if extracted.content is not None else echo or None
-            tool_calls = extracted.tool_calls or None
-            finish_reason = parser.finish_reason(seq.finish_reason)
+        reasoning, content, tool_calls, finish_reason = parsers.choice().whole(
+            seq.text, seq.finish_reason
+        )
+        hidden = parsers.hides_tokens
         return ChatCompletionChoice(
             index=seq.index,
             message=ChatResponseMessage(
-                role=self.response_role, content=content, tool_calls=tool_calls
+                role=self.response_role,
+                content=echo + content if content is not None else echo or None,
+                reasoning=reasoning,
+                tool_calls=tool_calls,
             ),
-            logprobs=self._logprobs(seq, 0, request),
+            logprobs=None if hidden else self._logprobs(seq, 0, request),
             finish_reason=finish_reason,
             stop_reason=seq.stop_reason,
-            **self.token_ids(request, None, seq.token_ids),
+            **({} if hidden else self.token_ids(request, None, seq.token_ids)),
         )
 
     def _check_template_trusted(self, request: ChatCompletionRequest) -> None:
@@ -235,7 +251,7 @@ class OpenAIServingChat(OpenAIServing):
         stream: RequestStream,
         echo: str,
         lora_request: LoRARequest | None,
-        make_tool_parser: Callable[[], ToolParser] | None,
+        parsers: OutputParsers,
     ) -> AsyncIterator[str]:
         model = self.response_model(lora_request)
         num_prompt_tokens = len(prompt_token_ids)
@@ -264,7 +280,7 @@ class OpenAIServingChat(OpenAIServing):
         sent_text = [0] * n
         sent_tokens = [0] * n
         finished = [False] * n
-        parsers = [make_tool_parser() for _ in range(n)] if make_tool_parser else None
+        choice_parsers = [parsers.choice() for _ in range(n)]
         try:
             async for output in stream:
                 for seq in output.outputs:
@@ -275,18 +291,18 @@ class OpenAIServingChat(OpenAIServing):
                     text = seq.text[sent_text[index] :]
                     sent_text[index] = len(seq.text)
                     finished[index] = seq.finish_reason is not None
-                    finish_reason = seq.finish_reason
-                    if parsers is None:
-                        delta = DeltaMessage(content=text) if text else None
-                    else:
-                        parser = parsers[index]
-                        delta = parser.extract_tool_calls_streaming(text, finished[index])
-                        finish_reason = parser.finish_reason(finish_reason)
-                    logprobs = self._logprobs(seq, sent_tokens[index], request)
+                    parser = choice_parsers[index]
+                    delta = parser.delta(text, finished[index])
+                    finish_reason = parser.finish_reason(seq.finish_reason)
+                    logprobs = None
+                    if not parsers.hides_tokens:
+                        logprobs = self._logprobs(seq, sent_tokens[index], request)
                     has_logprobs = logprobs is not None and bool(logprobs.content)
                     if delta is None and not has_logprobs and not finished[index]:
                         continue
-                    ids = self.token_ids(request, None, seq.token_ids[sent_tokens[index] :])
+                    ids = {}
+                    if not parsers.hides_tokens:
+                        ids = self.token_ids(request, None, seq.token_ids[sent_tokens[index] :])
                     sent_tokens[index] = len(seq.token_ids)
                     choice = ChatCompletionStreamChoice(
                         index=index,
@@ -333,3 +349,89 @@ def chat_template_arguments(request: ChatCompletionRequest) -> dict[str, Any]:
         )
     except ValueError as exc:
         raise bad_request(exc, "chat_template_kwargs") from None
+
+
+@dataclass
+class OutputParsers:
+    """How a request's outputs are read, as vLLM chains its parsers: the reasoning parser splits
+    off the reasoning, then the tool parser reads the calls in the content that remains.
+
+    Attributes:
+        make_reasoning_parser: makes a choice's reasoning parser; None: no reasoning.
+        make_tool_parser: makes a choice's tool parser; None: no tool calls.
+        include_reasoning: the request's ``include_reasoning``.
+    """
+
+    make_reasoning_parser: Callable[[], ReasoningParser] | None
+    make_tool_parser: Callable[[], ToolParser] | None
+    include_reasoning: bool
+
+    @property
+    def hides_tokens(self) -> bool:
+        """Whether logprobs and token ids stay out of the response: they would show the
+        reasoning the request left out (vLLM's rule)."""
+        return self.make_reasoning_parser is not None and not self.include_reasoning
+
+    def adjust_request(self, params: SamplingParams) -> None:
+        """The reasoning parser's changes to the request's sampling (the tool parser's are
+        made before, where its errors become 400s)."""
+        if self.make_reasoning_parser is not None:
+            self.make_reasoning_parser().adjust_request(params)
+
+    def choice(self) -> ChoiceParser:
+        """Fresh parsers for one choice."""
+        return ChoiceParser(
+            self.make_reasoning_parser() if self.make_reasoning_parser else None,
+            self.make_tool_parser() if self.make_tool_parser else None,
+            self.include_reasoning,
+        )
+
+
+class ChoiceParser:
+    """One choice's reasoning and tool parsers, fed its output whole or in deltas."""
+
+    def __init__(
+        self,
+        reasoning_parser: ReasoningParser | None,
+        tool_parser: ToolParser | None,
+        include_reasoning: bool,
+    ) -> None:
+        self.reasoning_parser = reasoning_parser
+        self.tool_parser = tool_parser
+        self.include_reasoning = include_reasoning
+
+    def delta(self, text: str, finished: bool) -> DeltaMessage | None:
+        """The delta to send for newly generated text (None: nothing yet)."""
+        reasoning = None
+        if self.reasoning_parser is not None:
+            split = self.reasoning_parser.extract_reasoning_streaming(text, finished)
+            text = (split.content or "") if split else ""
+            reasoning = split.reasoning if split and self.include_reasoning else None
+        if self.tool_parser is not None:
+            delta = self.tool_parser.extract_tool_calls_streaming(text, finished)
+        else:
+            delta = DeltaMessage(content=text) if text else None
+        if reasoning:
+            delta = (delta or DeltaMessage()).model_copy(update={"reasoning": reasoning})
+        return delta
+
+    def whole(
+        self, text: str, finish_reason: str | None
+    ) -> tuple[str | None, str | None, list[ToolCall] | None, str | None]:
+        """``(reasoning, content, tool_calls, finish_reason)`` of a whole output; the content
+        is None when the output is all reasoning, or all calls."""
+        reasoning, content = None, text
+        if self.reasoning_parser is not None:
+            reasoning, content = self.reasoning_parser.extract_reasoning(text)
+            reasoning = reasoning if self.include_reasoning else None
+        tool_calls = None
+        if self.tool_parser is not None and content is not None:
+            extracted = self.tool_parser.extract_tool_calls(content)
+            content, tool_calls = extracted.content, extracted.tool_calls or None
+        return reasoning, content, tool_calls, self.finish_reason(finish_reason)
+
+    def finish_reason(self, finish_reason: str | None) -> str | None:
+        """``tool_calls`` for an output that ended normally after making calls."""
+        if self.tool_parser is None:
+            return finish_reason
+        return self.tool_parser.finish_reason(finish_reason)

@@ -1,5 +1,6 @@
 """Tool parsers on fixed strings: the ``hermes`` parser (one call, several, text around them,
-malformed JSON, blocks left open, streaming split at awkward points), the parsers of
+malformed JSON, blocks left open, streaming split at awkward points), ``llama3_json``,
+``mistral`` and ``pythonic`` (Python call lists, read as vLLM reads them), the parsers of
 constrained outputs (named and ``required`` tool_choice) with their JSON Schemas, and which
 parser a request gets."""
 
@@ -19,6 +20,7 @@ from kvpilot.engine.server.tool_parsers import (
     Llama3JsonToolParser,
     MistralToolParser,
     NamedToolParser,
+    PythonicToolParser,
     RequiredToolParser,
     ToolParser,
     get_tool_parser,
@@ -321,6 +323,86 @@ def test_mistral_without_parallel_calls_keeps_the_first():
     assert calls(MistralToolParser(parallel_tool_calls=False).extract_tool_calls(text)) == [PARIS]
 
 
+PY_WEATHER = 'get_weather(city="Paris", unit="celsius")'
+PY_PARIS = ("get_weather", {"city": "Paris", "unit": "celsius"})
+PY_LITERALS = (
+    "[f(a=None, b=True, c=false, d=null, e=-1.5, f=+2, g=(1, 'x'), h={3}, "
+    "i={'k': [1, {'n': 'é'}]}, j=f'plain', k=\"\"\"two\nlines\"\"\")]"
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected", "content"),
+    [
+        (f"[{PY_WEATHER}]", [PY_PARIS], None),
+        (f"[{PY_WEATHER}, get_time(timezone='CET')]", [PY_PARIS, CET], None),
+        ("[get_time()]", [("get_time", {})], None),
+        (f"\n [{PY_WEATHER}]\n", [PY_PARIS], None),
+        # vLLM's literals: JSON names, signs, tuples and sets as arrays, dicts, plain f-strings.
+        (
+            PY_LITERALS,
+            [("f", {"a": None, "b": True, "c": False, "d": None, "e": -1.5, "f": 2,
+                    "g": [1, "x"], "h": [3], "i": {"k": [1, {"n": "é"}]}, "j": "plain",
+                    "k": "two\nlines"})],
+            None,
+        ),
+        ("[tools.search.run(q='kv cache')]", [("tools.search.run", {"q": "kv cache"})], None),
+        ("It is sunny in Paris.", [], "It is sunny in Paris."),
+        # Not a list of calls with literal keyword arguments: content, as it came.
+        ("[1, 2, 3]", [], "[1, 2, 3]"),
+        ("[]", [], "[]"),
+        ("[the docs](https://example.com)", [], "[the docs](https://example.com)"),
+        ('[get_weather("Paris")]', [], '[get_weather("Paris")]'),
+        ("[get_weather(city=paris)]", [], "[get_weather(city=paris)]"),
+        ("[f(x=__import__('os').getcwd())]", [], "[f(x=__import__('os').getcwd())]"),
+        ("[f(x=f'{y}')]", [], "[f(x=f'{y}')]"),
+        ("[f(**kw)]", [], "[f(**kw)]"),
+        ("[f(x=1e999)]", [], "[f(x=1e999)]"),
+        ("[f(x=b'raw')]", [], "[f(x=b'raw')]"),
+        (f"[{PY_WEATHER}] is what I would call.", [], f"[{PY_WEATHER}] is what I would call."),
+        (f"[{PY_WEATHER}, 42]", [], f"[{PY_WEATHER}, 42]"),
+        (f"[{PY_WEATHER}", [], f"[{PY_WEATHER}"),  # cut short
+    ],
+)  # fmt: skip
+def test_pythonic_reads_python_call_lists(text, expected, content, default_tokenizer):
+    extracted = PythonicToolParser().extract_tool_calls(text)
+    assert calls(extracted) == expected
+    assert extracted.content == content
+    assert extracted.tools_called == bool(expected)
+    assert_streams_like_the_whole(text, default_tokenizer, PythonicToolParser)
+
+
+def test_pythonic_streams_plain_answers_at_once_and_sends_calls_whole():
+    parser = PythonicToolParser()
+    assert parser.extract_tool_calls_streaming("Sunny", finished=False).content == "Sunny"
+    # "[" and a name may still start a call list; "[the docs" no longer can.
+    parser = PythonicToolParser()
+    assert parser.extract_tool_calls_streaming("[the", finished=False) is None
+    assert parser.extract_tool_calls_streaming(" docs", finished=False).content == "[the docs"
+    # A call list is held back, then sent whole, each call with its id, name and arguments.
+    parser = PythonicToolParser()
+    pieces = ["[get_", "weather(city=", '"Paris", unit="celsius"), get_time(', "timezone='CET')]"]
+    assert [parser.extract_tool_calls_streaming(p, finished=False) for p in pieces] == [None] * 4
+    delta = parser.extract_tool_calls_streaming("", finished=True)
+    assert delta.content is None
+    assert [(c.index, c.type, c.function.name) for c in delta.tool_calls] == [
+        (0, "function", "get_weather"),
+        (1, "function", "get_time"),
+    ]
+    assert all(c.id.startswith("chatcmpl-tool-") for c in delta.tool_calls)
+    assert parser.finish_reason("stop") == "tool_calls"
+    params = SamplingParams()
+    parser.adjust_request(params)
+    assert params.skip_special_tokens is True  # no special tokens mark the calls
+
+
+def test_pythonic_without_parallel_calls_keeps_the_first():
+    text = f"[{PY_WEATHER}, get_time(timezone='CET')]"
+    assert calls(PythonicToolParser(parallel_tool_calls=False).extract_tool_calls(text)) == [
+        PY_PARIS
+    ]
+
+
 def test_named_parser_streams_the_arguments_of_the_named_function():
     parser = NamedToolParser(request(tools=[WEATHER]).tools[0].function)
     deltas = stream(parser, ['{"ci', 'ty": "Pa', 'ris"}', ""])
@@ -409,6 +491,7 @@ def test_tool_choice_picks_the_parser():
     assert auto.tool_choice == "auto"  # the default when tools are given
     parser = get_tool_parser(auto, "hermes")()
     assert isinstance(parser, Hermes2ProToolParser) and parser.parallel_tool_calls is False
+    assert isinstance(get_tool_parser(auto, "pythonic")(), PythonicToolParser)
     with pytest.raises(ValueError) as refused:
         get_tool_parser(auto, None)
     assert str(refused.value) == AUTO_TOOL_CHOICE_DISABLED

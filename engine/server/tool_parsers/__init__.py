@@ -25,6 +25,7 @@ from kvpilot.engine.server.tool_parsers.constrained_tool_parsers import (
 from kvpilot.engine.server.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
 from kvpilot.engine.server.tool_parsers.llama3_json_tool_parser import Llama3JsonToolParser
 from kvpilot.engine.server.tool_parsers.mistral_tool_parser import MistralToolParser
+from kvpilot.engine.server.tool_parsers.pythonic_tool_parser import PythonicToolParser
 
 __all__ = [
     "AUTO_TOOL_CHOICE_DISABLED",
@@ -34,6 +35,7 @@ __all__ = [
     "Llama3JsonToolParser",
     "MistralToolParser",
     "NamedToolParser",
+    "PythonicToolParser",
     "RequiredToolParser",
     "ToolParser",
     "get_tool_parser",
@@ -45,6 +47,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": Hermes2ProToolParser,
     "llama3_json": Llama3JsonToolParser,
     "mistral": MistralToolParser,
+    "pythonic": PythonicToolParser,
 }
 
 # vLLM's wording, which clients match on to fall back to prompting for tool use.

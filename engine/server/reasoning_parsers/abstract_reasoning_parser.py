@@ -1,0 +1,59 @@
+"""The reasoning parser interface (vLLM's ``ReasoningParser``): a choice's generated text split
+into the model's reasoning (``message.reasoning`` / ``delta.reasoning``) and its answer
+(``content``), streamed or whole."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.server.protocol import DeltaMessage
+
+
+class ReasoningParser:
+    """Splits one choice's output into reasoning and content.
+
+    One instance per choice: ``extract_reasoning_streaming`` keeps state between deltas, and
+    ``extract_reasoning`` feeds it the whole output at once, so a streamed and a whole response
+    always agree: the reasoning pieces of any split of the output, joined, are the whole
+    output's reasoning, and so are the content pieces its content.
+
+    Args:
+        chat_template_kwargs: the request's template variables after merging
+            (``chat_template_kwargs`` over its own fields), which some parsers read, as vLLM's do
+            (Qwen3's ``enable_thinking``).
+        constrained: the output is constrained by structured outputs from its first token.
+            vLLM starts the grammar once the reasoning has ended, kvpilot from the first token,
+            so such an output is the answer: it holds reasoning only if it opens a reasoning
+            block itself.
+    """
+
+    def __init__(
+        self, chat_template_kwargs: Mapping[str, Any] | None = None, constrained: bool = False
+    ) -> None:
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.constrained = constrained
+
+    def adjust_request(self, params: SamplingParams) -> None:
+        """Change the request's sampling before it is submitted (default: nothing)."""
+
+    def extract_reasoning_streaming(self, delta_text: str, finished: bool) -> DeltaMessage | None:
+        """The delta to send for newly generated text.
+
+        Args:
+            delta_text: text generated since the last call.
+            finished: the output is complete: flush whatever is held back.
+
+        Returns:
+            ``reasoning`` and/or ``content`` (never an empty string), or None when nothing is
+            ready yet.
+        """
+        raise NotImplementedError
+
+    def extract_reasoning(self, model_output: str) -> tuple[str | None, str | None]:
+        """``(reasoning, content)`` of a whole output; either is None when empty."""
+        delta = self.extract_reasoning_streaming(model_output, finished=True)
+        if delta is None:
+            return None, None
+        return delta.reasoning, delta.content

@@ -1,0 +1,108 @@
+"""Reasoning in a ``<think>`` ... ``</think>`` block (vLLM's ``BaseThinkingReasoningParser``
+family), read from the text, so the tags may be single tokens or arrive in pieces:
+
+    <think>The user wants the weather; I should call the tool.</think>It is sunny in Paris.
+
+The output starts inside the block: chat templates of thinking models (DeepSeek-R1, Qwen3)
+often open ``<think>`` in the prompt, so the model writes only the rest of it. Everything up to
+the first ``</think>`` is reasoning (a ``<think>`` tag there, written by the model itself, is
+dropped); everything after it is content, as it came. An output without ``</think>`` is all
+reasoning, with no content (the model was cut short, or never closed its thoughts). A
+constrained output (``ReasoningParser``'s ``constrained``) is content unless it starts with
+``<think>``.
+
+Streaming sends each piece as soon as it is known to be reasoning or content, and holds back
+only text that could be the start of a tag (``partial_tag_length``), so no tag, whole or in
+pieces, ever reaches the client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any
+
+from kvpilot.engine.server.protocol import DeltaMessage
+from kvpilot.engine.server.reasoning_parsers.abstract_reasoning_parser import ReasoningParser
+from kvpilot.engine.server.tool_parsers.abstract_tool_parser import partial_tag_length
+
+
+class _Part(Enum):
+    OPENING = "opening"  # a constrained output's start: is it <think>?
+    REASONING = "reasoning"
+    CONTENT = "content"
+
+
+class BaseThinkingReasoningParser(ReasoningParser):
+    """Splits an output at the end of its ``start_tag`` ... ``end_tag`` block (the rules of
+    the module's docstring; vLLM's ``BaseThinkingReasoningParser`` with DeepSeek-R1's start
+    inside the block). Works on text: a tag may span several tokens or deltas.
+
+    Subclasses set the tags, ``implicit_end_tags`` and ``thinking_enabled``.
+
+    Args:
+        chat_template_kwargs: the request's merged template variables.
+        constrained: see ``ReasoningParser``.
+    """
+
+    start_tag = "<think>"
+    end_tag = "</think>"
+    implicit_end_tags: tuple[str, ...] = ()
+    """Tags that end the reasoning without ``end_tag`` and begin the content, which keeps them
+    (Qwen3's ``<tool_call>``)."""
+
+    def __init__(
+        self, chat_template_kwargs: Mapping[str, Any] | None = None, constrained: bool = False
+    ) -> None:
+        super().__init__(chat_template_kwargs, constrained)
+        if not self.thinking_enabled():
+            self._part = _Part.CONTENT
+        else:
+            self._part = _Part.OPENING if constrained else _Part.REASONING
+        self._buffer = ""
+
+    def thinking_enabled(self) -> bool:
+        """Whether the request lets the model think (default: always); when not, the whole
+        output is content, tags included."""
+        return True
+
+    def extract_reasoning_streaming(self, delta_text: str, finished: bool) -> DeltaMessage | None:
+        """Reasoning up to the end of the block, then content; a possible partial tag waits."""
+        self._buffer += delta_text
+        if self._part is _Part.OPENING:
+            if self._buffer.startswith(self.start_tag):
+                self._buffer = self._buffer[len(self.start_tag) :]
+                self._part = _Part.REASONING
+            elif finished or not self.start_tag.startswith(self._buffer):
+                self._part = _Part.CONTENT
+            else:
+                return None
+        reasoning = self._take_reasoning(finished) if self._part is _Part.REASONING else ""
+        content = ""
+        if self._part is _Part.CONTENT:
+            content, self._buffer = self._buffer, ""
+        if not reasoning and not content:
+            return None
+        return DeltaMessage(reasoning=reasoning or None, content=content or None)
+
+    def _take_reasoning(self, finished: bool) -> str:
+        """The reasoning in the buffer, taken out of it, up to the tag that ends the block
+        (then the part is content); start tags inside are dropped."""
+        tags = (self.start_tag, self.end_tag, *self.implicit_end_tags)
+        reasoning: list[str] = []
+        while self._part is _Part.REASONING:
+            found = [(at, tag) for tag in tags if (at := self._buffer.find(tag)) >= 0]
+            if not found:
+                keep = 0 if finished else max(partial_tag_length(self._buffer, t) for t in tags)
+                reasoning.append(self._buffer[: len(self._buffer) - keep])
+                self._buffer = self._buffer[len(self._buffer) - keep :]
+                break
+            at, tag = min(found)
+            reasoning.append(self._buffer[:at])
+            if tag in self.implicit_end_tags:
+                self._buffer = self._buffer[at:]
+            else:
+                self._buffer = self._buffer[at + len(tag) :]
+            if tag != self.start_tag:
+                self._part = _Part.CONTENT
+        return "".join(reasoning)
