@@ -6,6 +6,7 @@ This module imports no torch: the CLI builds its parser from it without loading 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -44,6 +45,12 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 ATTENTION_BACKENDS = ("torch", "triton")
 DEVICES = ("auto", "cpu", "cuda")
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
+# vLLM's --tokenizer-mode values kvpilot serves: both read the tokenizer with transformers
+# (vLLM's "auto" picks mistral_common for Mistral models, which kvpilot does not use).
+TOKENIZER_MODES = ("auto", "hf")
+# vLLM's --load-format values kvpilot serves: auto and safetensors read the checkpoint's
+# safetensors; dummy fills the weights with random values (no weights read or downloaded).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 _SIZE_UNITS = {
     "": 1,
@@ -199,9 +206,12 @@ class EngineArgs:
     ``None`` means "choose a default": ``max_model_len`` from the model config
     (``max_position_embeddings``), ``block_size`` / ``max_num_seqs`` / ``max_num_batched_tokens``
     per device,
-    ``kv_cache_memory`` (bytes, CPU only) from ``max_num_seqs * max_model_len`` tokens capped at
-    ``CPU_DEFAULT_KV_CACHE_MEMORY``. On GPU the KV cache takes ``gpu_memory_utilization`` of the
-    device memory minus what a profiling forward pass used.
+    ``kv_cache_memory`` (bytes) from ``max_num_seqs * max_model_len`` tokens capped at
+    ``CPU_DEFAULT_KV_CACHE_MEMORY`` on the CPU; on GPU the KV cache takes ``gpu_memory_utilization``
+    of the device memory minus what a profiling forward pass used, unless ``kv_cache_memory`` is
+    set (vLLM's ``kv_cache_memory_bytes``, which is accepted as another name for it).
+    ``hf_overrides`` (a dict, or its JSON text) replaces entries of the model's config.json
+    before anything reads it (a nested config such as ``text_config`` is updated key by key).
 
     Raises:
         ValueError: from ``validate()`` (called by ``__post_init__``), naming the argument.
@@ -220,6 +230,7 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     kv_cache_memory: int | None = None
+    kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
@@ -239,6 +250,9 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     quantization: str | None = None
     download_dir: str | None = None
+    tokenizer_mode: str = "auto"
+    load_format: str = "auto"
+    hf_overrides: dict[str, Any] | str | None = None
     # Accepted as vLLM takes them; nothing to change here: kvpilot serves the architectures it
     # implements (a model repository's own code never runs) and always runs eagerly.
     trust_remote_code: bool = False
@@ -277,6 +291,33 @@ class EngineArgs:
                 "needs an fp8 KV cache: set kv_cache_dtype to fp8 (it is 'auto')",
                 show_value=False,
             )
+        if self.kv_cache_memory_bytes is not None:
+            positive_int("kv_cache_memory_bytes")
+            if self.kv_cache_memory not in (None, self.kv_cache_memory_bytes):
+                bad(
+                    "kv_cache_memory_bytes",
+                    f"is another name for kv_cache_memory, set to {self.kv_cache_memory}",
+                )
+            self.kv_cache_memory = self.kv_cache_memory_bytes
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            bad(
+                "tokenizer_mode",
+                f"must be one of {', '.join(TOKENIZER_MODES)} (kvpilot reads every tokenizer "
+                "with transformers)",
+            )
+        if self.load_format not in LOAD_FORMATS:
+            bad(
+                "load_format",
+                f"must be one of {', '.join(LOAD_FORMATS)} (kvpilot reads safetensors; a .gguf "
+                "model is converted to them)",
+            )
+        if isinstance(self.hf_overrides, str):
+            try:
+                self.hf_overrides = json.loads(self.hf_overrides)
+            except json.JSONDecodeError as exc:
+                bad("hf_overrides", f"is not JSON ({exc})")
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            bad("hf_overrides", "must be a JSON object of config.json entries")
         if self.device not in DEVICES:
             bad("device", f"must be one of {', '.join(DEVICES)}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -407,6 +448,27 @@ class EngineArgs:
             help="folder the Hugging Face Hub downloads go to (default: the Hub's cache)",
         )
         group.add_argument(
+            "--tokenizer-mode",
+            default="auto",
+            choices=TOKENIZER_MODES,
+            help="vLLM's tokenizer modes that kvpilot serves: both read the tokenizer with "
+            "transformers (its fast tokenizer when there is one)",
+        )
+        group.add_argument(
+            "--load-format",
+            default="auto",
+            choices=LOAD_FORMATS,
+            help="auto or safetensors: the checkpoint's safetensors; dummy: random weights, "
+            "none read or downloaded (for profiling and sizing, as vLLM's dummy)",
+        )
+        group.add_argument(
+            "--hf-overrides",
+            default=None,
+            metavar="JSON",
+            help='entries of the model\'s config.json to replace, as JSON, e.g. '
+            '\'{"max_position_embeddings": 4096}\'',
+        )
+        group.add_argument(
             "--trust-remote-code",
             action=argparse.BooleanOptionalAction,
             default=False,
@@ -454,9 +516,12 @@ class EngineArgs:
         )
         group.add_argument(
             "--kv-cache-memory",
+            "--kv-cache-memory-bytes",
             type=_memory_size,
             default=None,
-            help="KV cache size in bytes on CPU, e.g. 2GiB (default: enough for max-num-seqs full-length sequences, at most 2 GiB)",
+            help="KV cache size in bytes, e.g. 2GiB (vLLM's --kv-cache-memory-bytes; default: "
+            "on CPU enough for max-num-seqs full-length sequences, at most 2 GiB; on GPU "
+            "what --gpu-memory-utilization leaves, which this replaces when set)",
         )
         group.add_argument(
             "--gpu-memory-utilization",

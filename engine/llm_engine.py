@@ -81,10 +81,12 @@ class LLMEngine:
         self._stats_snapshots = itertools.count(1)  # EngineStats.snapshot
         # What the arguments decide without loading weights is checked first, before the
         # progress bar starts: a bad argument is one line of error, with no bar before it.
-        self.model_dir = resolve_model(args.model, args.revision, args.download_dir)
-        # config.json is read once: the shape for sizing, the transformers config for the
-        # dtype and the model classes (handed to the workers).
-        config_dict, self.model_config = read_model_config(self.model_dir)
+        self.model_dir = resolve_model(
+            args.model, args.revision, args.download_dir, weights=args.load_format != "dummy"
+        )
+        # config.json is read once (with --hf-overrides): the shape for sizing, the
+        # transformers config for the dtype and the model classes (handed to the workers).
+        config_dict, self.model_config = read_model_config(self.model_dir, args.hf_overrides)
         self.model_shape = ModelShape.from_hf_config(config_dict)
         # The planner's divisor rule, checked before anything is loaded.
         check_tensor_parallel_size(self.model_shape, args.tensor_parallel_size)
@@ -146,6 +148,7 @@ class LLMEngine:
                     model_config=self.model_config,
                     model_shape=self.model_shape,
                     quantization=args.quantization,
+                    load_format=args.load_format,
                     kv_cache_dtype=self.kv_cache_dtype,
                     calculate_kv_scales=args.calculate_kv_scales,
                 ),
@@ -286,16 +289,16 @@ class LLMEngine:
             self.draft_dir, itemsize
         )
         block_bytes = bytes_per_token * self.block_size
-        if self.device.type == "cuda":
+        if args.kv_cache_memory is not None:
+            budget = args.kv_cache_memory
+            source = f"kv_cache_memory {budget} bytes"
+        elif self.device.type == "cuda":
             peak = self.executor.profile_peak_memory(
                 sched.max_num_batched_tokens, sched.max_model_len
             )
             total = torch.cuda.mem_get_info(self.device)[1]
             budget = int(total * args.gpu_memory_utilization) - peak
             source = f"gpu_memory_utilization {args.gpu_memory_utilization} of {total} bytes minus a {peak}-byte profiled peak"
-        elif args.kv_cache_memory is not None:
-            budget = args.kv_cache_memory
-            source = f"kv_cache_memory {budget} bytes"
         else:
             budget = min(
                 CPU_DEFAULT_KV_CACHE_MEMORY,

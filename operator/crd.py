@@ -91,6 +91,7 @@ MANAGED_FLAGS = (
     "--distributed-executor-backend",
     "--gpu-memory-utilization",
     "--kv-cache-memory",
+    "--kv-cache-memory-bytes",
     "--max-model-len",
     "--max-num-seqs",
     "--max-num-batched-tokens",

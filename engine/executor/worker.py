@@ -55,6 +55,7 @@ class WorkerConfig:
             reads ``config.json`` itself).
         model_shape: its shape, for the tensor-parallel checks (None: read from the folder).
         quantization: ``--quantization`` (None: the checkpoint's own ``quantization_config``).
+        load_format: ``--load-format`` (``dummy``: random weights, see ``load_model``).
         kv_cache_dtype: the paged cache's dtype (``resolve_kv_cache_dtype``); None for
             ``dtype``.
         calculate_kv_scales: set each layer's fp8 k/v scales from the first step after
@@ -77,6 +78,7 @@ class WorkerConfig:
     model_config: Any = None
     model_shape: Any = None
     quantization: str | None = None
+    load_format: str = "auto"
     kv_cache_dtype: torch.dtype | None = None
     calculate_kv_scales: bool = False
 
@@ -146,6 +148,7 @@ class Worker:
             max_model_len=config.max_model_len,
             config=config.model_config,
             quantization=config.quantization,
+            load_format=config.load_format,
         )
         self._weight_bytes = sum(p.nbytes for p in self.model.parameters())
         if prepack_linear_weights(self.model):  # only CPU weights are packed

@@ -37,7 +37,10 @@ def get_cache_dir() -> pathlib.Path:
 
 
 def resolve_model(
-    model: str | None, revision: str | None = None, download_dir: str | None = None
+    model: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    weights: bool = True,
 ) -> pathlib.Path:
     """Return a local folder holding config.json, ``*.safetensors`` and the tokenizer files.
 
@@ -51,6 +54,8 @@ def resolve_model(
         revision: Hub branch, tag or commit; only meaningful for Hub ids.
         download_dir: where a Hub id's files go (vLLM's ``--download-dir``; default: the
             Hub's cache).
+        weights: False (``--load-format dummy``): a folder or Hub id needs no weights, and
+            none are downloaded.
 
     Returns:
         The model folder.
@@ -66,25 +71,27 @@ def resolve_model(
     if path.is_file() and path.suffix == ".gguf":
         return _convert_into_cache(path)
     if path.is_dir():
-        return _check_folder(path)
+        return _check_folder(path, weights)
     if path.exists() or not _HUB_ID.match(model):
         raise FileNotFoundError(
             f"model {model!r} is neither a model folder nor a .gguf file, and not a Hub id"
         )
-    return _check_folder(_download(model, revision, download_dir))
+    return _check_folder(_download(model, revision, download_dir, weights), weights)
 
 
-def _check_folder(path: pathlib.Path) -> pathlib.Path:
+def _check_folder(path: pathlib.Path, weights: bool = True) -> pathlib.Path:
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"model folder {path} has no config.json")
-    if not any(path.glob("*.safetensors")):
+    if weights and not any(path.glob("*.safetensors")):
         raise ValueError(
             f"model folder {path} has no *.safetensors weights (only safetensors are loaded)"
         )
     return path
 
 
-def _download(repo_id: str, revision: str | None, download_dir: str | None) -> pathlib.Path:
+def _download(
+    repo_id: str, revision: str | None, download_dir: str | None, weights: bool = True
+) -> pathlib.Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
 
@@ -94,7 +101,9 @@ def _download(repo_id: str, revision: str | None, download_dir: str | None) -> p
                 repo_id,
                 revision=revision,
                 cache_dir=download_dir,
-                allow_patterns=_HUB_PATTERNS,
+                allow_patterns=[
+                    p for p in _HUB_PATTERNS if weights or not p.endswith(".safetensors")
+                ],
                 ignore_patterns=_HUB_IGNORED,
             )
         )

@@ -21,19 +21,39 @@ from kvpilot.engine.models import get_model_class
 logger = logging.getLogger(__name__)
 
 
-def read_model_config(model_dir: pathlib.Path) -> tuple[dict[str, Any], PretrainedConfig]:
+def read_model_config(
+    model_dir: pathlib.Path, hf_overrides: dict[str, Any] | None = None
+) -> tuple[dict[str, Any], PretrainedConfig]:
     """The folder's ``config.json``, read once: as the raw dict (what ``ModelShape`` reads) and
     as the transformers config of its ``model_type`` built from that same dict (what
     ``AutoConfig.from_pretrained`` builds).
+
+    ``hf_overrides`` (vLLM's ``--hf-overrides``) replaces entries of the file before either is
+    built; an entry naming a nested config (``text_config``) updates it key by key, as vLLM
+    applies them.
 
     Raises:
         OSError: the file cannot be read; ValueError: not JSON, or an unknown ``model_type``.
     """
     raw = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
+    raw = _override(raw, hf_overrides or {})
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{model_dir}/config.json: unknown model_type {model_type!r}")
     return raw, CONFIG_MAPPING[model_type].from_dict(raw)
+
+
+def _override(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with ``overrides`` applied: a nested config (a dict with its own
+    ``model_type``) is updated recursively, any other entry replaced whole."""
+    out = dict(config)
+    for key, value in overrides.items():
+        nested = out.get(key)
+        if isinstance(nested, dict) and "model_type" in nested and isinstance(value, dict):
+            out[key] = _override(nested, value)
+        else:
+            out[key] = value
+    return out
 
 
 def iterate_safetensors(
@@ -82,6 +102,7 @@ def load_model(
     max_model_len: int | None = None,
     config: PretrainedConfig | None = None,
     quantization: str | None = None,
+    load_format: str = "auto",
 ) -> torch.nn.Module:
     """Instantiate our implementation of the folder's architecture and load its weights.
 
@@ -108,13 +129,17 @@ def load_model(
             :func:`~kvpilot.engine.layers.quantization.get_quantization_config`). Quantized
             layers keep their packed weights; each layer's method converts them once every
             tensor is loaded (``process_weights_after_loading``).
+        load_format: ``auto`` or ``safetensors`` read the checkpoint; ``dummy`` fills every
+            parameter uniformly in [-1e-3, 1e-3] from a fixed seed instead (vLLM's dummy
+            format: for profiling; the folder needs no weights).
 
     Returns:
         The model in eval mode (see ``kvpilot.engine.models`` for its interface).
 
     Raises:
         ValueError: an unsupported architecture or quantization format (named in the message),
-            or weights that are missing from the checkpoint or do not fit the config.
+            weights that are missing from the checkpoint or do not fit the config, or
+            ``dummy`` weights for a quantized model.
     """
     model_dir = pathlib.Path(model_dir)
     if config is None:
@@ -129,6 +154,11 @@ def load_model(
         model = model_cls(
             config, attention_backend=attention_backend, max_model_len=max_model_len, **extra
         )
+    if load_format == "dummy":
+        if quant_config is not None:
+            raise ValueError("load_format dummy: quantized models need their checkpoint")
+        _fill_dummy(model)
+        return model.eval()
     loaded = model.load_weights(iterate_safetensors(model_dir, lazy=True))
     missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
     if missing:
@@ -138,3 +168,12 @@ def load_model(
         if method is not None:
             method.process_weights_after_loading(module)
     return model.eval()
+
+
+@torch.no_grad()
+def _fill_dummy(model: torch.nn.Module) -> None:
+    """Every parameter uniform in [-1e-3, 1e-3], the same on every run and every rank."""
+    generator = torch.Generator().manual_seed(0)
+    for param in model.parameters():
+        values = torch.rand(param.shape, generator=generator, dtype=torch.float32)
+        param.copy_(values.mul_(2e-3).sub_(1e-3))

@@ -58,9 +58,35 @@ def test_flags_map_to_engine_args():
     assert resolve_block_size(32, on_gpu=False) == 32
 
 
+def test_vllm_loading_flags_map_to_engine_args():
+    args = parse(
+        [
+            "--kv-cache-memory-bytes", "1GiB", "--tokenizer-mode", "hf",
+            "--load-format", "dummy", "--hf-overrides", '{"max_position_embeddings": 64}',
+        ]
+    )  # fmt: skip
+    assert args == EngineArgs(
+        kv_cache_memory=1024**3,
+        tokenizer_mode="hf",
+        load_format="dummy",
+        hf_overrides={"max_position_embeddings": 64},
+    )
+    # vLLM's Python name of the KV budget is another name for kv_cache_memory.
+    assert EngineArgs(kv_cache_memory_bytes=4096).kv_cache_memory == 4096
+    assert EngineArgs(kv_cache_memory=4096, kv_cache_memory_bytes=4096).kv_cache_memory == 4096
+    with pytest.raises(SystemExit):  # argparse names the choices
+        parse(["--tokenizer-mode", "mistral"])
+
+
 @pytest.mark.parametrize(
     ("kwargs", "name"),
     [
+        ({"tokenizer_mode": "mistral"}, "tokenizer_mode"),
+        ({"load_format": "pt"}, "load_format"),
+        ({"hf_overrides": "[1]"}, "hf_overrides"),
+        ({"hf_overrides": "{rope"}, "hf_overrides"),
+        ({"kv_cache_memory": 1, "kv_cache_memory_bytes": 2}, "kv_cache_memory_bytes"),
+        ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
         ({"block_size": 0}, "block_size"),
         ({"max_model_len": -1}, "max_model_len"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
@@ -133,8 +159,8 @@ def test_a_bad_memory_size_flag_says_what_a_size_is(capsys):
         main(["generate", "--prompt", "x", "--kv-cache-memory", "lots"])
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1] == (
-        "kvpilot generate: error: argument --kv-cache-memory: not a memory size: 'lots' "
-        "(examples: 1073741824, 1GiB, 512MB)"
+        "kvpilot generate: error: argument --kv-cache-memory/--kv-cache-memory-bytes: not a "
+        "memory size: 'lots' (examples: 1073741824, 1GiB, 512MB)"
     )
 
 

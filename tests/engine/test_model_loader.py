@@ -17,6 +17,7 @@ from kvpilot.engine.model_loader import (
     get_eos_token_ids,
     load_model,
     load_tokenizer,
+    read_model_config,
     resolve_dtype,
     resolve_model,
 )
@@ -257,3 +258,78 @@ def test_sharded_checkpoint_reads_only_indexed_shards(tiny_model_dir, tmp_path):
     whole = load_model(source, torch.float32, CPU)
     for (name, a), (_, b) in zip(sharded.named_parameters(), whole.named_parameters(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_hf_overrides_change_the_model_as_an_edited_config_would(tiny_model_dir, tmp_path):
+    """``--hf-overrides`` gives the prompt logprobs transformers gives for the folder with
+    those entries written into its config.json (and others than without them)."""
+    from kvpilot.engine import LLM, SamplingParams
+
+    folder = tiny_model_dir("llama")
+    overrides = {"rope_parameters": {"rope_theta": 37.0, "rope_type": "default"}}
+    edited = tmp_path / "edited"
+    shutil.copytree(folder, edited)
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, **overrides}))
+    prompt = list(range(5, 40))
+
+    def reference(model_dir: pathlib.Path) -> torch.Tensor:
+        model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt])).logits[0, :-1]
+        return logits.log_softmax(-1).gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+
+    llm = LLM(str(folder), max_model_len=128, hf_overrides=json.dumps(overrides))
+    assert llm.llm_engine.model_config.rope_parameters["rope_theta"] == 37.0
+    (out,) = llm.generate(
+        [{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0)
+    )
+    pairs = zip(out.prompt_logprobs[1:], prompt[1:], strict=True)
+    got = torch.tensor([entry[token].logprob for entry, token in pairs])
+    torch.testing.assert_close(got, reference(edited), atol=1e-4, rtol=0)
+    assert (got - reference(folder)).abs().max() > 1e-3
+    limited = LLM(str(folder), hf_overrides={"max_position_embeddings": 40})
+    assert limited.llm_engine.scheduler_config.max_model_len == 40
+
+
+def test_hf_overrides_update_a_nested_config_key_by_key(tiny_model_dir):
+    folder = tiny_model_dir("llama")
+    raw, _ = read_model_config(folder, {"max_position_embeddings": 96})
+    assert raw["max_position_embeddings"] == 96
+    from kvpilot.engine.model_loader.weights import _override
+
+    config = {"text_config": {"model_type": "llama", "a": 1, "b": 2}, "rope": {"x": 1, "y": 2}}
+    assert _override(config, {"text_config": {"a": 5}, "rope": {"x": 3}}) == {
+        "text_config": {"model_type": "llama", "a": 5, "b": 2},
+        "rope": {"x": 3},  # a plain dict entry is replaced whole, as vLLM sets it
+    }
+
+
+def test_dummy_weights_need_no_checkpoint(tiny_model_dir, tmp_path):
+    """``--load-format dummy``: a folder without weights serves, with small random
+    parameters (vLLM's dummy format), the same on every load."""
+    from kvpilot.engine import LLM
+
+    folder = tmp_path / "no-weights"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    for weights in folder.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(ValueError, match="no \\*.safetensors"):
+        resolve_model(str(folder))
+    assert resolve_model(str(folder), weights=False) == folder
+
+    params = list(load_model(folder, torch.float32, CPU, load_format="dummy").parameters())
+    assert all(p.abs().max() <= 1e-3 for p in params)
+    assert all(p.abs().max() > 9e-4 for p in params)  # every one filled, none left zero
+    runs = []
+    for _ in range(2):
+        llm = LLM(str(folder), max_model_len=64, load_format="dummy")
+        out = llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy_params(8))
+        runs.append(out[0].outputs[0].token_ids)
+    assert len(runs[0]) == 8 and runs[0] == runs[1]
+
+
+def greedy_params(max_tokens: int):
+    from kvpilot.engine import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
