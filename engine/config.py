@@ -465,8 +465,8 @@ class EngineArgs:
             "--hf-overrides",
             default=None,
             metavar="JSON",
-            help='entries of the model\'s config.json to replace, as JSON, e.g. '
-            '\'{"max_position_embeddings": 4096}\'',
+            help="entries of the model's config.json to replace, as JSON, e.g. "
+            "'{\"max_position_embeddings\": 4096}'",
         )
         group.add_argument(
             "--trust-remote-code",
