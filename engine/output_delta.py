@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 
 
@@ -60,6 +61,7 @@ class RequestOutputDelta:
         finished: as ``RequestOutput.finished``.
         num_cached_tokens: as ``RequestOutput.num_cached_tokens``.
         metrics: the request's timestamps, or None.
+        lora_request: the request's LoRA adapter, in its first delta (else None).
     """
 
     request_id: str
@@ -70,6 +72,7 @@ class RequestOutputDelta:
     finished: bool
     num_cached_tokens: int
     metrics: RequestMetrics | None
+    lora_request: LoRARequest | None = None
 
 
 @dataclass(slots=True)
@@ -143,6 +146,7 @@ class OutputDeltaEncoder:
             finished=output.finished,
             num_cached_tokens=output.num_cached_tokens,
             metrics=output.metrics,
+            lora_request=output.lora_request if first else None,
         )
 
 
@@ -186,6 +190,7 @@ class OutputDeltaDecoder:
                 prompt_token_ids=delta.prompt_token_ids,
                 outputs=[],
                 finished=False,
+                lora_request=delta.lora_request,
             )
         prompt_logprobs = held.prompt_logprobs
         if delta.prompt_logprobs is not None:
@@ -216,6 +221,7 @@ class OutputDeltaDecoder:
             num_cached_tokens=delta.num_cached_tokens,
             metrics=delta.metrics,
             prompt_logprobs=prompt_logprobs,
+            lora_request=held.lora_request,
         )
         if delta.finished:
             del self._held[delta.request_id]

@@ -79,6 +79,7 @@ class ParentRequestState:
             prompt_logprobs=self.prompt_logprobs,
             num_cached_tokens=max(first.num_cached_tokens, 0),
             metrics=RequestMetrics(**vars(first.times)),
+            lora_request=first.lora_request,
         )
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvpilot.engine.lora.request import LoRARequest
+
 
 @dataclass
 class Logprob:
@@ -75,6 +77,7 @@ class RequestOutput:
             holding the prompt token and the top ``prompt_logprobs`` candidates at its
             position, as ``CompletionOutput.logprobs``; in every output from the first on.
             None when not asked.
+        lora_request: the LoRA adapter the request ran with, or None (the base model).
     """
 
     request_id: str
@@ -85,3 +88,4 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = field(default=None)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    lora_request: LoRARequest | None = None

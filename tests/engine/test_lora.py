@@ -390,6 +390,7 @@ def test_adapters_never_share_kv(base_dir, adapter_dirs, tmp_path) -> None:
 
     def run(lora: LoRARequest | None) -> tuple[list[int], int]:
         (out,) = llm.generate({"prompt_token_ids": prompt}, greedy(4), False, lora_request=lora)
+        assert out.lora_request == lora  # vLLM's RequestOutput.lora_request
         return out.outputs[0].token_ids, out.num_cached_tokens
 
     first, cached = run(swap)

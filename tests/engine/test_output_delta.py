@@ -100,3 +100,20 @@ def test_a_revised_text_is_sent_whole():
     got = [decoder.decode(encoder.encode([step])) for step in steps]
     assert got == [[steps[0]], [steps[1]]]
     assert len(decoder) == 0
+
+
+def test_the_lora_request_is_sent_once_and_kept():
+    from kvpilot.engine.lora.request import LoRARequest
+
+    encoder, decoder = OutputDeltaEncoder(), OutputDeltaDecoder()
+    decoder.add("r")
+    lora = LoRARequest("sql", 1, "/adapters/sql")
+
+    def output(token_ids: list[int], finished: bool) -> RequestOutput:
+        seq = CompletionOutput(0, "x" * len(token_ids), token_ids)
+        return RequestOutput("r", "p", [1], [seq], finished, lora_request=lora)
+
+    steps = [output([5], False), output([5, 6], True)]
+    deltas = [pickle.loads(pickle.dumps(encoder.encode([step]))) for step in steps]
+    assert deltas[0][0].lora_request == lora and deltas[1][0].lora_request is None
+    assert [decoder.decode(d) for d in deltas] == [[steps[0]], [steps[1]]]
