@@ -188,8 +188,10 @@ class AsyncLLM:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> RequestStream:
         """Hand a request to the engine; return its output stream once the engine accepted it.
+        ``priority``: lower is served first under the ``priority`` scheduling policy.
 
         Raises:
             QueueFullError: ``max_waiting_requests`` requests are already waiting.
@@ -214,7 +216,7 @@ class AsyncLLM:
         try:
             stats = await self.client.add_request(
                 EngineCoreRequest(
-                    request_id, prompt, params, arrival_time, cache_salt, lora_request
+                    request_id, prompt, params, arrival_time, cache_salt, lora_request, priority
                 )
             )
         except asyncio.CancelledError:
@@ -273,9 +275,12 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         arrival_time: float | None = None,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """vLLM's ``AsyncLLM.generate``: add the request and yield its outputs until finished."""
-        async with await self.add_request(request_id, prompt, params, arrival_time) as stream:
+        async with await self.add_request(
+            request_id, prompt, params, arrival_time, priority=priority
+        ) as stream:
             async for output in stream:
                 yield output
 

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from kvpilot.engine.accepted_flags import add_accepted_flags
 from kvpilot.engine.layers.quantization import QUANTIZATION_METHODS
 from kvpilot.engine.lora.request import parse_lora_modules
 from kvpilot.engine.spec_decode.config import SpeculativeConfig
@@ -51,6 +52,9 @@ TOKENIZER_MODES = ("auto", "hf")
 # vLLM's --load-format values kvpilot serves: auto and safetensors read the checkpoint's
 # safetensors; dummy fills the weights with random values (no weights read or downloaded).
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM's --scheduling-policy: fcfs (arrival order), or priority (a request's ``priority``, lower
+# first, then arrival; preemption takes the lowest-priority running request).
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 _SIZE_UNITS = {
     "": 1,
@@ -211,7 +215,12 @@ class EngineArgs:
     of the device memory minus what a profiling forward pass used, unless ``kv_cache_memory`` is
     set (vLLM's ``kv_cache_memory_bytes``, which is accepted as another name for it).
     ``hf_overrides`` (a dict, or its JSON text) replaces entries of the model's config.json
-    before anything reads it (a nested config such as ``text_config`` is updated key by key).
+    before anything reads it (a nested config such as ``text_config`` is updated key by key);
+    ``override_generation_config`` (the same) replaces entries of its generation config.
+    ``num_gpu_blocks_override`` sets the number of KV blocks on any device, in place of the
+    budget (vLLM's, for tests and reproductions). ``hf_token`` (a token, or True for the one
+    ``huggingface-cli login`` stored), ``tokenizer_revision`` and ``ignore_patterns`` (globs of
+    repository files not to download) apply to Hub downloads.
 
     Raises:
         ValueError: from ``validate()`` (called by ``__post_init__``), naming the argument.
@@ -253,6 +262,12 @@ class EngineArgs:
     tokenizer_mode: str = "auto"
     load_format: str = "auto"
     hf_overrides: dict[str, Any] | str | None = None
+    override_generation_config: dict[str, Any] | str | None = None
+    num_gpu_blocks_override: int | None = None
+    scheduling_policy: str = "fcfs"
+    hf_token: str | bool | None = None
+    tokenizer_revision: str | None = None
+    ignore_patterns: list[str] | None = None
     # Accepted as vLLM takes them; nothing to change here: kvpilot serves the architectures it
     # implements (a model repository's own code never runs) and always runs eagerly.
     trust_remote_code: bool = False
@@ -311,13 +326,25 @@ class EngineArgs:
                 f"must be one of {', '.join(LOAD_FORMATS)} (kvpilot reads safetensors; a .gguf "
                 "model is converted to them)",
             )
-        if isinstance(self.hf_overrides, str):
-            try:
-                self.hf_overrides = json.loads(self.hf_overrides)
-            except json.JSONDecodeError as exc:
-                bad("hf_overrides", f"is not JSON ({exc})")
-        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
-            bad("hf_overrides", "must be a JSON object of config.json entries")
+        for name in ("hf_overrides", "override_generation_config"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                try:
+                    value = json.loads(value)
+                except json.JSONDecodeError as exc:
+                    bad(name, f"is not JSON ({exc})")
+                setattr(self, name, value)
+            if value is not None and not isinstance(value, dict):
+                bad(name, "must be a JSON object")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            bad("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
+        if self.hf_token is not None and not isinstance(self.hf_token, str | bool):
+            bad("hf_token", "must be a token or True (the stored login)", show_value=False)
+        if self.ignore_patterns is not None and (
+            isinstance(self.ignore_patterns, str)
+            or not all(isinstance(p, str) for p in self.ignore_patterns)
+        ):
+            bad("ignore_patterns", "must be a list of globs")
         if self.device not in DEVICES:
             bad("device", f"must be one of {', '.join(DEVICES)}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -330,6 +357,7 @@ class EngineArgs:
             "max_num_seqs",
             "max_num_batched_tokens",
             "kv_cache_memory",
+            "num_gpu_blocks_override",
         ):
             positive_int(name)
         positive_int("tensor_parallel_size", optional=False)
@@ -467,6 +495,48 @@ class EngineArgs:
             metavar="JSON",
             help="entries of the model's config.json to replace, as JSON, e.g. "
             "'{\"max_position_embeddings\": 4096}'",
+        )
+        group.add_argument(
+            "--override-generation-config",
+            default=None,
+            metavar="JSON",
+            help="entries that replace the generation config's sampling defaults, e.g. "
+            '\'{"temperature": 0.5, "max_new_tokens": 256}\' (with --generation-config vllm: '
+            "the only defaults)",
+        )
+        group.add_argument(
+            "--num-gpu-blocks-override",
+            type=int,
+            default=None,
+            help="number of KV cache blocks, in place of what the memory budget gives (any "
+            "device; for tests and reproductions)",
+        )
+        group.add_argument(
+            "--scheduling-policy",
+            default="fcfs",
+            choices=SCHEDULING_POLICIES,
+            help="fcfs: requests in arrival order; priority: by each request's priority "
+            "(lower first, then arrival), preempting the lowest-priority running request",
+        )
+        group.add_argument(
+            "--hf-token",
+            nargs="?",
+            const=True,
+            default=None,
+            help="Hugging Face Hub token for gated models (without a value: the token "
+            "huggingface-cli login stored; default: HF_TOKEN)",
+        )
+        group.add_argument(
+            "--tokenizer-revision",
+            default=None,
+            help="hub revision of --tokenizer (branch, tag or commit)",
+        )
+        group.add_argument(
+            "--ignore-patterns",
+            nargs="+",
+            default=None,
+            metavar="GLOB",
+            help="repository files not to download from the Hub (default: consolidated*)",
         )
         group.add_argument(
             "--trust-remote-code",
@@ -633,6 +703,7 @@ class EngineArgs:
             '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
             '\'{"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4}\'',
         )
+        add_accepted_flags(parser)
         return parser
 
     @classmethod

@@ -96,6 +96,7 @@ class EngineCoreRequest:
         arrival_time: when the request arrived (seconds since the epoch, ``time.time()``).
         cache_salt: isolates its prefix-cache blocks from other salts, or None.
         lora_request: the adapter to run it with, or None for the base model.
+        priority: its priority under the ``priority`` scheduling policy (lower first).
     """
 
     request_id: str
@@ -104,6 +105,7 @@ class EngineCoreRequest:
     arrival_time: float
     cache_salt: str | None = None
     lora_request: LoRARequest | None = None
+    priority: int = 0
 
 
 def add_request(engine: Any, request: EngineCoreRequest) -> EngineStats:
@@ -115,6 +117,7 @@ def add_request(engine: Any, request: EngineCoreRequest) -> EngineStats:
         arrival_time=request.arrival_time,
         cache_salt=request.cache_salt,
         lora_request=request.lora_request,
+        priority=request.priority,
     )
     return engine.get_stats()
 

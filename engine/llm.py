@@ -133,6 +133,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion, all batched together.
 
@@ -146,6 +147,8 @@ class LLM:
             use_tqdm: show a progress bar over finished requests.
             lora_request: the LoRA adapter for all prompts, or one per prompt (None entries:
                 the base model); needs ``enable_lora``.
+            priority: one priority per prompt (lower first), with
+                ``scheduling_policy="priority"``; None: all 0.
 
         Returns:
             Finished ``RequestOutput``s in the order of ``prompts``.
@@ -175,14 +178,19 @@ class LLM:
             lora_list = list(lora_request)
             if len(lora_list) != len(prompts):
                 raise ValueError(f"got {len(prompts)} prompts but {len(lora_list)} lora requests")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         engine = self.llm_engine
         request_ids: list[str] = []
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, params, lora in zip(prompts, params_list, lora_list, strict=True):
+            for prompt, params, lora, rank in zip(
+                prompts, params_list, lora_list, priorities, strict=True
+            ):
                 request_id = str(self._counter)
                 self._counter += 1
-                engine.add_request(request_id, prompt, params, lora_request=lora)
+                engine.add_request(request_id, prompt, params, lora_request=lora, priority=rank)
                 request_ids.append(request_id)
             with tqdm(
                 total=len(request_ids), desc="Processed prompts", disable=not use_tqdm

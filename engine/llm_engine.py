@@ -36,7 +36,7 @@ from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
 from kvpilot.engine.output_processor import OutputProcessor, ParentRequestState, SequenceState
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.request import Request, RequestStatus
-from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams, is_int
 from kvpilot.engine.scheduler import Scheduler
 from kvpilot.engine.scheduler_output import RequestDelta, SchedulerOutput
 from kvpilot.engine.spec_decode import proposers
@@ -82,7 +82,12 @@ class LLMEngine:
         # What the arguments decide without loading weights is checked first, before the
         # progress bar starts: a bad argument is one line of error, with no bar before it.
         self.model_dir = resolve_model(
-            args.model, args.revision, args.download_dir, weights=args.load_format != "dummy"
+            args.model,
+            args.revision,
+            args.download_dir,
+            weights=args.load_format != "dummy",
+            token=args.hf_token,
+            ignore_patterns=args.ignore_patterns,
         )
         # config.json is read once (with --hf-overrides): the shape for sizing, the
         # transformers config for the dtype and the model classes (handed to the workers).
@@ -108,12 +113,24 @@ class LLMEngine:
         self.kv_cache_dtype = resolve_kv_cache_dtype(
             args.kv_cache_dtype, self.dtype, self.device, backend
         )
-        self.default_sampling = read_sampling_defaults(self.model_dir, args.generation_config)
-        self.tokenizer = load_tokenizer(args.tokenizer or self.model_dir)
+        self.default_sampling = read_sampling_defaults(
+            self.model_dir, args.generation_config, args.override_generation_config
+        )
+        try:
+            self.get_default_sampling_params()
+        except ValueError as exc:
+            raise ValueError(f"override_generation_config: {exc}") from None
+        load_own_tokenizer = functools.partial(
+            load_tokenizer,
+            args.tokenizer or self.model_dir,
+            revision=args.tokenizer_revision if args.tokenizer else None,
+            token=args.hf_token,
+        )
+        self.tokenizer = load_own_tokenizer()
         self.eos_token_ids = frozenset(get_eos_token_ids(self.model_dir))
         # Its own tokenizer, loaded on the first constrained request.
         self.structured_output_manager = StructuredOutputManager(
-            functools.partial(load_tokenizer, args.tokenizer or self.model_dir),
+            load_own_tokenizer,
             self.model_shape.vocab_size,
             self.eos_token_ids,
         )
@@ -188,6 +205,7 @@ class LLMEngine:
             self.scheduler_config,
             self.kv_cache_manager,
             num_lookahead_tokens=proposers.num_lookahead_tokens(self.speculative_config),
+            policy=args.scheduling_policy,
         )
         capacity = self.cache_config.capacity_tokens
         self.input_processor = InputProcessor(
@@ -306,6 +324,9 @@ class LLMEngine:
             )
             source = f"default CPU budget {budget} bytes"
         num_blocks = budget // block_bytes
+        if args.num_gpu_blocks_override is not None:
+            num_blocks = args.num_gpu_blocks_override
+            source = f"num_gpu_blocks_override {num_blocks}"
         if num_blocks < 1:
             raise ValueError(
                 f"no room for a single KV block ({block_bytes} bytes) with {source}; raise "
@@ -327,6 +348,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         cache_salt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
     ) -> None:
         """Queue a request; it joins the batch at the next ``step()``.
 
@@ -341,6 +363,8 @@ class LLMEngine:
                 non-empty string, or None for no salt.
             lora_request: the LoRA adapter to apply (registered now if its name is new), or
                 None for the base model. Needs ``enable_lora``.
+            priority: with ``scheduling_policy="priority"``, lower values are served first
+                (vLLM's); must be 0 under ``fcfs``.
 
         ``params.structured_outputs`` is compiled here unless ``compile_grammar`` already did
         (xgrammar's cache); a server compiles it first, on a worker thread.
@@ -349,13 +373,21 @@ class LLMEngine:
             ValueError: naming the problem: a duplicate id, an empty prompt, an unknown prompt
                 dict key, an empty ``cache_salt`` or one given twice, a prompt longer than
                 ``max_model_len`` or than the whole KV cache, token ids outside the vocabulary,
-                ``logprobs`` or ``prompt_logprobs`` above the vocabulary size, an invalid
+                ``logprobs`` or ``prompt_logprobs`` above the vocabulary size, a non-integer
+                ``priority`` or a non-zero one under ``fcfs``, an invalid
                 ``structured_outputs`` constraint, an adapter without ``enable_lora`` or that
                 cannot be loaded (``LoRAAdapterError``). Nothing else is touched.
         """
         params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if not is_int(priority):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.scheduler.policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs the priority scheduling policy "
+                "(--scheduling-policy priority); this engine schedules fcfs"
+            )
         prompt_in = self.input_processor.process(prompt, params, cache_salt)
         ids = sequence_ids(request_id, params.n)
         taken = [i for i in [request_id, *ids] if self.output_processor.is_taken(i)]
@@ -388,6 +420,7 @@ class LLMEngine:
                 seed=None if params.seed is None else params.seed + index,
                 # The sequences share the prompt: the first one scores it.
                 num_prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+                priority=priority,
             )
             parent.sequences.append(
                 SequenceState(

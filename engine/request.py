@@ -63,6 +63,8 @@ class Request:
             (-1 until then).
         spec_token_ids: draft tokens proposed for the next step (speculative decoding); they
             are not part of ``all_token_ids`` until the target model accepts them.
+        priority: the request's priority under the ``priority`` scheduling policy (lower is
+            served first; vLLM's).
         num_prompt_logprobs: top candidates to report with each prompt token's logprob
             (``SamplingParams.prompt_logprobs``), or None; set on the first sequence of a
             request only, since its ``n`` sequences share the prompt.
@@ -88,6 +90,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)
     num_prompt_logprobs: int | None = None
+    priority: int = 0
     times: RequestMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -7,10 +7,16 @@ after preemption are one rule: schedule ``min(remaining, budget)`` tokens. When 
 no block left for a running request, the most recently admitted running request is preempted:
 its blocks are freed and it goes back to the front of the waiting queue, to be recomputed
 (Orca, Yu et al. 2022, for iteration-level batching; vLLM's recompute preemption).
+
+With the ``priority`` policy (vLLM's ``--scheduling-policy priority``) both queues are kept in
+the order of ``(priority, arrival_time)``, lower first: waiting requests are admitted in that
+order, running ones are served in it, and the preempted one is the last, the lowest priority
+that arrived latest.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -31,6 +37,7 @@ class Scheduler:
         kv_cache_manager: allocates the requests' blocks.
         num_lookahead_tokens: slots reserved past a sampling request's tokens for a draft
             model's proposals (speculative decoding; 0 otherwise).
+        policy: ``fcfs`` (arrival order) or ``priority`` (``Request.priority``, then arrival).
 
     Speculative decoding: a request whose ``spec_token_ids`` hold drafts and whose real tokens
     all fit this step also gets its drafts scheduled (they take budget and KV slots like any
@@ -42,8 +49,10 @@ class Scheduler:
         config: SchedulerConfig,
         kv_cache_manager: KVCacheManager,
         num_lookahead_tokens: int = 0,
+        policy: str = "fcfs",
     ) -> None:
         self.config = config
+        self.policy = policy
         self.kv_cache_manager = kv_cache_manager
         self.num_lookahead_tokens = num_lookahead_tokens
         self.spec_decoding_stats = SpecDecodingStats()
@@ -64,7 +73,10 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        if self.policy == "priority":
+            bisect.insort_right(self.waiting, request, key=_priority)
+        else:
+            self.waiting.append(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -76,6 +88,10 @@ class Scheduler:
         self._finished_since_last_step = []
         budget = cfg.max_num_batched_tokens
         now = time.time()
+        if self.policy == "priority":
+            # Served in priority order, so that the last one (the preemption victim) is the
+            # lowest priority, and never one already scheduled this step.
+            self.running.sort(key=_priority)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -199,7 +215,10 @@ class Scheduler:
         request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions_total += 1
-        self.waiting.appendleft(request)
+        if self.policy == "priority":
+            bisect.insort_left(self.waiting, request, key=_priority)
+        else:
+            self.waiting.appendleft(request)
 
     def update_from_output(
         self, scheduler_output: SchedulerOutput, sampled_token_ids: dict[str, int | list[int]]
@@ -314,6 +333,11 @@ class Scheduler:
         request.times.finished_time = now
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
+
+
+def _priority(request: Request) -> tuple[int, float]:
+    """The ``priority`` policy's order: lower ``priority`` first, then earlier arrival."""
+    return request.priority, request.arrival_time
 
 
 def _lora_names(requests: Iterable[Request]) -> tuple[str, ...]:

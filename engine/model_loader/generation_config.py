@@ -4,7 +4,8 @@ As vLLM's ``--generation-config auto`` (its default): a request that leaves ``te
 ``top_p``, ``top_k``, ``min_p`` or ``repetition_penalty`` unset gets the model's value where its
 generation config has one, else the engine's own default (``SamplingParams``'); its
 ``max_new_tokens`` is the output limit of requests that set none.
-``--generation-config vllm`` ignores the model's; a folder reads that folder's file instead.
+``--generation-config vllm`` ignores the model's; a folder reads that folder's file instead;
+``--override-generation-config`` replaces entries of either.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ GENERATION_CONFIG_CHOICES = ("auto", "vllm")
 
 
 def read_sampling_defaults(
-    model_dir: pathlib.Path, generation_config: str = "auto"
+    model_dir: pathlib.Path,
+    generation_config: str = "auto",
+    override_generation_config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The sampling defaults for a model.
 
@@ -36,34 +39,37 @@ def read_sampling_defaults(
         model_dir: the model's folder.
         generation_config: ``auto`` (the model's ``generation_config.json``), ``vllm`` (none:
             the engine's defaults) or a folder holding a ``generation_config.json``.
+        override_generation_config: entries that replace or add to the file's (vLLM's
+            ``--override-generation-config``: ``{"temperature": 0.5}``; with ``vllm``, the
+            only ones); only :data:`SAMPLING_FIELDS` and ``max_new_tokens`` are read.
 
     Returns:
-        ``{field: value}`` for the :data:`SAMPLING_FIELDS` the file sets, and ``max_tokens``
-        from its ``max_new_tokens`` (may be empty).
+        ``{field: value}`` for the :data:`SAMPLING_FIELDS` set, and ``max_tokens`` from
+        ``max_new_tokens`` (may be empty).
 
     Raises:
         ValueError: a folder without a ``generation_config.json``, or a file that is not a
             JSON object.
     """
-    if generation_config == "vllm":
-        return {}
-    folder = model_dir if generation_config == "auto" else pathlib.Path(generation_config)
-    path = folder / "generation_config.json"
-    if not path.is_file():
-        if generation_config == "auto":
-            return {}
-        raise ValueError(f"generation_config: {path} does not exist")
-    config = json.loads(path.read_text())
-    if not isinstance(config, dict):
-        raise ValueError(f"generation_config: {path} is not a JSON object")
+    config, path = {}, None
+    if generation_config != "vllm":
+        folder = model_dir if generation_config == "auto" else pathlib.Path(generation_config)
+        path = folder / "generation_config.json"
+        if path.is_file():
+            config = json.loads(path.read_text())
+            if not isinstance(config, dict):
+                raise ValueError(f"generation_config: {path} is not a JSON object")
+        elif generation_config != "auto":
+            raise ValueError(f"generation_config: {path} does not exist")
+    config = {**config, **(override_generation_config or {})}
     defaults = {key: config[key] for key in SAMPLING_FIELDS if config.get(key) is not None}
     if isinstance(config.get(MAX_NEW_TOKENS), int) and config[MAX_NEW_TOKENS] > 0:
         defaults["max_tokens"] = config[MAX_NEW_TOKENS]
     if defaults:
         logger.info(
-            "Default sampling parameters from the model's generation config %s: %s "
-            "(--generation-config vllm to use the engine's)",
-            path,
+            "Default sampling parameters from %s: %s (--generation-config vllm to use the "
+            "engine's)",
+            "the overrides" if path is None or not path.is_file() else path,
             defaults,
         )
     return defaults

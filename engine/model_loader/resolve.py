@@ -41,6 +41,8 @@ def resolve_model(
     revision: str | None = None,
     download_dir: str | None = None,
     weights: bool = True,
+    token: str | bool | None = None,
+    ignore_patterns: list[str] | None = None,
 ) -> pathlib.Path:
     """Return a local folder holding config.json, ``*.safetensors`` and the tokenizer files.
 
@@ -56,6 +58,9 @@ def resolve_model(
             Hub's cache).
         weights: False (``--load-format dummy``): a folder or Hub id needs no weights, and
             none are downloaded.
+        token: a Hub token (``--hf-token``), True for the stored login; None: ``HF_TOKEN``.
+        ignore_patterns: globs of repository files not to download (``--ignore-patterns``;
+            default ``consolidated*``, Mistral's duplicate checkpoint).
 
     Returns:
         The model folder.
@@ -76,7 +81,8 @@ def resolve_model(
         raise FileNotFoundError(
             f"model {model!r} is neither a model folder nor a .gguf file, and not a Hub id"
         )
-    return _check_folder(_download(model, revision, download_dir, weights), weights)
+    files = _download(model, revision, download_dir, weights, token, ignore_patterns)
+    return _check_folder(files, weights)
 
 
 def _check_folder(path: pathlib.Path, weights: bool = True) -> pathlib.Path:
@@ -90,7 +96,12 @@ def _check_folder(path: pathlib.Path, weights: bool = True) -> pathlib.Path:
 
 
 def _download(
-    repo_id: str, revision: str | None, download_dir: str | None, weights: bool = True
+    repo_id: str,
+    revision: str | None,
+    download_dir: str | None,
+    weights: bool = True,
+    token: str | bool | None = None,
+    ignore_patterns: list[str] | None = None,
 ) -> pathlib.Path:
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
@@ -104,7 +115,8 @@ def _download(
                 allow_patterns=[
                     p for p in _HUB_PATTERNS if weights or not p.endswith(".safetensors")
                 ],
-                ignore_patterns=_HUB_IGNORED,
+                ignore_patterns=_HUB_IGNORED if ignore_patterns is None else ignore_patterns,
+                token=token,
             )
         )
     except (HfHubHTTPError, LocalEntryNotFoundError, OSError) as exc:

@@ -8,11 +8,14 @@ import pathlib
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
-def load_tokenizer(model_dir: pathlib.Path | str) -> PreTrainedTokenizerBase:
+def load_tokenizer(
+    model_dir: pathlib.Path | str, revision: str | None = None, token: str | bool | None = None
+) -> PreTrainedTokenizerBase:
     """Load the folder's tokenizer through transformers (chat template included when present).
 
-    ``model_dir`` may also be a Hub id, or the built-in model's name (``DEFAULT_MODEL_NAME``,
-    unless a folder of that name exists), as ``resolve_model`` reads it.
+    ``model_dir`` may also be a Hub id (``revision`` and ``token`` then apply, vLLM's
+    ``--tokenizer-revision`` and ``--hf-token``), or the built-in model's name
+    (``DEFAULT_MODEL_NAME``, unless a folder of that name exists), as ``resolve_model`` reads it.
 
     Raises:
         FileNotFoundError: the folder has no tokenizer files.
@@ -27,7 +30,7 @@ def load_tokenizer(model_dir: pathlib.Path | str) -> PreTrainedTokenizerBase:
     if not model_dir.exists() and str(model_dir).startswith(("/", ".", "~")):
         raise FileNotFoundError(f"tokenizer folder {model_dir} does not exist")
     try:
-        return AutoTokenizer.from_pretrained(model_dir)
+        return AutoTokenizer.from_pretrained(model_dir, revision=revision, token=token)
     except (OSError, ValueError) as exc:
         raise FileNotFoundError(f"no usable tokenizer in {model_dir}: {exc}") from exc
 

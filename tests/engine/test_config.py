@@ -71,6 +71,22 @@ def test_vllm_loading_flags_map_to_engine_args():
         load_format="dummy",
         hf_overrides={"max_position_embeddings": 64},
     )
+    args = parse(
+        [
+            "--override-generation-config", '{"temperature": 0.5}', "--num-gpu-blocks-override",
+            "100", "--scheduling-policy", "priority", "--hf-token", "--tokenizer-revision", "v2",
+            "--ignore-patterns", "original/*", "*.pth",
+        ]
+    )  # fmt: skip
+    assert args == EngineArgs(
+        override_generation_config={"temperature": 0.5},
+        num_gpu_blocks_override=100,
+        scheduling_policy="priority",
+        hf_token=True,
+        tokenizer_revision="v2",
+        ignore_patterns=["original/*", "*.pth"],
+    )
+    assert parse(["--hf-token", "hf_x"]).hf_token == "hf_x"
     # vLLM's Python name of the KV budget is another name for kv_cache_memory.
     assert EngineArgs(kv_cache_memory_bytes=4096).kv_cache_memory == 4096
     assert EngineArgs(kv_cache_memory=4096, kv_cache_memory_bytes=4096).kv_cache_memory == 4096
@@ -87,6 +103,11 @@ def test_vllm_loading_flags_map_to_engine_args():
         ({"hf_overrides": "{rope"}, "hf_overrides"),
         ({"kv_cache_memory": 1, "kv_cache_memory_bytes": 2}, "kv_cache_memory_bytes"),
         ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
+        ({"override_generation_config": "[]"}, "override_generation_config"),
+        ({"num_gpu_blocks_override": 0}, "num_gpu_blocks_override"),
+        ({"scheduling_policy": "lifo"}, "scheduling_policy"),
+        ({"ignore_patterns": "*.bin"}, "ignore_patterns"),
+        ({"hf_token": 5}, "hf_token"),
         ({"block_size": 0}, "block_size"),
         ({"max_model_len": -1}, "max_model_len"),
         ({"max_num_seqs": 0}, "max_num_seqs"),
@@ -266,3 +287,22 @@ def test_generate_cli_refuses_a_bad_sampling_value_before_loading(tmp_path, caps
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == "kvpilot generate: error: --temperature must be >= 0, got -1.0"
+
+
+def test_vllm_flags_that_change_nothing_are_taken_and_checked(capsys):
+    """A vLLM command line's compilation, scheduling-overlap and data-parallel flags parse
+    (into nothing kvpilot uses); their values are still checked."""
+    argv = [
+        "-O3", "-cc", '{"mode": 3}', "--async-scheduling", "-dp", "1", "--model-impl", "vllm",
+        "--code-revision", "main", "--max-parallel-loading-workers", "2",
+    ]  # fmt: skip
+    assert parse(argv) == EngineArgs()
+    for bad, message in [
+        (["-dp", "2"], "kvpilot runs one engine per pod"),
+        (["-O", "4"], "invalid choice: 4"),
+        (["--compilation-config", "[1]"], "must be a JSON object"),
+        (["--model-impl", "transformers"], "invalid choice: 'transformers'"),
+    ]:
+        with pytest.raises(SystemExit):
+            parse(bad)
+        assert message in capsys.readouterr().err

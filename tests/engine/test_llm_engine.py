@@ -311,3 +311,43 @@ def test_the_warm_up_pass_writes_nothing_and_counts_nothing(llama_dir):
     )
     engine.model_runner.warm_up()  # again, by hand: still nothing written
     assert all(not t.any() for pair in caches for t in pair)
+
+
+def test_priority_scheduling_serves_lower_values_first_and_changes_no_token(
+    llama_dir, prompts, llama_reference
+):
+    """vLLM's ``scheduling_policy="priority"``: one sequence at a time, the requests start in
+    priority order (ties by arrival), and every request's tokens are the same as fcfs's."""
+    llm = LLM(str(llama_dir), max_model_len=256, max_num_seqs=1, scheduling_policy="priority")
+    priority = [3, -2, 3, 0, 1][: len(prompts)] + [0] * max(len(prompts) - 5, 0)
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], greedy(), False, priority=priority
+    )
+    assert [o.outputs[0].token_ids for o in outputs] == llama_reference
+    started = sorted(range(len(prompts)), key=lambda i: outputs[i].metrics.first_scheduled_time)
+    assert started == sorted(range(len(prompts)), key=lambda i: (priority[i], i))
+    assert_no_leak(llm.llm_engine)
+    fcfs = LLM(str(llama_dir), max_model_len=256)
+    with pytest.raises(ValueError, match="priority 1 needs the priority scheduling policy"):
+        fcfs.generate("hello", greedy(), False, priority=[1])
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        llm.generate("hello", greedy(), False, priority=[0.5])
+    assert not fcfs.llm_engine.has_unfinished_requests()
+
+
+def test_vllm_engine_overrides(llama_dir):
+    """--override-generation-config sets the default sampling (bad values refused at start),
+    --num-gpu-blocks-override the number of KV blocks."""
+    llm = LLM(
+        str(llama_dir),
+        max_model_len=128,
+        override_generation_config={"temperature": 0.25, "max_new_tokens": 7, "foo": 1},
+        num_gpu_blocks_override=40,
+    )
+    defaults = llm.llm_engine.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.25, 7)
+    assert llm.llm_engine.cache_config.num_blocks == 40
+    (out,) = llm.generate("hello", use_tqdm=False)
+    assert len(out.outputs[0].token_ids) <= 7
+    with pytest.raises(ValueError, match="override_generation_config: temperature"):
+        LLM(str(llama_dir), override_generation_config='{"temperature": -1}')
