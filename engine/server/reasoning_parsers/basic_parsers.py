@@ -22,9 +22,9 @@ from collections.abc import Mapping
 from enum import Enum
 from typing import Any
 
+from kvpilot.engine.server.partial_tags import partial_tag_length
 from kvpilot.engine.server.protocol import DeltaMessage
 from kvpilot.engine.server.reasoning_parsers.abstract_reasoning_parser import ReasoningParser
-from kvpilot.engine.server.tool_parsers.abstract_tool_parser import partial_tag_length
 
 
 class _Part(Enum):

@@ -162,12 +162,3 @@ def json_call(value: Any) -> tuple[str, str] | None:
     if not isinstance(arguments, dict):
         return None
     return value["name"], json.dumps(arguments, ensure_ascii=False)
-
-
-def partial_tag_length(text: str, tag: str) -> int:
-    """Length of the longest end of ``text`` that begins ``tag`` (0 if none): text a streaming
-    parser holds back, since the next delta may complete the tag."""
-    for length in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:length]):
-            return length
-    return 0

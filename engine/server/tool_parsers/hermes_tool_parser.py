@@ -19,8 +19,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from kvpilot.engine.server.partial_tags import partial_tag_length
 from kvpilot.engine.server.protocol import DeltaMessage, DeltaToolCall
-from kvpilot.engine.server.tool_parsers.abstract_tool_parser import ToolParser, partial_tag_length
+from kvpilot.engine.server.tool_parsers.abstract_tool_parser import ToolParser
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"

@@ -14,12 +14,9 @@ from __future__ import annotations
 
 import json
 
+from kvpilot.engine.server.partial_tags import partial_tag_length
 from kvpilot.engine.server.protocol import DeltaMessage, DeltaToolCall
-from kvpilot.engine.server.tool_parsers.abstract_tool_parser import (
-    ToolParser,
-    json_call,
-    partial_tag_length,
-)
+from kvpilot.engine.server.tool_parsers.abstract_tool_parser import ToolParser, json_call
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
