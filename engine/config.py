@@ -49,9 +49,10 @@ DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray")
 # vLLM's --tokenizer-mode values kvpilot serves: both read the tokenizer with transformers
 # (vLLM's "auto" picks mistral_common for Mistral models, which kvpilot does not use).
 TOKENIZER_MODES = ("auto", "hf")
-# vLLM's --load-format values kvpilot serves: auto and safetensors read the checkpoint's
-# safetensors; dummy fills the weights with random values (no weights read or downloaded).
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM's --load-format values kvpilot serves: auto reads a folder's safetensors or converts a
+# .gguf file to them; safetensors and gguf insist on one of the two; dummy fills the weights with
+# random values (no weights read or downloaded).
+LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 # vLLM's --scheduling-policy: fcfs (arrival order), or priority (a request's ``priority``, lower
 # first, then arrival; preemption takes the lowest-priority running request).
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -116,6 +117,15 @@ def _max_model_len(text: str) -> int | None:
     """``--max-model-len``: a token count (``_token_count``), or ``auto`` / ``-1`` for the
     default (None: the model's ``max_position_embeddings``)."""
     return None if text.strip() in ("auto", "-1") else _token_count(text)
+
+
+def _tokenizer_mode(text: str) -> str:
+    if text not in TOKENIZER_MODES:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: kvpilot reads every tokenizer with transformers (auto or hf); vLLM's "
+            "other modes (mistral_common and the like) are not supported"
+        )
+    return text
 
 
 def _quantization(text: str) -> str:
@@ -326,6 +336,11 @@ class EngineArgs:
                 f"must be one of {', '.join(LOAD_FORMATS)} (kvpilot reads safetensors; a .gguf "
                 "model is converted to them)",
             )
+        is_gguf = isinstance(self.model, str) and self.model.endswith(".gguf")
+        if self.load_format == "gguf" and not is_gguf:
+            bad("load_format", "gguf needs a .gguf file as the model", show_value=False)
+        if self.load_format == "safetensors" and is_gguf:
+            bad("load_format", "safetensors cannot read a .gguf model (use auto or gguf)", False)
         for name in ("hf_overrides", "override_generation_config"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -478,7 +493,8 @@ class EngineArgs:
         group.add_argument(
             "--tokenizer-mode",
             default="auto",
-            choices=TOKENIZER_MODES,
+            type=_tokenizer_mode,
+            metavar="{auto,hf}",
             help="vLLM's tokenizer modes that kvpilot serves: both read the tokenizer with "
             "transformers (its fast tokenizer when there is one)",
         )
@@ -486,8 +502,9 @@ class EngineArgs:
             "--load-format",
             default="auto",
             choices=LOAD_FORMATS,
-            help="auto or safetensors: the checkpoint's safetensors; dummy: random weights, "
-            "none read or downloaded (for profiling and sizing, as vLLM's dummy)",
+            help="auto: a folder's safetensors, or a .gguf file converted to them once; "
+            "safetensors / gguf: only that kind; dummy: random weights, none read or "
+            "downloaded (for profiling and sizing, as vLLM's dummy)",
         )
         group.add_argument(
             "--hf-overrides",

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import safe_open
 from tqdm.auto import tqdm
 from transformers import CONFIG_MAPPING, PretrainedConfig
@@ -33,14 +34,19 @@ def read_model_config(
     applies them.
 
     Raises:
-        OSError: the file cannot be read; ValueError: not JSON, or an unknown ``model_type``.
+        OSError: the file cannot be read; ValueError: not JSON, an unknown ``model_type``, or
+            a value transformers refuses (one from ``hf_overrides`` named with it).
     """
     raw = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
     raw = _override(raw, hf_overrides or {})
     model_type = raw.get("model_type")
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{model_dir}/config.json: unknown model_type {model_type!r}")
-    return raw, CONFIG_MAPPING[model_type].from_dict(raw)
+    try:
+        return raw, CONFIG_MAPPING[model_type].from_dict(raw)
+    except (StrictDataclassError, TypeError, ValueError) as exc:
+        where = " with hf_overrides" if hf_overrides else ""
+        raise ValueError(f"{model_dir}/config.json{where}: {exc}") from None
 
 
 def _override(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -139,7 +145,8 @@ def load_model(
     Raises:
         ValueError: an unsupported architecture or quantization format (named in the message),
             weights that are missing from the checkpoint or do not fit the config, or
-            ``dummy`` weights for a quantized model.
+            ``dummy`` weights for a model whose checkpoint is stored quantized (AWQ, GPTQ,
+            fp8).
     """
     model_dir = pathlib.Path(model_dir)
     if config is None:
@@ -155,14 +162,12 @@ def load_model(
             config, attention_backend=attention_backend, max_model_len=max_model_len, **extra
         )
     if load_format == "dummy":
-        if quant_config is not None:
-            raise ValueError("load_format dummy: quantized models need their checkpoint")
         _fill_dummy(model)
-        return model.eval()
-    loaded = model.load_weights(iterate_safetensors(model_dir, lazy=True))
-    missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
-    if missing:
-        raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing)}")
+    else:
+        loaded = model.load_weights(iterate_safetensors(model_dir, lazy=True))
+        missing = sorted(name for name, _ in model.named_parameters() if name not in loaded)
+        if missing:
+            raise ValueError(f"checkpoint in {model_dir} lacks weights for: {', '.join(missing)}")
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if method is not None:
@@ -172,7 +177,20 @@ def load_model(
 
 @torch.no_grad()
 def _fill_dummy(model: torch.nn.Module) -> None:
-    """Every parameter uniform in [-1e-3, 1e-3], the same on every run and every rank."""
+    """Every parameter uniform in [-1e-3, 1e-3], the same on every run and every rank (an
+    online ``--quantization fp8`` then quantizes them as it would a checkpoint's).
+
+    Raises:
+        ValueError: a parameter stored quantized (a pre-quantized checkpoint's format).
+    """
+    stored = sorted(
+        {str(p.dtype) for p in model.parameters() if not p.is_floating_point() or p.itemsize == 1}
+    )
+    if stored:
+        raise ValueError(
+            f"load_format dummy: this model's weights are stored quantized ({', '.join(stored)}), "
+            "which random values cannot stand for; load its checkpoint"
+        )
     generator = torch.Generator().manual_seed(0)
     for param in model.parameters():
         values = torch.rand(param.shape, generator=generator, dtype=torch.float32)

@@ -58,7 +58,7 @@ def test_flags_map_to_engine_args():
     assert resolve_block_size(32, on_gpu=False) == 32
 
 
-def test_vllm_loading_flags_map_to_engine_args():
+def test_vllm_loading_flags_map_to_engine_args(capsys):
     args = parse(
         [
             "--kv-cache-memory-bytes", "1GiB", "--tokenizer-mode", "hf",
@@ -90,8 +90,10 @@ def test_vllm_loading_flags_map_to_engine_args():
     # vLLM's Python name of the KV budget is another name for kv_cache_memory.
     assert EngineArgs(kv_cache_memory_bytes=4096).kv_cache_memory == 4096
     assert EngineArgs(kv_cache_memory=4096, kv_cache_memory_bytes=4096).kv_cache_memory == 4096
-    with pytest.raises(SystemExit):  # argparse names the choices
+    with pytest.raises(SystemExit):  # argparse says why
         parse(["--tokenizer-mode", "mistral"])
+    assert "kvpilot reads every tokenizer with transformers" in capsys.readouterr().err
+    assert parse(["--load-format", "gguf", "--model", "m.gguf"]).load_format == "gguf"
 
 
 @pytest.mark.parametrize(
@@ -99,6 +101,8 @@ def test_vllm_loading_flags_map_to_engine_args():
     [
         ({"tokenizer_mode": "mistral"}, "tokenizer_mode"),
         ({"load_format": "pt"}, "load_format"),
+        ({"load_format": "gguf", "model": "some/folder"}, "load_format"),
+        ({"load_format": "safetensors", "model": "m.Q4_0.gguf"}, "load_format"),
         ({"hf_overrides": "[1]"}, "hf_overrides"),
         ({"hf_overrides": "{rope"}, "hf_overrides"),
         ({"kv_cache_memory": 1, "kv_cache_memory_bytes": 2}, "kv_cache_memory_bytes"),

@@ -296,6 +296,8 @@ def test_hf_overrides_update_a_nested_config_key_by_key(tiny_model_dir):
     folder = tiny_model_dir("llama")
     raw, _ = read_model_config(folder, {"max_position_embeddings": 96})
     assert raw["max_position_embeddings"] == 96
+    with pytest.raises(ValueError, match="config.json with hf_overrides: .*num_hidden_layers"):
+        read_model_config(folder, {"num_hidden_layers": "abc"})
     from kvpilot.engine.model_loader.weights import _override
 
     config = {"text_config": {"model_type": "llama", "a": 1, "b": 2}, "rope": {"x": 1, "y": 2}}

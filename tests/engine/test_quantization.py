@@ -221,6 +221,18 @@ def test_fp8_quantizes_an_unquantized_checkpoint_while_loading(base_dir):
     assert 0 < error < FP8_ACTIVATION_RTOL
 
 
+def test_dummy_weights_quantize_online_and_refuse_a_stored_quantized_format(base_dir, tmp_path):
+    """``--load-format dummy`` with ``--quantization fp8`` quantizes the random weights as it
+    would a checkpoint's; a checkpoint stored quantized cannot be stood in for."""
+    cpu = torch.device("cpu")
+    ours = load_model(base_dir, torch.float32, cpu, quantization="fp8", load_format="dummy")
+    weight = ours.model.layers[0].self_attn.o_proj.weight
+    assert weight.dtype == torch.float8_e4m3fn and weight.float().abs().max() > 0
+    folder, _ = fp8_checkpoint(base_dir, tmp_path / "q", None)
+    with pytest.raises(ValueError, match="stored quantized .*float8_e4m3fn"):
+        load_model(folder, torch.float32, cpu, load_format="dummy")
+
+
 # Dynamic per-token fp8 activations are not in this test: a row-parallel rank quantizes its
 # own slice of the features (as vLLM's ranks do), so the scales, and the rounding, differ from
 # one rank's.

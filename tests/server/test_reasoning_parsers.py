@@ -55,13 +55,18 @@ def test_both_parsers_split_at_the_end_of_the_block(parser, text, reasoning, con
 
 
 @pytest.mark.parametrize("parser", PARSERS)
-def test_content_after_the_block_is_kept_as_it_came(parser):
-    # vLLM's streamed answer; its non-streamed qwen3 answer drops the second tag ("bc").
-    assert parser().extract_reasoning("a</think>b</think>c") == ("a", "b</think>c")
-    assert parser().extract_reasoning("a</think>\n<think>b") == ("a", "\n<think>b")  # (1)
+def test_think_tags_after_the_block_are_dropped_from_the_content(parser):
+    # vLLM's streamed answer with single-token tags; its whole answer keeps the second tag.
+    assert parser().extract_reasoning("a</think>b</think>c") == ("a", "bc")
+    assert parser().extract_reasoning("a</think>\n<think>b</think>c") == ("a", "\nbc")
     # vLLM's streamed answer; its non-streamed deepseek_r1 answer drops the "x" ("a").
     assert parser().extract_reasoning("x<think>a</think>b") == ("xa", "b")
-    # (1) vLLM's non-streamed deepseek_r1 answer starts over at the second <think>: ("b", None).
+    # Streamed in single characters: no piece of a tag is ever sent.
+    reasoner = parser()
+    deltas = [reasoner.extract_reasoning_streaming(c, False) for c in "a</think>b</thi"]
+    deltas.append(reasoner.extract_reasoning_streaming("nk>c<th", True))
+    content = "".join(d.content or "" for d in deltas if d is not None)
+    assert content == "bc<th"  # an unfinished tag at the very end is text
 
 
 def test_qwen3_tool_call_ends_the_reasoning_and_deepseek_r1_does_not():

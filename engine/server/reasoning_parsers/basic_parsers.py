@@ -6,10 +6,11 @@ family), read from the text, so the tags may be single tokens or arrive in piece
 The output starts inside the block: chat templates of thinking models (DeepSeek-R1, Qwen3)
 often open ``<think>`` in the prompt, so the model writes only the rest of it. Everything up to
 the first ``</think>`` is reasoning (a ``<think>`` tag there, written by the model itself, is
-dropped); everything after it is content, as it came. An output without ``</think>`` is all
-reasoning, with no content (the model was cut short, or never closed its thoughts). A
-constrained output (``ReasoningParser``'s ``constrained``) is content unless it starts with
-``<think>``.
+dropped); everything after it is content, less any further ``<think>`` or ``</think>`` tag (as
+vLLM's streamed replies drop them). An output without ``</think>`` is all reasoning, with no
+content (the model was cut short, or never closed its thoughts). A constrained output
+(``ReasoningParser``'s ``constrained``) is content as it came unless it starts with
+``<think>``, and so is every output of a request that turned thinking off.
 
 Streaming sends each piece as soon as it is known to be reasoning or content, and holds back
 only text that could be the start of a tag (``partial_tag_length``), so no tag, whole or in
@@ -30,7 +31,8 @@ from kvpilot.engine.server.reasoning_parsers.abstract_reasoning_parser import Re
 class _Part(Enum):
     OPENING = "opening"  # a constrained output's start: is it <think>?
     REASONING = "reasoning"
-    CONTENT = "content"
+    ANSWER = "answer"  # after the block: content, its think tags dropped
+    CONTENT = "content"  # no block at all: content as it came
 
 
 class BaseThinkingReasoningParser(ReasoningParser):
@@ -79,7 +81,9 @@ class BaseThinkingReasoningParser(ReasoningParser):
                 return None
         reasoning = self._take_reasoning(finished) if self._part is _Part.REASONING else ""
         content = ""
-        if self._part is _Part.CONTENT:
+        if self._part is _Part.ANSWER:
+            content = self._take_answer(finished)
+        elif self._part is _Part.CONTENT:
             content, self._buffer = self._buffer, ""
         if not reasoning and not content:
             return None
@@ -104,5 +108,15 @@ class BaseThinkingReasoningParser(ReasoningParser):
             else:
                 self._buffer = self._buffer[at + len(tag) :]
             if tag != self.start_tag:
-                self._part = _Part.CONTENT
+                self._part = _Part.ANSWER
         return "".join(reasoning)
+
+    def _take_answer(self, finished: bool) -> str:
+        """The content in the buffer, taken out of it, without the block's tags; a possible
+        partial tag stays."""
+        text = self._buffer.replace(self.start_tag, "").replace(self.end_tag, "")
+        keep = 0
+        if not finished:
+            keep = max(partial_tag_length(text, t) for t in (self.start_tag, self.end_tag))
+        self._buffer = text[len(text) - keep :]
+        return text[: len(text) - keep]
