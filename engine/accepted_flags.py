@@ -9,29 +9,11 @@ None of them is an ``EngineArgs`` field: ``EngineArgs.from_cli_args`` leaves the
 from __future__ import annotations
 
 import argparse
-import json
+
+from kvpilot.argv import json_object, only_one
 
 OPTIMIZATION_LEVELS = range(4)
 """vLLM's ``-O`` levels (0: no compilation ... 3: the most)."""
-
-
-def _one_engine(text: str) -> int:
-    if text.strip() != "1":
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: kvpilot runs one engine per pod; serve more copies with replicas "
-            "(an LLMDeployment's spec.replicas, or autoscaling), so only 1 is accepted"
-        )
-    return 1
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
 
 
 def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +38,7 @@ def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--compilation-config",
         "-cc",
-        type=_json_object,
+        type=json_object,
         default=None,
         metavar="JSON",
         help="vLLM's torch.compile and CUDA graph settings; kvpilot never compiles the model",
@@ -78,7 +60,7 @@ def add_accepted_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--data-parallel-size",
         "-dp",
-        type=_one_engine,
+        type=only_one("one engine per pod"),
         default=1,
         help="1 only: one engine per pod; replicas serve more",
     )

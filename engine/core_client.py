@@ -158,13 +158,15 @@ class MPClient:
 
     Args:
         engine_args: the ``EngineArgs`` to load the engine from (pickled to the process).
+        log_config: the process's logging configuration (``--log-config-file``, a
+            ``logging.config.dictConfig`` dict), as the API process's; None: INFO to stderr.
 
     Raises:
         Whatever loading raised in the engine-core process (``FileNotFoundError``,
         ``ValueError``, ...), or ``RuntimeError`` when the process died while loading.
     """
 
-    def __init__(self, engine_args: Any) -> None:
+    def __init__(self, engine_args: Any, log_config: dict[str, Any] | None = None) -> None:
         from kvpilot.engine.core_proc import run_engine_core
 
         context = multiprocessing.get_context("spawn")
@@ -172,7 +174,7 @@ class MPClient:
         # Not daemonic: the engine core starts processes of its own (tensor-parallel workers).
         self._process = context.Process(
             target=run_engine_core,
-            args=(engine_args, child_conn),
+            args=(engine_args, child_conn, log_config),
             name="kvpilot-engine-core",
             daemon=False,
         )

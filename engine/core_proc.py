@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import logging.config
 import multiprocessing.connection
 import pickle
 import signal
@@ -39,13 +40,21 @@ logger = logging.getLogger("kvpilot.engine")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def run_engine_core(engine_args: Any, conn: multiprocessing.connection.Connection) -> None:
-    """The engine-core process's main: load the engine from ``engine_args`` (an
+def run_engine_core(
+    engine_args: Any,
+    conn: multiprocessing.connection.Connection,
+    log_config: dict[str, Any] | None = None,
+) -> None:
+    """The engine-core process's main: set up logging (``log_config``, the server's
+    ``--log-config-file``, else INFO to stderr), load the engine from ``engine_args`` (an
     ``EngineArgs``), report ``ready`` or ``load_failed`` on ``conn``, then serve until told
     to stop or the pipe closes."""
     # Ctrl-C reaches the whole process group; the API process decides when this one stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    if log_config is None:
+        logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
+    else:  # the API process checked it before starting this one
+        logging.config.dictConfig(log_config)
     try:
         from kvpilot.engine.llm_engine import LLMEngine
 

@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from kvpilot.engine.chat_content_format import RESOLVED_CONTENT_FORMATS
+
 ChatMessage = Mapping[str, Any]
 """An OpenAI-style message: ``{"role": str, "content": str | [{"type": "text", "text": str}] |
 None, "name": str (optional)}``; an assistant's may hold ``"tool_calls": [{"id", "type":
@@ -89,23 +91,36 @@ def encode_text(
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
-def parse_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def parse_chat_messages(
+    messages: Sequence[ChatMessage], content_format: str = "string"
+) -> list[dict[str, Any]]:
     """Check OpenAI-style messages and flatten them into what chat templates read.
 
     Args:
         messages: the conversation, oldest first; content is a string, None, or a list of
-            ``{"type": "text", "text": ...}`` parts (joined one a line, ``TEXT_PART_SEPARATOR``).
+            ``{"type": "text", "text": ...}`` parts.
+        content_format: how the content reaches the template, as vLLM's
+            ``--chat-template-content-format`` resolves it (``chat_content_format.resolve_content_format``):
+            ``"string"``, the text parts joined one a line (``TEXT_PART_SEPARATOR``), None as
+            ``""``; ``"openai"``, a list of ``{"type": "text", "text": ...}`` parts (a string
+            as one part, None as ``[]``).
 
     Returns:
-        ``[{"role", "content"(, "name", "tool_calls", "tool_call_id")}]`` with string contents;
-        tool call arguments are parsed from JSON text into dicts, as transformers' tool-use
-        templates expect them (vLLM does the same).
+        ``[{"role", "content"(, "name", "tool_calls", "tool_call_id")}]``; tool call arguments
+        are parsed from JSON text into dicts, as transformers' tool-use templates expect them
+        (vLLM does the same).
 
     Raises:
         ValueError: ``messages: ...`` for an empty conversation, a message that is not a mapping,
             a missing or non-string role, content that is not text, or a tool call without a
-            function name or whose arguments are not a JSON object.
+            function name or whose arguments are not a JSON object; a ``content_format`` other
+            than ``"string"`` or ``"openai"``.
     """
+    if content_format not in RESOLVED_CONTENT_FORMATS:
+        raise ValueError(
+            f"content_format must be one of {', '.join(RESOLVED_CONTENT_FORMATS)}, "
+            f"got {content_format!r}"
+        )
     if isinstance(messages, str | bytes | Mapping) or not messages:
         raise ValueError("messages: must be a non-empty list of messages")
     conversation = []
@@ -115,7 +130,11 @@ def parse_chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]
         role = message.get("role")
         if not isinstance(role, str):
             raise ValueError(f"messages: message {i} needs a string 'role'")
-        entry = {"role": role, "content": _content_text(message.get("content"), i)}
+        content = message.get("content")
+        if content_format == "openai":
+            entry = {"role": role, "content": _content_parts(content, i)}
+        else:
+            entry = {"role": role, "content": _content_text(content, i)}
         if message.get("name") is not None:
             entry["name"] = str(message["name"])
         if message.get("tool_calls") is not None:
@@ -195,21 +214,44 @@ TEXT_PART_SEPARATOR = "\n"
 """What joins a message's text content parts into the string its template renders."""
 
 
+def _content_parts(content: Any, index: int) -> list[dict[str, str]]:
+    """A message's content as OpenAI's list of text parts (vLLM's ``openai`` format)."""
+    if content is None:
+        return []
+    if isinstance(content, str):
+        return [{"type": "text", "text": content}]
+    _check_text_parts(content, index)
+    return [{"type": "text", "text": part["text"]} for part in content]
+
+
 def _content_text(content: Any, index: int) -> str:
+    """A message's content as one string (vLLM's ``string`` format)."""
     if content is None or isinstance(content, str):
         return content or ""
+    _check_text_parts(content, index)
+    # One line a part, as vLLM (and TensorRT-LLM, Dynamo) join them for string templates.
+    return TEXT_PART_SEPARATOR.join(part["text"] for part in content)
+
+
+def _check_text_parts(content: Any, index: int) -> None:
     if isinstance(content, list) and all(
         isinstance(part, Mapping)
         and part.get("type") == "text"
         and isinstance(part.get("text"), str)
         for part in content
     ):
-        # One line a part, as vLLM (and TensorRT-LLM, Dynamo) join them for string templates.
-        return TEXT_PART_SEPARATOR.join(part["text"] for part in content)
+        return
     raise ValueError(
         f"messages: message {index} content must be a string or a list of text parts "
         "({'type': 'text', 'text': ...})"
     )
+
+
+def content_text(content: str | list[Mapping[str, Any]] | None) -> str:
+    """The text of a parsed message's content in either format (parts joined one a line)."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    return TEXT_PART_SEPARATOR.join(part["text"] for part in content)
 
 
 def load_chat_template(value: str) -> str:
@@ -348,10 +390,9 @@ def developer_as_system(conversation: list[dict[str, Any]], template: Any) -> li
     system = [i for i, m in enumerate(converted) if m["role"] == "system"]
     if system == [0]:
         return converted
-    merged = {
-        "role": "system",
-        "content": "\n\n".join(converted[i]["content"] for i in system if converted[i]["content"]),
-    }
+    # One string, whichever the content format (as vLLM merges them).
+    texts = (content_text(converted[i]["content"]) for i in system)
+    merged = {"role": "system", "content": "\n\n".join(text for text in texts if text)}
     return [merged] + [m for m in converted if m["role"] != "system"]
 
 

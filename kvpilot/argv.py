@@ -1,14 +1,49 @@
 """Command lines as vLLM's ``FlexibleArgumentParser`` reads them, so that a copied vLLM manifest
 or config file works: flag names with underscores (``--max_model_len``) and ``--config FILE``,
-a YAML mapping of flag names to values that the command line's own flags override."""
+a YAML mapping of flag names to values that the command line's own flags override; and the
+argparse types of vLLM's JSON-object flags and of the flags kvpilot takes only as 1."""
 
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterable
+import json
+from collections.abc import Callable, Iterable
 from typing import Any
 
 CONFIG_FLAG = "--config"
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object, as vLLM's JSON flags take it (an argparse type).
+
+    Raises:
+        argparse.ArgumentTypeError: the text is not JSON, or not a JSON object.
+    """
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f'expected a JSON object, e.g. {{"key": 1}}: {text!r}')
+    return value
+
+
+def only_one(what: str) -> Callable[[str], int]:
+    """An argparse type that takes only 1, for vLLM's scale-out flags that kvpilot answers
+    with replicas instead; ``what`` says what kvpilot runs one of.
+
+    Raises (from the type): argparse.ArgumentTypeError naming the value and how to scale.
+    """
+
+    def parse(text: str) -> int:
+        if text.strip() != "1":
+            raise argparse.ArgumentTypeError(
+                f"{text!r}: kvpilot runs {what}; serve more copies with replicas (an "
+                "LLMDeployment's spec.replicas, or autoscaling), so only 1 is accepted"
+            )
+        return 1
+
+    return parse
 
 
 def dash_flag_names(argv: Iterable[str]) -> list[str]:
@@ -28,7 +63,8 @@ def dash_flag_names(argv: Iterable[str]) -> list[str]:
 
 def config_file_args(config: Any, parser: argparse.ArgumentParser, source: str) -> list[str]:
     """The flags a vLLM config file stands for: ``{name: value}`` (names as the long flags
-    without ``--``, dashes or underscores) becomes ``--name value``; a list, ``--name v1 v2``;
+    without ``--``, dashes or underscores) becomes ``--name value`` (a mapping as its JSON);
+    a list, ``--name v1 v2``;
     ``true``, ``--name``; ``false``, ``--no-name`` where the flag has that form, else nothing
     (the flag is off by default).
 
@@ -49,10 +85,16 @@ def config_file_args(config: Any, parser: argparse.ArgumentParser, source: str) 
             negative = "--no-" + flag[2:]
             args += [negative] if negative in known else []
         elif isinstance(value, list):
-            args += [flag, *map(str, value)]
+            args += [flag, *map(_flag_value, value)]
         elif value is not None:
-            args += [flag, str(value)]
+            args += [flag, _flag_value(value)]
     return args
+
+
+def _flag_value(value: Any) -> str:
+    """A config file's value as the command line spells it: a mapping as JSON (the
+    ``--hf-overrides`` kind of flag), anything else as its text."""
+    return json.dumps(value) if isinstance(value, dict) else str(value)
 
 
 def expand_config_file(argv: list[str], parser: argparse.ArgumentParser) -> list[str]:

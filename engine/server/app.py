@@ -37,6 +37,7 @@ from prometheus_client import (
 
 from kvpilot import __version__
 from kvpilot.engine.async_llm import AsyncLLM
+from kvpilot.engine.chat_content_format import CHAT_TEMPLATE_CONTENT_FORMATS
 from kvpilot.engine.engine_core import EngineDeadError
 from kvpilot.engine.metrics import PrometheusStatLogger
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
@@ -56,7 +57,10 @@ from kvpilot.engine.server.protocol import (
 )
 from kvpilot.engine.server.reasoning_parsers import REASONING_PARSERS
 from kvpilot.engine.server.request_id_header import RequestIdHeaderMiddleware
-from kvpilot.engine.server.serving_chat import OpenAIServingChat
+from kvpilot.engine.server.serving_chat import (
+    OpenAIServingChat,
+    check_default_chat_template_kwargs,
+)
 from kvpilot.engine.server.serving_completion import OpenAIServingCompletion
 from kvpilot.engine.server.serving_engine import RETRY_AFTER_SECONDS, now
 from kvpilot.engine.server.serving_models import OpenAIServingModels
@@ -89,7 +93,8 @@ class ServerConfig:
             ``--trust-request-chat-template``); otherwise such a request is a 400.
         cors: Starlette ``CORSMiddleware`` keyword arguments (vLLM's ``--allowed-origins``, ...);
             None: no CORS headers.
-        log_requests: log each request's id, prompt length and sampling parameters at INFO.
+        log_requests: log each request's id, prompt length and sampling parameters at INFO,
+            its prompt text and token ids at DEBUG (vLLM's ``--enable-log-requests``).
         max_logprobs: the most top logprobs a request may ask for (vLLM's ``--max-logprobs``);
             None: up to the vocabulary.
         response_role: the role of chat replies (vLLM's ``--response-role``).
@@ -97,10 +102,31 @@ class ServerConfig:
             says otherwise (vLLM's ``--return-tokens-as-token-ids``).
         request_id_headers: every response carries ``X-Request-Id`` (vLLM's
             ``--enable-request-id-headers``).
+        max_log_len: with ``log_requests``, the most characters of a logged prompt or output
+            text and the most of its token ids (vLLM's ``--max-log-len``); None: all.
+        log_outputs: with ``log_requests``, log each chat or completion output (vLLM's
+            ``--enable-log-outputs``).
+        log_deltas: with ``log_outputs``, log each streamed delta too (vLLM's
+            ``--enable-log-deltas``).
+        disable_fastapi_docs: serve no ``/docs``, ``/redoc`` or ``/openapi.json`` (vLLM's
+            ``--disable-fastapi-docs``).
+        enable_prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens``
+            (vLLM's ``--enable-prompt-tokens-details``).
+        enable_force_include_usage: streams carry the usage as if every request set
+            ``stream_options.include_usage`` and ``continuous_usage_stats`` (vLLM's
+            ``--enable-force-include-usage``).
+        chat_template_content_format: ``auto``, ``string`` or ``openai`` (vLLM's
+            ``--chat-template-content-format``; ``chat_content_format.resolve_content_format``).
+        default_chat_template_kwargs: template variables of every chat request, under its own
+            ``chat_template_kwargs`` (vLLM's ``--default-chat-template-kwargs``).
+        exclude_tools_when_tool_choice_none: render ``tool_choice: "none"`` requests without
+            their tools (vLLM's ``--exclude-tools-when-tool-choice-none``).
 
     Raises:
-        ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, or an unknown
-            tool or reasoning parser name.
+        ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, an unknown
+            tool or reasoning parser name, ``log_outputs`` without ``log_requests``, an
+            unknown content format, or a ``default_chat_template_kwargs`` key that is no
+            template variable (``serving_chat.check_default_chat_template_kwargs``).
     """
 
     served_model_names: list[str]
@@ -117,8 +143,29 @@ class ServerConfig:
     response_role: str = "assistant"
     return_tokens_as_token_ids: bool = False
     request_id_headers: bool = False
+    max_log_len: int | None = None
+    log_outputs: bool = False
+    log_deltas: bool = True
+    disable_fastapi_docs: bool = False
+    enable_prompt_tokens_details: bool = False
+    enable_force_include_usage: bool = False
+    chat_template_content_format: str = "auto"
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    exclude_tools_when_tool_choice_none: bool = False
 
     def __post_init__(self) -> None:
+        if self.log_outputs and not self.log_requests:
+            # vLLM's rule and wording.
+            raise ValueError("--enable-log-outputs requires --enable-log-requests")
+        if self.chat_template_content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
+            raise ValueError(
+                f"--chat-template-content-format: unknown format "
+                f"{self.chat_template_content_format!r} "
+                f"(choose from: {', '.join(CHAT_TEMPLATE_CONTENT_FORMATS)})"
+            )
+        self.default_chat_template_kwargs = check_default_chat_template_kwargs(
+            self.default_chat_template_kwargs
+        )
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
@@ -205,7 +252,10 @@ def create_app(
             if state.tokenizer is not None:
                 state.tokenizer.shutdown()
 
-    app = FastAPI(title="kvpilot", version=__version__, lifespan=lifespan)
+    docs: dict[str, Any] = {}
+    if config.disable_fastapi_docs:
+        docs = {"openapi_url": None, "docs_url": None, "redoc_url": None}  # vLLM's flag
+    app = FastAPI(title="kvpilot", version=__version__, lifespan=lifespan, **docs)
     install_error_handlers(app)
 
     async def abort_all(message: str) -> int:
@@ -340,6 +390,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     tokenizer = info.tokenizer
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
+    server_chat_template = getattr(tokenizer, "chat_template", None)
     tokenizer = AsyncTokenizer(tokenizer, max_prompt_tokens=info.max_model_len)
     models = OpenAIServingModels(
         async_llm, config.served_model_names, info.max_model_len, info.loras
@@ -358,6 +409,12 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         "max_logprobs": config.max_logprobs,
         "return_tokens_as_token_ids": config.return_tokens_as_token_ids,
         "default_max_tokens": info.default_max_tokens,
+        "max_log_len": config.max_log_len,
+        "log_outputs": config.log_outputs,
+        "log_deltas": config.log_deltas,
+        "enable_prompt_tokens_details": config.enable_prompt_tokens_details,
+        "enable_force_include_usage": config.enable_force_include_usage,
+        "prefix_cache_block_size": info.block_size if info.enable_prefix_caching else None,
     }
     state.completion = OpenAIServingCompletion(*args, **shared)
     state.chat = OpenAIServingChat(
@@ -367,6 +424,10 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         auto_tool_parser=config.tool_call_parser if config.enable_auto_tool_choice else None,
         reasoning_parser=config.reasoning_parser,
         trust_request_chat_template=config.trust_request_chat_template,
+        chat_template=server_chat_template,
+        content_format=config.chat_template_content_format,
+        default_chat_template_kwargs=config.default_chat_template_kwargs,
+        exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
     )
     state.models = models
     state.tokenization = OpenAIServingTokenization(

@@ -9,8 +9,10 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from kvpilot.argv import json_object, only_one
+from kvpilot.engine.chat_content_format import CHAT_TEMPLATE_CONTENT_FORMATS
 from kvpilot.engine.config import EngineArgs
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME
 from kvpilot.engine.server.protocol import MAX_LOGPROBS
@@ -84,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--enable-log-requests",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="log each request's id, prompt length and sampling parameters at INFO "
+        help="log each request's id, prompt length and sampling parameters at INFO, and its "
+        "prompt text and token ids at DEBUG (logger kvpilot.server), as vLLM does "
         "(--disable-log-requests, older vLLM's flag, is the default)",
     )
     server.add_argument(
@@ -94,11 +97,68 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=argparse.SUPPRESS,
     )
     server.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --enable-log-requests, log at most N characters of a prompt's or an "
+        "output's text and N of its token ids (default: all)",
+    )
+    server.add_argument(
+        "--enable-log-outputs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="with --enable-log-requests, log each chat or completion output at INFO (its "
+        "text and finish reason; its token ids at DEBUG), as vLLM does",
+    )
+    server.add_argument(
+        "--enable-log-deltas",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --enable-log-outputs, also log each streamed delta (default on, as vLLM)",
+    )
+    server.add_argument(
+        "--log-config-file",
+        default=None,
+        metavar="PATH",
+        help="a JSON logging configuration (Python's logging.config.dictConfig schema) for "
+        "uvicorn's and kvpilot's loggers, in place of the default one (checked at start)",
+    )
+    server.add_argument(
+        "--disable-fastapi-docs",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve no /docs, /redoc or /openapi.json",
+    )
+    server.add_argument(
+        "--api-server-count",
+        "-asc",
+        type=only_one("one API server per engine, beside its engine-core process"),
+        default=None,
+        metavar="1",
+        help="API server processes: kvpilot runs one beside its engine-core process, so only "
+        "1 is accepted (serve more copies with replicas)",
+    )
+    server.add_argument(
         "--max-logprobs",
         type=int,
         default=MAX_LOGPROBS,
         help=f"the most top logprobs a request may ask for (logprobs, top_logprobs, "
         f"prompt_logprobs; default {MAX_LOGPROBS}, as vLLM; -1: up to the vocabulary)",
+    )
+    server.add_argument(
+        "--enable-prompt-tokens-details",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="report usage.prompt_tokens_details.cached_tokens (prompt tokens read from the "
+        "prefix cache) in chat and completion responses",
+    )
+    server.add_argument(
+        "--enable-force-include-usage",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="streams carry the usage as if every request set stream_options.include_usage "
+        "and continuous_usage_stats (vLLM's meaning: the usage so far on every chunk too)",
     )
     server.add_argument(
         "--return-tokens-as-token-ids",
@@ -165,6 +225,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="accept a request's own chat_template (refused with a 400 otherwise); the server "
         "renders it in a Jinja sandbox",
     )
+    templates.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=CHAT_TEMPLATE_CONTENT_FORMATS,
+        help="how a message's content reaches the chat template: 'string' (text parts joined "
+        "one a line), 'openai' (a list of {'type': 'text', 'text': ...} parts) or 'auto' "
+        "(default: 'openai' for a template that loops over a message's content, else 'string')",
+    )
+    templates.add_argument(
+        "--default-chat-template-kwargs",
+        type=json_object,
+        default=None,
+        metavar="JSON",
+        help="template variables for every chat request, e.g. '{\"enable_thinking\": false}'; "
+        "a request's own chat_template_kwargs win, key by key",
+    )
     tools = parser.add_argument_group("tool calling")
     tools.add_argument(
         "--enable-auto-tool-choice",
@@ -172,6 +248,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="allow tool_choice 'auto': the model decides whether to call a tool and "
         "--tool-call-parser finds the calls in its text ('required' and named tools need no flag)",
+    )
+    tools.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="a request with tool_choice 'none' renders its chat template without its tools",
     )
     tools.add_argument(
         "--tool-call-parser",
@@ -204,6 +286,58 @@ def _json_list(text: str) -> list[str]:
     return value
 
 
+def load_log_config(path: str | None) -> dict[str, Any] | None:
+    """Read ``--log-config-file``: a JSON object in ``logging.config.dictConfig``'s schema.
+
+    Args:
+        path: the file's path; None: no file (the default logging).
+
+    Returns:
+        The configuration, or None when ``path`` is None.
+
+    Raises:
+        ValueError: ``"--log-config-file: ..."`` when the file cannot be read, is not JSON, or
+            is not a JSON object.
+    """
+    if path is None:
+        return None
+    try:
+        with open(path, encoding="utf-8") as file:
+            config = json.load(file)
+    except OSError as exc:
+        raise ValueError(f"--log-config-file: cannot read {path!r}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ValueError(f"--log-config-file: {path!r} is not JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise ValueError(
+            f"--log-config-file: {path!r} must hold a JSON object (a logging.config.dictConfig "
+            f"configuration), got {type(config).__name__}"
+        )
+    return config
+
+
+def configure_logging(log_config: dict[str, Any] | None) -> None:
+    """Set up this process's logging: ``log_config`` (``--log-config-file``) through
+    ``logging.config.dictConfig``, else INFO and above to stderr.
+
+    Raises:
+        ValueError: ``"--log-config-file: ..."`` when ``dictConfig`` refuses the configuration
+            (an unknown handler class, a missing key, ...).
+    """
+    import logging
+    import logging.config
+
+    if log_config is None:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+        return
+    try:
+        logging.config.dictConfig(log_config)
+    except (ValueError, TypeError, AttributeError, ImportError) as exc:
+        raise ValueError(f"--log-config-file: the configuration was refused: {exc}") from None
+
+
 def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
     """The engine's and the server's configuration from the flags, checked before anything
     loads.
@@ -224,6 +358,8 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
         raise ValueError("--max-logprobs must be -1 (the vocabulary) or 0 or more")
     if args.shutdown_timeout is not None and not args.shutdown_timeout >= 0:
         raise ValueError("--shutdown-timeout must be 0 or more seconds")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError("--max-log-len must be 0 or more")
     args.served_model_name = args.served_model_name or args.model or DEFAULT_MODEL_NAME
     served_model_names = getattr(args, "served_model_names", None) or [args.served_model_name]
     engine_args = EngineArgs.from_cli_args(args)
@@ -250,6 +386,15 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
             "allow_credentials": args.allow_credentials,
         },
         log_requests=args.enable_log_requests,
+        max_log_len=args.max_log_len,
+        log_outputs=args.enable_log_outputs,
+        log_deltas=args.enable_log_deltas,
+        disable_fastapi_docs=args.disable_fastapi_docs,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+        enable_force_include_usage=args.enable_force_include_usage,
+        chat_template_content_format=args.chat_template_content_format,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
@@ -262,8 +407,6 @@ def run(args: argparse.Namespace) -> int:
     """Start the server; returns the process exit code: 2 for a bad flag (its one-line message
     on stderr, before anything loads, as argparse and ``kvpilot generate`` do), 1 when the model
     failed to load, 130 after Ctrl-C (as a shell reports an interrupted command)."""
-    import logging
-
     import prometheus_client
     import uvicorn
 
@@ -272,19 +415,18 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         engine_args, config = _configure(args)
+        log_config = load_log_config(args.log_config_file)
+        configure_logging(log_config)
     except ValueError as exc:
         print(f"kvpilot serve: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
     prometheus_client.disable_created_metrics()  # no *_created series in /metrics, as vLLM
 
     def load_engine():
         if args.engine_core_process:
             from kvpilot.engine.core_client import MPClient
 
-            return MPClient(engine_args)
+            return MPClient(engine_args, log_config)
         from kvpilot.engine.llm_engine import LLMEngine
 
         return LLMEngine.from_engine_args(engine_args)
@@ -302,6 +444,8 @@ def run(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             log_level=args.uvicorn_log_level,
+            # vLLM's way: the file's configuration is uvicorn's too (uvicorn applies it again).
+            **({} if log_config is None else {"log_config": log_config}),
             access_log=not args.disable_uvicorn_access_log,
             root_path=args.root_path,
             ssl_keyfile=args.ssl_keyfile,

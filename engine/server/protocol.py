@@ -152,6 +152,8 @@ class _SamplingFields(OpenAIModel):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    # vLLM's: lower is served first with --scheduling-policy priority; must be 0 under fcfs.
+    priority: int = 0
     response_format: ResponseFormat | None = None
     # vLLM's extension: json, regex, choice, grammar or json_object.
     structured_outputs: StructuredOutputsParams | None = None
@@ -616,10 +618,27 @@ class ChatCompletionRequest(_SamplingFields):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
+class PromptTokenUsageInfo(OpenAIModel):
+    """vLLM's ``usage.prompt_tokens_details`` (``--enable-prompt-tokens-details``):
+    ``cached_tokens``, the prompt tokens read from the prefix cache; on chat completions also
+    ``created_cache_tokens``, the prompt tokens this request computed into full cache blocks
+    (None on completions, as vLLM); ``multimodal_tokens`` is always None here (text only)."""
+
+    cached_tokens: int | None = None
+    created_cache_tokens: int | None = None
+    multimodal_tokens: dict[str, int] | None = None
+
+
 class UsageInfo(OpenAIModel):
+    """A response's token counts; ``prompt_tokens_details`` is left out of the JSON unless the
+    server reports it (``--enable-prompt-tokens-details``)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = Field(
+        default=None, exclude_if=lambda details: details is None
+    )
 
 
 class CompletionLogprobs(OpenAIModel):

@@ -3,11 +3,13 @@ with reasoning (``reasoning_parsers``) and tool calling (``tool_parsers``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import logging
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engine.async_llm import EngineError
+from kvpilot.engine.chat_content_format import resolve_content_format
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import CompletionOutput
 from kvpilot.engine.sampling_params import SamplingParams
@@ -36,9 +38,15 @@ from kvpilot.engine.server.serving_engine import (
     sse_error,
 )
 from kvpilot.engine.server.tool_parsers import ToolParser, get_tool_parser
-from kvpilot.engine.tokenization import merge_chat_template_kwargs, parse_chat_messages
+from kvpilot.engine.tokenization import (
+    NOT_TEMPLATE_VARIABLES,
+    merge_chat_template_kwargs,
+    parse_chat_messages,
+)
 
 ASSISTANT = "assistant"
+
+logger = logging.getLogger("kvpilot.server")
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -58,6 +66,16 @@ class OpenAIServingChat(OpenAIServing):
             reasoning and content (``--reasoning-parser``); None: all content.
         trust_request_chat_template: render with a request's ``chat_template`` (vLLM's
             ``--trust-request-chat-template``); False refuses such requests.
+        response_role: the role of replies (vLLM's ``--response-role``).
+        chat_template: the server's template (``--chat-template``, else the model's; a dict of
+            named templates, or None), read to resolve ``content_format``.
+        content_format: how message content reaches the template (vLLM's
+            ``--chat-template-content-format``): ``"string"``, ``"openai"`` or ``"auto"``
+            (``chat_content_format.resolve_content_format``, for the template that renders).
+        default_chat_template_kwargs: template variables of every request, under its own
+            ``chat_template_kwargs`` (vLLM's ``--default-chat-template-kwargs``).
+        exclude_tools_when_tool_choice_none: render a ``tool_choice: "none"`` request without
+            its tools (vLLM's ``--exclude-tools-when-tool-choice-none``).
     """
 
     def __init__(
@@ -67,6 +85,10 @@ class OpenAIServingChat(OpenAIServing):
         reasoning_parser: str | None = None,
         trust_request_chat_template: bool = False,
         response_role: str = ASSISTANT,
+        chat_template: str | dict[str, str] | None = None,
+        content_format: str = "auto",
+        default_chat_template_kwargs: dict[str, Any] | None = None,
+        exclude_tools_when_tool_choice_none: bool = False,
         **kwargs: Any,
     ) -> None:
         super().__init__(*args, **kwargs)
@@ -74,6 +96,11 @@ class OpenAIServingChat(OpenAIServing):
         self.auto_tool_parser = auto_tool_parser
         self.reasoning_parser = reasoning_parser
         self.trust_request_chat_template = trust_request_chat_template
+        self.chat_template = chat_template
+        self.content_format = content_format
+        self.default_chat_template_kwargs = dict(default_chat_template_kwargs or {})
+        self.exclude_tools_when_tool_choice_none = exclude_tools_when_tool_choice_none
+        self._logged_formats: set[str] = set()
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, arrival_time: float
@@ -95,7 +122,7 @@ class OpenAIServingChat(OpenAIServing):
             make_tool_parser = get_tool_parser(request, self.auto_tool_parser)
         except ValueError as exc:
             raise bad_request(exc, "tool_choice") from None
-        template_args = chat_template_arguments(request)
+        template_args = self.template_arguments(request)
         prompt_token_ids = self.truncate_prompt(
             await self._render(request, template_args), request.truncate_prompt_tokens
         )
@@ -118,8 +145,18 @@ class OpenAIServingChat(OpenAIServing):
         parsers.adjust_request(params)
         await self.compile_grammar(request, params)
         request_id = new_request_id("chatcmpl")
+        prompt_text = None
+        if self.logs_prompt_details:  # the rendered prompt, as vLLM logs it
+            prompt_text = await self.tokenizer.decode(prompt_token_ids)
         stream = await self.add(
-            request_id, prompt_token_ids, params, arrival_time, request.cache_salt, lora_request
+            request_id,
+            prompt_token_ids,
+            params,
+            arrival_time,
+            request.cache_salt,
+            lora_request,
+            prompt_text=prompt_text,
+            priority=request.priority,
         )
         echo = self._echo_text(request, template_args["add_generation_prompt"])
         shown_id = response_id("chatcmpl", request_id, request.request_id)
@@ -127,6 +164,7 @@ class OpenAIServingChat(OpenAIServing):
             return self._stream(
                 request,
                 shown_id,
+                request_id,
                 prompt_token_ids,
                 stream,
                 echo,
@@ -138,16 +176,38 @@ class OpenAIServingChat(OpenAIServing):
         finally:
             stream.close()
         choices = [self._choice(request, seq, echo, parsers) for seq in final.outputs]
-        return ChatCompletionResponse(
+        num_prompt_tokens = len(prompt_token_ids)
+        response = ChatCompletionResponse(
             id=shown_id,
             model=self.response_model(lora_request),
             choices=choices,
             usage=self.usage(
-                len(prompt_token_ids), sum(len(seq.token_ids) for seq in final.outputs)
+                num_prompt_tokens,
+                sum(len(seq.token_ids) for seq in final.outputs),
+                self.prompt_tokens_details(final, num_prompt_tokens, True),
             ),
             prompt_logprobs=self.prompt_logprobs(request, prompt_token_ids, final),
             prompt_token_ids=prompt_token_ids if request.return_token_ids else None,
         )
+        if self.log_outputs:
+            for choice, seq in zip(choices, final.outputs, strict=True):
+                self._log_choice(request_id, choice, seq.token_ids)
+        return response
+
+    def _log_choice(
+        self, request_id: str, choice: ChatCompletionChoice, token_ids: list[int]
+    ) -> None:
+        """Log a finished reply as vLLM does: its content, else its tool calls as
+        ``[tool_calls: name(arguments), ...]``; nothing for an empty one."""
+        text = choice.message.content or ""
+        if not text and choice.message.tool_calls:
+            calls = ", ".join(
+                f"{call.function.name}({call.function.arguments})"
+                for call in choice.message.tool_calls
+            )
+            text = f"[tool_calls: {calls}]"
+        if text:
+            self.log_output(request_id, text, token_ids, choice.finish_reason)
 
     def _choice(
         self,
@@ -174,6 +234,30 @@ class OpenAIServingChat(OpenAIServing):
             **({} if hidden else self.token_ids(request, None, seq.token_ids)),
         )
 
+    def _log_delta(
+        self,
+        request_id: str,
+        delta: DeltaMessage,
+        token_ids: list[int],
+        finish_reason: str | None,
+    ) -> None:
+        """Log a streamed delta as vLLM does: its content, ``[reasoning: ...]`` and
+        ``[tool_calls: <arguments>]``, joined by spaces; nothing for a delta without them."""
+        parts = [delta.content] if delta.content else []
+        if delta.reasoning:
+            parts.append(f"[reasoning: {delta.reasoning}]")
+        arguments = "".join(
+            call.function.arguments
+            for call in delta.tool_calls or []
+            if call.function and call.function.arguments
+        )
+        if arguments:
+            parts.append(f"[tool_calls: {arguments}]")
+        if parts:
+            self.log_output(
+                request_id, " ".join(parts), token_ids, finish_reason, streaming=True, delta=True
+            )
+
     def _check_template_trusted(self, request: ChatCompletionRequest) -> None:
         if request.chat_template is not None and not self.trust_request_chat_template:
             # vLLM's wording.
@@ -192,14 +276,44 @@ class OpenAIServingChat(OpenAIServing):
                 messages or ``chat_template_kwargs`` the template refuses.
         """
         self._check_template_trusted(request)
-        return await self._render(request, chat_template_arguments(request))
+        return await self._render(request, self.template_arguments(request))
+
+    def template_arguments(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """``chat_template_arguments`` with this server's defaults and tool settings.
+
+        Raises:
+            OpenAIError: 400 naming ``chat_template_kwargs`` (see ``chat_template_arguments``).
+        """
+        return chat_template_arguments(
+            request,
+            self.default_chat_template_kwargs,
+            self.exclude_tools_when_tool_choice_none,
+        )
+
+    def resolve_content_format(self, template_args: dict[str, Any]) -> str:
+        """``"string"`` or ``"openai"``: how the conversation reaches the template that will
+        render it (the request's, else the server's), as vLLM resolves
+        ``--chat-template-content-format``."""
+        template = template_args["chat_template"] or self.chat_template
+        resolved = resolve_content_format(
+            self.content_format, template, bool(template_args["tools"])
+        )
+        if self.content_format == "auto" and resolved not in self._logged_formats:
+            self._logged_formats.add(resolved)
+            logger.info(
+                "Detected the chat template content format to be '%s'. You can set "
+                "--chat-template-content-format to override this.",
+                resolved,
+            )
+        return resolved
 
     async def _render(
         self, request: ChatCompletionRequest, template_args: dict[str, Any]
     ) -> list[int]:
         try:
             conversation = parse_chat_messages(
-                [message.model_dump(exclude_none=True) for message in request.messages]
+                [message.model_dump(exclude_none=True) for message in request.messages],
+                self.resolve_content_format(template_args),
             )
             return await self.tokenizer.apply_chat_template(conversation, **template_args)
         except ValueError as exc:
@@ -247,6 +361,7 @@ class OpenAIServingChat(OpenAIServing):
         self,
         request: ChatCompletionRequest,
         request_id: str,
+        engine_request_id: str,
         prompt_token_ids: list[int],
         stream: RequestStream,
         echo: str,
@@ -257,7 +372,9 @@ class OpenAIServingChat(OpenAIServing):
         num_prompt_tokens = len(prompt_token_ids)
         n = request.n
         num_tokens = [0] * n
-        every = request.stream_options is not None and request.stream_options.every_chunk()
+        include_usage, every = self.stream_usage(request)
+        first_output = None  # vLLM's cached tokens: the first output's
+        texts = [""] * n  # each choice's generated text, for the log
 
         def chunk(choices: list[ChatCompletionStreamChoice], first: bool = False) -> str:
             usage = self.usage(num_prompt_tokens, sum(num_tokens)) if every else None
@@ -283,6 +400,7 @@ class OpenAIServingChat(OpenAIServing):
         choice_parsers = [parsers.choice() for _ in range(n)]
         try:
             async for output in stream:
+                first_output = first_output or output
                 for seq in output.outputs:
                     index = seq.index
                     num_tokens[index] = len(seq.token_ids)
@@ -290,6 +408,7 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     text = seq.text[sent_text[index] :]
                     sent_text[index] = len(seq.text)
+                    texts[index] = seq.text
                     finished[index] = seq.finish_reason is not None
                     parser = choice_parsers[index]
                     delta = parser.delta(text, finished[index])
@@ -300,6 +419,13 @@ class OpenAIServingChat(OpenAIServing):
                     has_logprobs = logprobs is not None and bool(logprobs.content)
                     if delta is None and not has_logprobs and not finished[index]:
                         continue
+                    if self.log_outputs and self.log_deltas and delta is not None:
+                        self._log_delta(
+                            engine_request_id,
+                            delta,
+                            seq.token_ids[sent_tokens[index] :],
+                            seq.finish_reason,
+                        )
                     ids = {}
                     if not parsers.hides_tokens:
                         ids = self.token_ids(request, None, seq.token_ids[sent_tokens[index] :])
@@ -313,15 +439,18 @@ class OpenAIServingChat(OpenAIServing):
                         **ids,
                     )
                     yield chunk([choice])
-            if request.stream_options and request.stream_options.include_usage:
-                yield sse(
-                    ChatCompletionStreamResponse(
-                        id=request_id,
-                        model=model,
-                        choices=[],
-                        usage=self.usage(num_prompt_tokens, sum(num_tokens)),
-                    )
+            if include_usage:
+                details = self.prompt_tokens_details(first_output, num_prompt_tokens, True)
+                usage = self.usage(num_prompt_tokens, sum(num_tokens), details)
+                response = ChatCompletionStreamResponse(
+                    id=request_id, model=model, choices=[], usage=usage
                 )
+                yield sse(response, exclude_none=True)  # as vLLM sends it
+            if self.log_outputs:
+                for text in texts:
+                    self.log_output(
+                        engine_request_id, text, None, "streaming_complete", streaming=True
+                    )
         except EngineError as exc:
             yield sse_error(exc)
         finally:
@@ -329,26 +458,80 @@ class OpenAIServingChat(OpenAIServing):
         yield sse("[DONE]")
 
 
-def chat_template_arguments(request: ChatCompletionRequest) -> dict[str, Any]:
+def chat_template_arguments(
+    request: ChatCompletionRequest,
+    default_kwargs: Mapping[str, Any] | None = None,
+    exclude_tools_when_tool_choice_none: bool = False,
+) -> dict[str, Any]:
     """The keyword arguments of ``tokenization.apply_chat_template`` for a request, merged as
     vLLM merges them (``tokenization.merge_chat_template_kwargs``): ``chat_template_kwargs`` over
     the request's own settings.
+
+    Args:
+        request: the chat request.
+        default_kwargs: the server's ``--default-chat-template-kwargs``, checked at start
+            (``check_default_chat_template_kwargs``): under the request's
+            ``chat_template_kwargs``, key by key; a request key whose value is null or
+            ``"auto"`` leaves the default (vLLM's ``merge_kwargs``).
+        exclude_tools_when_tool_choice_none: no tools for a ``tool_choice: "none"`` request.
 
     Raises:
         OpenAIError: 400 naming ``chat_template_kwargs`` for a key that is not a template
             variable (``tokenization.NOT_TEMPLATE_VARIABLES``).
     """
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
+    if exclude_tools_when_tool_choice_none and request.tool_choice == "none":
+        tools = []
+    variables = request.chat_template_kwargs
+    if default_kwargs:
+        own = {k: v for k, v in (variables or {}).items() if v is not None and v != "auto"}
+        variables = dict(default_kwargs) | own
     try:
         return merge_chat_template_kwargs(
             tools=tools or None,
             chat_template=request.chat_template,
             add_generation_prompt=request.add_generation_prompt,
             continue_final_message=request.continue_final_message,
-            chat_template_kwargs=request.chat_template_kwargs,
+            chat_template_kwargs=variables,
         )
     except ValueError as exc:
         raise bad_request(exc, "chat_template_kwargs") from None
+
+
+IGNORED_DEFAULT_KWARGS = ("add_generation_prompt", "continue_final_message")
+"""``--default-chat-template-kwargs`` keys that change nothing: every request sets these
+fields (defaults included), and vLLM lets the request's value win."""
+REFUSED_DEFAULT_KWARGS = frozenset({"chat_template", "tools"}) | NOT_TEMPLATE_VARIABLES
+"""``--default-chat-template-kwargs`` keys refused at start: vLLM would fail every request on
+them (the template and the tools come from elsewhere; the rest are not template variables)."""
+
+
+def check_default_chat_template_kwargs(kwargs: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The server's ``--default-chat-template-kwargs``, as requests merge them.
+
+    Returns:
+        The variables, without ``IGNORED_DEFAULT_KWARGS`` (logged as ignored).
+
+    Raises:
+        ValueError: ``"--default-chat-template-kwargs: ..."`` naming the keys of
+            ``REFUSED_DEFAULT_KWARGS`` given.
+    """
+    kwargs = dict(kwargs or {})
+    if refused := sorted(REFUSED_DEFAULT_KWARGS & kwargs.keys()):
+        raise ValueError(
+            f"--default-chat-template-kwargs: {', '.join(map(repr, refused))} cannot be set "
+            "here: only template variables (such as enable_thinking) may be given; the chat "
+            "template comes from --chat-template or the model, the tools from each request"
+        )
+    for key in IGNORED_DEFAULT_KWARGS:
+        if kwargs.pop(key, None) is not None:
+            logger.warning(
+                "--default-chat-template-kwargs: %r is ignored: each request's own %s wins, "
+                "as in vLLM",
+                key,
+                key,
+            )
+    return kwargs
 
 
 @dataclass

@@ -37,6 +37,7 @@ class _Prompt:
     text: str
     token_ids: list[int]
     first_token_text: str | None = None
+    given_as_text: bool = True
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -89,6 +90,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         arrival_time,
                         request.cache_salt,
                         lora_request,
+                        # As vLLM logs it: the text of a text prompt, none for token ids.
+                        prompt_text=prompt.text if prompt.given_as_text else None,
+                        priority=request.priority,
                     )
                 )
         except BaseException:
@@ -97,13 +101,23 @@ class OpenAIServingCompletion(OpenAIServing):
             raise
         shown_id = response_id("cmpl", request_id, request.request_id)
         if request.stream:
-            return self._stream(request, shown_id, prompts, streams, lora_request)
+            return self._stream(request, shown_id, request_id, prompts, streams, lora_request)
         try:
             finals = await asyncio.gather(*(self.final_output(s) for s in streams))
         finally:
             for stream in streams:
                 stream.close()
-        return self._response(request, shown_id, prompts, finals, lora_request)
+        response = self._response(request, shown_id, prompts, finals, lora_request)
+        if self.log_outputs:
+            for choice in response.choices:
+                seq = finals[choice.index // request.n].outputs[choice.index % request.n]
+                self.log_output(
+                    f"{request_id}-{choice.index // request.n}",
+                    choice.text,
+                    self._shown(request, seq).token_ids,
+                    choice.finish_reason,
+                )
+        return response
 
     async def _encode(self, prompt: str | list[int], truncate: int | None) -> _Prompt:
         """One prompt's text and token ids, cut to ``truncate_prompt_tokens`` (the text then
@@ -120,7 +134,9 @@ class OpenAIServingCompletion(OpenAIServing):
         kept = self.truncate_prompt(token_ids, truncate)
         if isinstance(prompt, str) and kept is token_ids:
             return _Prompt(prompt, token_ids)
-        return _Prompt(await self.tokenizer.decode(kept), kept)
+        return _Prompt(
+            await self.tokenizer.decode(kept), kept, given_as_text=isinstance(prompt, str)
+        )
 
     def _response(
         self,
@@ -150,11 +166,13 @@ class OpenAIServingCompletion(OpenAIServing):
                         **self.token_ids(request, prompt.token_ids, seq.token_ids),
                     )
                 )
+        # As vLLM reports it: the last prompt's cached tokens.
+        details = self.prompt_tokens_details(finals[-1], len(prompts[-1].token_ids), False)
         return CompletionResponse(
             id=request_id,
             model=self.response_model(lora_request),
             choices=choices,
-            usage=self.usage(sum(len(p.token_ids) for p in prompts), num_generated),
+            usage=self.usage(sum(len(p.token_ids) for p in prompts), num_generated, details),
         )
 
     @staticmethod
@@ -217,11 +235,15 @@ class OpenAIServingCompletion(OpenAIServing):
         self,
         request: CompletionRequest,
         request_id: str,
+        engine_request_id: str,
         prompts: list[_Prompt],
         streams: list[RequestStream],
         lora_request: LoRARequest | None,
     ) -> AsyncIterator[str]:
         model = self.response_model(lora_request)
+        include_usage, every = self.stream_usage(request)
+        first_output: RequestOutput | None = None  # vLLM's cached tokens: the first output's
+        texts = [""] * (len(prompts) * request.n)  # each choice's generated text, for the log
         n = request.n
         num_choices = len(prompts) * n
         sent_text = [0] * num_choices  # characters of each choice already sent
@@ -233,9 +255,9 @@ class OpenAIServingCompletion(OpenAIServing):
         text_offsets = [0] * num_choices
         # The usage so far on every chunk counts the prompts as the last chunk does.
         num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        every = request.stream_options is not None and request.stream_options.every_chunk()
         try:
             async for i, output in merge_streams(streams):
+                first_output = first_output or output
                 for seq in output.outputs:
                     seq = self._shown(request, seq)
                     index = i * n + seq.index
@@ -265,6 +287,16 @@ class OpenAIServingCompletion(OpenAIServing):
                         None if started[index] else prompts[i].token_ids,
                         seq.token_ids[sent_tokens[index] :],
                     )
+                    if self.log_outputs and self.log_deltas and seq.text[sent_text[index] :]:
+                        self.log_output(
+                            f"{engine_request_id}-{i}",
+                            seq.text[sent_text[index] :],
+                            seq.token_ids[sent_tokens[index] :],
+                            seq.finish_reason,
+                            streaming=True,
+                            delta=True,
+                        )
+                    texts[index] = seq.text
                     started[index] = True
                     sent_text[index] = len(seq.text)
                     sent_tokens[index] = len(seq.token_ids)
@@ -283,9 +315,20 @@ class OpenAIServingCompletion(OpenAIServing):
                             id=request_id, model=model, choices=[choice], usage=usage
                         )
                     )
-            if request.stream_options and request.stream_options.include_usage:
-                usage = self.usage(num_prompt_tokens, sum(num_tokens))
-                yield sse(CompletionResponse(id=request_id, model=model, choices=[], usage=usage))
+            if include_usage:
+                details = self.prompt_tokens_details(first_output, num_prompt_tokens, False)
+                usage = self.usage(num_prompt_tokens, sum(num_tokens), details)
+                response = CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
+                yield sse(response, exclude_none=True)  # as vLLM sends it
+            if self.log_outputs:
+                for index, text in enumerate(texts):
+                    self.log_output(
+                        f"{engine_request_id}-{index // n}",
+                        text,
+                        None,
+                        "streaming_complete",
+                        streaming=True,
+                    )
         except EngineError as exc:
             yield sse_error(exc)
         yield sse("[DONE]")

@@ -28,7 +28,12 @@ from kvpilot.engine.outputs import Logprob, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams, is_int
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.errors import OpenAIError, bad_request, error_body
-from kvpilot.engine.server.protocol import MAX_LOGPROBS, PromptLogprobs, UsageInfo
+from kvpilot.engine.server.protocol import (
+    MAX_LOGPROBS,
+    PromptLogprobs,
+    PromptTokenUsageInfo,
+    UsageInfo,
+)
 from kvpilot.engine.server.serving_models import OpenAIServingModels
 
 logger = logging.getLogger("kvpilot.server")
@@ -55,7 +60,21 @@ class OpenAIServing:
         default_sampling_params: what a request's unset sampling fields take (the engine's
             ``get_default_sampling_params()``; default ``SamplingParams()``).
         log_requests: log each request as it is submitted (id, prompt length, sampling
-            parameters) at INFO, as vLLM's ``--enable-log-requests``.
+            parameters) at INFO, and its prompt text and token ids at DEBUG, as vLLM's
+            ``--enable-log-requests``.
+        max_log_len: the most characters of a logged prompt or output text, and the most of
+            its token ids (vLLM's ``--max-log-len``); None: all.
+        log_outputs: with ``log_requests``, log each output as it finishes (and, with
+            ``log_deltas``, each streamed delta) at INFO, its token ids at DEBUG (vLLM's
+            ``--enable-log-outputs``).
+        log_deltas: log streamed deltas too (vLLM's ``--enable-log-deltas``, on by default).
+        enable_prompt_tokens_details: report ``usage.prompt_tokens_details`` (vLLM's
+            ``--enable-prompt-tokens-details``).
+        enable_force_include_usage: streams carry the usage as if every request asked for
+            ``stream_options.include_usage`` and ``continuous_usage_stats`` (vLLM's
+            ``--enable-force-include-usage``).
+        prefix_cache_block_size: tokens per KV block when the engine caches prefixes, else
+            None (for ``prompt_tokens_details.created_cache_tokens``).
         max_logprobs: the most top logprobs a request may ask for (``logprobs``,
             ``top_logprobs``, ``prompt_logprobs``; vLLM's ``--max-logprobs``, 20); None: up to
             the vocabulary.
@@ -78,8 +97,20 @@ class OpenAIServing:
         max_logprobs: int | None = MAX_LOGPROBS,
         return_tokens_as_token_ids: bool = False,
         default_max_tokens: int | None = None,
+        max_log_len: int | None = None,
+        log_outputs: bool = False,
+        log_deltas: bool = True,
+        enable_prompt_tokens_details: bool = False,
+        enable_force_include_usage: bool = False,
+        prefix_cache_block_size: int | None = None,
     ) -> None:
         self.engine = engine
+        self.max_log_len = max_log_len
+        self.log_outputs = log_requests and log_outputs
+        self.log_deltas = log_deltas
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
+        self.enable_force_include_usage = enable_force_include_usage
+        self.prefix_cache_block_size = prefix_cache_block_size
         self.default_max_tokens = default_max_tokens
         self.log_requests = log_requests
         self.max_logprobs = max_logprobs
@@ -194,6 +225,104 @@ class OpenAIServing:
             reason = str(exc).removeprefix("structured_outputs: ")
             raise bad_request(f"{param}: {reason}", param) from None
 
+    @property
+    def logs_prompt_details(self) -> bool:
+        """Whether a request's prompt text and token ids are logged (``log_requests`` with the
+        server's logger enabled for DEBUG): a caller computes the text only then."""
+        return self.log_requests and logger.isEnabledFor(logging.DEBUG)
+
+    def log_inputs(
+        self,
+        request_id: str,
+        prompt_text: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        lora_request: LoRARequest | None,
+    ) -> None:
+        """Log a request as vLLM's request logger does: its prompt text (None when it came as
+        token ids) and token ids at DEBUG, cut to ``max_log_len`` characters and ids; then its
+        id, prompt length, adapter and sampling parameters at INFO."""
+        if self.logs_prompt_details:
+            logger.debug(
+                "Request %s details: prompt: %r, prompt_token_ids: %s, prompt_embeds shape: %s.",
+                request_id,
+                None if prompt_text is None else prompt_text[: self.max_log_len],
+                prompt_token_ids[: self.max_log_len],
+                None,
+            )
+        logger.info(
+            "request %s: %d prompt tokens, lora %s, %s",
+            request_id,
+            len(prompt_token_ids),
+            None if lora_request is None else lora_request.lora_name,
+            params,
+        )
+
+    def log_output(
+        self,
+        request_id: str,
+        text: str,
+        token_ids: list[int] | None,
+        finish_reason: str | None,
+        streaming: bool = False,
+        delta: bool = False,
+    ) -> None:
+        """Log an output as vLLM's request logger does (``--enable-log-outputs``): its token
+        ids at DEBUG, then its text and finish reason at INFO, each cut to ``max_log_len``
+        (characters, ids); a stream's lines say ``(streaming delta)`` or
+        ``(streaming complete)``."""
+        stream_info = ""
+        if streaming:
+            stream_info = " (streaming delta)" if delta else " (streaming complete)"
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "Generated response %s%s details: output_token_ids: %s",
+                request_id,
+                stream_info,
+                None if token_ids is None else list(token_ids)[: self.max_log_len],
+            )
+        logger.info(
+            "Generated response %s%s: output: %r, finish_reason: %s",
+            request_id,
+            stream_info,
+            text[: self.max_log_len],
+            finish_reason,
+        )
+
+    def stream_usage(self, request: Any) -> tuple[bool, bool]:
+        """``(include_usage, continuous)`` of a stream: whether it ends with a usage chunk and
+        whether every chunk carries the usage so far; both with
+        ``--enable-force-include-usage``, as vLLM forces them."""
+        if self.enable_force_include_usage:
+            return True, True
+        options = request.stream_options
+        if options is None:
+            return False, False
+        return options.include_usage, options.every_chunk()
+
+    def prompt_tokens_details(
+        self, output: RequestOutput | None, num_prompt_tokens: int, created: bool
+    ) -> PromptTokenUsageInfo | None:
+        """``usage.prompt_tokens_details`` with ``--enable-prompt-tokens-details``, else None.
+
+        Args:
+            output: an output of the request, for the engine's ``num_cached_tokens`` (the
+                prompt tokens read from the prefix cache, whole blocks); None: no details.
+            num_prompt_tokens: the request's prompt length in tokens.
+            created: also report ``created_cache_tokens`` (vLLM's chat completions do): the
+                prompt tokens in full blocks the request computed and added to the cache (0
+                when prefix caching is off).
+        """
+        if not self.enable_prompt_tokens_details or output is None:
+            return None
+        cached = output.num_cached_tokens
+        details = PromptTokenUsageInfo(cached_tokens=cached)
+        if created:
+            block = self.prefix_cache_block_size
+            full = 0 if block is None else num_prompt_tokens // block * block
+            details.created_cache_tokens = max(0, full - cached)
+        return details
+
     async def add(
         self,
         request_id: str,
@@ -202,16 +331,15 @@ class OpenAIServing:
         arrival_time: float,
         cache_salt: str | None,
         lora_request: LoRARequest | None = None,
+        prompt_text: str | None = None,
+        priority: int = 0,
     ) -> RequestStream:
-        """Submit to the engine, mapping refusals to HTTP errors (400, 503 + Retry-After)."""
+        """Submit to the engine, mapping refusals to HTTP errors (400, 503 + Retry-After);
+        logged first with ``log_requests`` (``prompt_text``: the prompt as text for the DEBUG
+        line, None when the request gave token ids). ``priority``: the request's, for the
+        engine's ``priority`` scheduling policy (a non-zero one under ``fcfs`` is a 400)."""
         if self.log_requests:
-            logger.info(
-                "request %s: %d prompt tokens, lora %s, %s",
-                request_id,
-                len(prompt_token_ids),
-                None if lora_request is None else lora_request.lora_name,
-                params,
-            )
+            self.log_inputs(request_id, prompt_text, prompt_token_ids, params, lora_request)
         try:
             return await self.engine.add_request(
                 request_id,
@@ -220,6 +348,7 @@ class OpenAIServing:
                 arrival_time=arrival_time,
                 cache_salt=cache_salt,
                 lora_request=lora_request,
+                priority=priority,
             )
         except QueueFullError as exc:
             raise OpenAIError(
@@ -304,11 +433,17 @@ class OpenAIServing:
         ]
 
     @staticmethod
-    def usage(num_prompt_tokens: int, num_completion_tokens: int) -> UsageInfo:
+    def usage(
+        num_prompt_tokens: int,
+        num_completion_tokens: int,
+        prompt_tokens_details: PromptTokenUsageInfo | None = None,
+    ) -> UsageInfo:
+        """A response's ``usage`` (``prompt_tokens_details`` where the server reports it)."""
         return UsageInfo(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
+            prompt_tokens_details=prompt_tokens_details,
         )
 
 
@@ -350,9 +485,13 @@ def top_candidates(
     ]
 
 
-def sse(payload: BaseModel | str) -> str:
-    """One Server-Sent Event carrying a JSON body (or the final ``[DONE]``)."""
-    data = payload if isinstance(payload, str) else payload.model_dump_json()
+def sse(payload: BaseModel | str, exclude_none: bool = False) -> str:
+    """One Server-Sent Event carrying a JSON body (or the final ``[DONE]``); ``exclude_none``
+    leaves out the body's null fields (as vLLM sends a stream's last usage chunk)."""
+    if isinstance(payload, str):
+        data = payload
+    else:
+        data = payload.model_dump_json(exclude_none=exclude_none)
     return f"data: {data}\n\n"
 
 

@@ -304,7 +304,7 @@ def test_vllm_flags_that_change_nothing_are_taken_and_checked(capsys):
     for bad, message in [
         (["-dp", "2"], "kvpilot runs one engine per pod"),
         (["-O", "4"], "invalid choice: 4"),
-        (["--compilation-config", "[1]"], "must be a JSON object"),
+        (["--compilation-config", "[1]"], "expected a JSON object"),
         (["--model-impl", "transformers"], "invalid choice: 'transformers'"),
     ]:
         with pytest.raises(SystemExit):

@@ -94,6 +94,8 @@ def test_config_file_and_underscore_flags_as_vllms_parser_reads_them(tmp_path):
     config.write_text(
         "model: org/model\nmax_model_len: 1024\nenable-prefix-caching: false\n"
         "served-model-name: [a, b]\ntrust-remote-code: true\nenforce-eager: false\n"
+        "hf-overrides: {rope_parameters: {rope_type: default, rope_theta: 5.0e+5}}\n"
+        "default-chat-template-kwargs: {enable_thinking: false}\n"
     )
     argv = dash_flag_names(["--config", str(config), "--max_model_len=2048", "--", "--x_y"])
     argv = expand_config_file(argv, parser)
@@ -109,6 +111,12 @@ def test_config_file_and_underscore_flags_as_vllms_parser_reads_them(tmp_path):
         True,
         False,
     )
+    # A mapping is passed on as JSON, as the flag takes it on a command line.
+    engine_args, server_config = cli._configure(args)
+    assert engine_args.hf_overrides == {
+        "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}
+    }
+    assert server_config.default_chat_template_kwargs == {"enable_thinking": False}
     config.write_text("max_modl_len: 1\n")
     with pytest.raises(ValueError, match="unknown flag 'max_modl_len'"):
         expand_config_file([f"--config={config}"], parser)
