@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvpilot.engine.block_pool import BlockHash
+from kvpilot.engine.chat_content_format import resolve_content_format
 from kvpilot.engine.kv_cache_manager import block_extra_keys, extend_block_hashes
 from kvpilot.engine.tokenization import apply_chat_template, encode_text, parse_chat_messages
 
@@ -98,17 +99,23 @@ def prompt_token_ids(
     the engine refuses it; the router does not pay for tokenizing it).
 
     A completions request's first prompt only (a batch goes to one replica). Chat requests are
-    rendered with the tokenizer's chat template, or the request's ``chat_template``; a server
+    rendered with the tokenizer's chat template, or the request's ``chat_template``, their
+    content in the format that template expects (the engine's default
+    ``--chat-template-content-format auto``); a server
     started with ``--chat-template`` renders otherwise, and the router's affinity then only
     matches its own earlier routing, which it still does. Runs the tokenizer: call it from the
     one thread that owns it.
     """
     try:
         if path == CHAT_PATH:
+            tools = body.get("tools") or None
+            template = body.get("chat_template") or tokenizer.chat_template
+            # The engine's default --chat-template-content-format auto, for the same template.
+            content_format = resolve_content_format("auto", template, has_tools=bool(tools))
             return apply_chat_template(
                 tokenizer,
-                parse_chat_messages(body["messages"]),
-                tools=body.get("tools") or None,
+                parse_chat_messages(body["messages"], content_format),
+                tools=tools,
                 chat_template=body.get("chat_template"),
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),

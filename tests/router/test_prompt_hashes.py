@@ -90,6 +90,33 @@ def test_chat_hashes_equal_the_engines_on_transformers_rendering(engine, tokeniz
     assert ours == engine_hashes(engine, "chat", {"prompt_token_ids": reference}, cache_salt="s")
 
 
+def test_chat_parts_reach_a_template_that_loops_over_them_as_the_engine_sends_them(
+    tokenizer,
+) -> None:
+    """A chat template that iterates over a message's content gets OpenAI's list of parts, as
+    the engine's default ``--chat-template-content-format auto`` gives it, so the router
+    tokenizes the prompt the engine renders."""
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{% for part in m.content %}[{{ part.text }}]"
+        "{% endfor %}{% endfor %}"
+    )
+    body = {"model": "m", "messages": CHAT, "chat_template": template}
+    token_ids = prompt_token_ids(tokenizer, "/v1/chat/completions", body)
+    rendered = "".join(
+        f"<{m['role']}>"
+        + "".join(
+            f"[{part['text']}]"
+            for part in (
+                m["content"]
+                if isinstance(m["content"], list)
+                else [{"type": "text", "text": m["content"]}]
+            )
+        )
+        for m in CHAT
+    )
+    assert token_ids == tokenizer.encode(rendered, add_special_tokens=False)
+
+
 def test_adapter_hashes_equal_a_kv_cache_managers() -> None:
     token_ids = list(range(1000, 1070))
     lora = LoRARequest("sql", 1, "/adapters/sql")
