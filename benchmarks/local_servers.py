@@ -6,7 +6,6 @@ with this folder on ``sys.path``): start, wait for ``/health``, read ``/metrics`
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,12 +15,7 @@ from collections.abc import Sequence
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from kvpilot.ports import free_port
 
 
 class LocalProcess:

@@ -21,7 +21,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import pickle
-import socket
 import time
 import traceback
 import weakref
@@ -36,6 +35,7 @@ from kvpilot.engine.executor.abstract import DistributedExecutor, EngineDeadErro
 from kvpilot.engine.executor.worker import Worker, WorkerConfig
 from kvpilot.engine.executor.worker_input import WorkerInputEncoder
 from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
+from kvpilot.ports import free_port
 
 logger = logging.getLogger("kvpilot.engine")
 
@@ -104,7 +104,7 @@ class MultiprocExecutor(DistributedExecutor):
         self._failure: str | None = None
         self._encoder = WorkerInputEncoder()
         context = multiprocessing.get_context("spawn")
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self._conns: list[multiprocessing.connection.Connection] = []
         self._procs: list[multiprocessing.process.BaseProcess] = []
         for rank in range(config.world_size):
@@ -274,12 +274,6 @@ def _stop_workers(
         if proc.is_alive():
             proc.kill()
             proc.join()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker_main(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from dataclasses import replace
 from typing import Any
@@ -36,6 +35,7 @@ from kvpilot.engine.executor.multiproc_executor import (
 )
 from kvpilot.engine.executor.worker import Worker, WorkerConfig
 from kvpilot.engine.executor.worker_input import WorkerInputEncoder
+from kvpilot.ports import free_port
 
 logger = logging.getLogger("kvpilot.engine")
 
@@ -64,9 +64,7 @@ class RayWorkerWrapper:
         """A free TCP port on this actor's node (the rendezvous, on rank 0)."""
         import ray
 
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind((ray.util.get_node_ip_address(), 0))
-            return sock.getsockname()[1]
+        return free_port(ray.util.get_node_ip_address())
 
     def init_worker(self, config: WorkerConfig, rank: int, init_method: str) -> None:
         """Build the rank's worker; Ray shows each actor only its own GPU (index 0)."""

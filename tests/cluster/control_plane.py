@@ -25,7 +25,6 @@ import dataclasses
 import json
 import os
 import pathlib
-import socket
 import ssl
 import subprocess
 import time
@@ -35,6 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 import yaml
+
+from kvpilot.ports import free_port
 
 from . import lws, pki, processes
 from .nodes import DEFAULT_POOLS, NodePool, node_objects
@@ -78,13 +79,6 @@ def build_binaries() -> pathlib.Path:
     if result.returncode != 0:
         raise RuntimeError(f"{BUILD_SCRIPT} failed with exit code {result.returncode}")
     return pathlib.Path(result.stdout.strip().splitlines()[-1])
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def write_kubeconfig(

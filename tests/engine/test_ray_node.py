@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from kvpilot import __version__ as kvpilot_version
-from tests.cluster.control_plane import free_port
+from kvpilot.ports import free_port
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.slow

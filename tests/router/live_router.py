@@ -9,10 +9,11 @@ from collections.abc import Iterator, Sequence
 
 import uvicorn
 
+from kvpilot.ports import free_port
 from kvpilot.router.app import create_app
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.wake import WakeHook
-from tests.server.conftest import LiveServer, free_port
+from tests.server.conftest import LiveServer
 
 
 class RouterThread:

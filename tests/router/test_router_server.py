@@ -18,9 +18,10 @@ import pytest
 from kvpilot.engine.kv_cache_manager import extend_block_hashes
 from kvpilot.engine.model_loader import load_tokenizer
 from kvpilot.engine.tokenization import encode_text
+from kvpilot.ports import free_port
 from kvpilot.router.config import RouterConfig
 from tests.router.live_router import RouterThread, live_replicas
-from tests.server.conftest import API_KEY, LiveServer, free_port
+from tests.server.conftest import API_KEY, LiveServer
 
 MODEL = "tiny"
 GREEDY = {"temperature": 0, "max_tokens": 12}

@@ -18,7 +18,7 @@ from kvpilot.engine.model_loader import load_tokenizer
 # The process runner the routing benchmarks use (benchmarks/local_servers.py). The folder is
 # appended, not prepended, so its scripts' names shadow no installed module.
 sys.path.append(str(pathlib.Path(__file__).parents[2] / "benchmarks"))
-from local_servers import LocalProcess, free_port  # noqa: E402, F401 - free_port: for tests/router
+from local_servers import LocalProcess  # noqa: E402
 
 API_KEY = "test-key"
 STARTUP_TIMEOUT_S = 120

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,13 +16,9 @@ import urllib.request
 
 import pytest
 
+from kvpilot.ports import free_port
+
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream_through_signals(
@@ -39,7 +34,7 @@ def stream_through_signals(
     return the stream's lines and the server's exit code once it has exited.
     ``sigint_ignored_at_launch``: started as a shell starts a background job (SIGINT ignored,
     which uvicorn's own handler overrides)."""
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     # A --max-model-len in flags wins over the one here.
     argv = [sys.executable, "-m", "kvpilot", "serve", model, "--port", str(port),
