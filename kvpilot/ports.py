@@ -13,8 +13,10 @@ import random
 import socket
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
-LOWEST_PORT = 10000
-"""Below this are the well-known and registered ports other software may expect to own."""
+LOWEST_PORT = 20000
+"""Below this are the well-known and registered ports other software may expect to own, and
+Ray's worker ports (10002-19999 by default), which a Ray head refuses to share with its own
+ports (the rendezvous of a multi-node engine)."""
 
 
 def ephemeral_range() -> tuple[int, int]:
