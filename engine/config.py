@@ -119,6 +119,31 @@ def _max_model_len(text: str) -> int | None:
     return None if text.strip() in ("auto", "-1") else _token_count(text)
 
 
+def _check_generation_overrides(overrides: dict[str, Any]) -> None:
+    """The values of ``override_generation_config`` that the engine reads, checked as a
+    request's would be (``SamplingParams``); ``max_new_tokens`` a positive integer.
+
+    Raises:
+        ValueError: ``override_generation_config <entry> ...`` naming the entry.
+    """
+    from kvpilot.engine.model_loader.generation_config import MAX_NEW_TOKENS, SAMPLING_FIELDS
+    from kvpilot.engine.sampling_params import SamplingParams, is_int
+
+    sampling = {key: overrides[key] for key in SAMPLING_FIELDS if overrides.get(key) is not None}
+    for key, value in sampling.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"override_generation_config {key} must be a number, got {value!r}")
+    try:
+        SamplingParams(**sampling)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"override_generation_config {exc}") from None
+    limit = overrides.get(MAX_NEW_TOKENS)
+    if limit is not None and not (is_int(limit) and limit > 0):
+        raise ValueError(
+            f"override_generation_config {MAX_NEW_TOKENS} must be a positive integer, got {limit!r}"
+        )
+
+
 def _tokenizer_mode(text: str) -> str:
     if text not in TOKENIZER_MODES:
         raise argparse.ArgumentTypeError(
@@ -351,6 +376,8 @@ class EngineArgs:
                 setattr(self, name, value)
             if value is not None and not isinstance(value, dict):
                 bad(name, "must be a JSON object")
+        if self.override_generation_config:
+            _check_generation_overrides(self.override_generation_config)
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             bad("scheduling_policy", f"must be one of {', '.join(SCHEDULING_POLICIES)}")
         if self.hf_token is not None and not isinstance(self.hf_token, str | bool):

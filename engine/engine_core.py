@@ -44,6 +44,9 @@ class EngineCoreInfo:
         default_sampling_params: the model's generation defaults.
         default_max_tokens: the generation config's ``max_new_tokens`` (the output limit of a
             request that sets none), or None.
+        override_max_tokens: the cap on every request's output (tokens): ``max_new_tokens`` of
+            ``--override-generation-config``, or of a ``--generation-config`` folder (vLLM's
+            ``override_max_tokens``); None: no cap.
         stats: the engine's stats after loading.
     """
 
@@ -61,6 +64,7 @@ class EngineCoreInfo:
     default_sampling_params: SamplingParams
     stats: EngineStats
     default_max_tokens: int | None = None
+    override_max_tokens: int | None = None
 
     @classmethod
     def from_engine(cls, engine: Any) -> EngineCoreInfo:
@@ -82,6 +86,7 @@ class EngineCoreInfo:
             default_sampling_params=engine.get_default_sampling_params(),
             stats=engine.get_stats(),
             default_max_tokens=engine.default_sampling.get("max_tokens"),
+            override_max_tokens=engine.override_max_tokens,
         )
 
 

@@ -75,6 +75,7 @@ class LLMEngine:
             resolve_kv_cache_dtype,
             resolve_model,
         )
+        from kvpilot.engine.model_loader.generation_config import GENERATION_CONFIG_CHOICES
 
         args.validate()
         self.args = args
@@ -118,8 +119,17 @@ class LLMEngine:
         )
         try:
             self.get_default_sampling_params()
-        except ValueError as exc:
-            raise ValueError(f"override_generation_config: {exc}") from None
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"generation config ({args.generation_config}) with its overrides: {exc}"
+            ) from None
+        # vLLM's cap on every served request's output: the overrides' max_new_tokens, or a
+        # generation config folder's.
+        self.override_max_tokens = (
+            read_sampling_defaults(self.model_dir, "vllm", args.override_generation_config)
+            if args.generation_config in GENERATION_CONFIG_CHOICES
+            else self.default_sampling
+        ).get("max_tokens")
         load_own_tokenizer = functools.partial(
             load_tokenizer,
             args.tokenizer or self.model_dir,

@@ -409,6 +409,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         "max_logprobs": config.max_logprobs,
         "return_tokens_as_token_ids": config.return_tokens_as_token_ids,
         "default_max_tokens": info.default_max_tokens,
+        "override_max_tokens": info.override_max_tokens,
         "max_log_len": config.max_log_len,
         "log_outputs": config.log_outputs,
         "log_deltas": config.log_deltas,

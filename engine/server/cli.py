@@ -335,7 +335,10 @@ def configure_logging(log_config: dict[str, Any] | None) -> None:
     try:
         logging.config.dictConfig(log_config)
     except (ValueError, TypeError, AttributeError, ImportError) as exc:
-        raise ValueError(f"--log-config-file: the configuration was refused: {exc}") from None
+        cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+        raise ValueError(
+            f"--log-config-file: the configuration was refused: {exc}{cause}"
+        ) from None
 
 
 def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:

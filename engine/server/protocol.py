@@ -153,7 +153,7 @@ class _SamplingFields(OpenAIModel):
     user: str | None = None
     cache_salt: str | None = None
     # vLLM's: lower is served first with --scheduling-policy priority; must be 0 under fcfs.
-    priority: int = 0
+    priority: int = Field(0, ge=-(2**63), le=2**63 - 1)
     response_format: ResponseFormat | None = None
     # vLLM's extension: json, regex, choice, grammar or json_object.
     structured_outputs: StructuredOutputsParams | None = None

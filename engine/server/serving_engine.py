@@ -82,6 +82,9 @@ class OpenAIServing:
             (vLLM's ``--return-tokens-as-token-ids``; a request may also ask for it).
         default_max_tokens: the output limit of a request that sets none (the model's
             generation config ``max_new_tokens``, as vLLM); None: the rest of the context.
+        override_max_tokens: the cap on every request's output (vLLM's: ``max_new_tokens`` of
+            ``--override-generation-config``, or of a ``--generation-config`` folder); None:
+            none.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class OpenAIServing:
         max_logprobs: int | None = MAX_LOGPROBS,
         return_tokens_as_token_ids: bool = False,
         default_max_tokens: int | None = None,
+        override_max_tokens: int | None = None,
         max_log_len: int | None = None,
         log_outputs: bool = False,
         log_deltas: bool = True,
@@ -112,6 +116,7 @@ class OpenAIServing:
         self.enable_force_include_usage = enable_force_include_usage
         self.prefix_cache_block_size = prefix_cache_block_size
         self.default_max_tokens = default_max_tokens
+        self.override_max_tokens = override_max_tokens
         self.log_requests = log_requests
         self.max_logprobs = max_logprobs
         self.return_tokens_as_token_ids = return_tokens_as_token_ids
@@ -161,7 +166,7 @@ class OpenAIServing:
         """The output limit, as vLLM sets it: ``requested`` (None: the generation config's
         ``max_new_tokens``, else no limit) cut to the room the prompt leaves in
         ``max_model_len``, so that generation ends with ``"length"`` at the end of the context
-        instead of the request being refused.
+        instead of the request being refused, and to ``override_max_tokens``.
 
         Raises:
             OpenAIError: 400 when the prompt alone (``param``) fills ``max_model_len``, or when
@@ -183,7 +188,8 @@ class OpenAIServing:
             )
         if requested is None:
             requested = self.default_max_tokens
-        return room if requested is None else min(requested, room)
+        limits = (room, requested, self.override_max_tokens)
+        return min(limit for limit in limits if limit is not None)
 
     def sampling_params(
         self, request: Any, max_tokens: int, logprobs: int | None

@@ -88,3 +88,36 @@ def test_max_new_tokens_is_the_default_output_limit(tiny_model_dir, tmp_path):
     assert serving.max_tokens_for(62, None, "messages") == 2  # the context left
     assert serving.max_tokens_for(10, 30, "messages") == 30  # a request's own limit wins
     assert OpenAIServing(None, None, ["m"], 64, 100).max_tokens_for(10, None, "messages") == 54
+
+
+def test_max_new_tokens_of_the_overrides_or_a_config_folder_caps_every_request(
+    tiny_model_dir, tmp_path
+):
+    """vLLM's ``override_max_tokens``: ``--override-generation-config``'s ``max_new_tokens``
+    (with ``auto`` or ``vllm``), or a ``--generation-config`` folder's, caps a request's own
+    limit too; the model's own file (``auto``) only sets the default."""
+    from kvpilot.engine.engine_core import EngineCoreInfo
+    from kvpilot.engine.server.serving_engine import OpenAIServing
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    write_config(folder, max_new_tokens=9)
+    elsewhere = tmp_path / "config-folder"
+    elsewhere.mkdir()
+    write_config(elsewhere, max_new_tokens=7)
+
+    def caps(**kwargs) -> EngineCoreInfo:
+        return EngineCoreInfo.from_engine(LLM(str(folder), max_model_len=64, **kwargs).llm_engine)
+
+    assert caps().override_max_tokens is None
+    overridden = caps(override_generation_config={"max_new_tokens": 4})
+    assert (overridden.default_max_tokens, overridden.override_max_tokens) == (4, 4)
+    only_overrides = caps(
+        generation_config="vllm", override_generation_config={"max_new_tokens": 3}
+    )
+    assert only_overrides.override_max_tokens == 3
+    assert caps(generation_config=str(elsewhere)).override_max_tokens == 7
+    serving = OpenAIServing(None, None, ["m"], 64, 100, override_max_tokens=4)
+    assert serving.max_tokens_for(10, 30, "prompt") == 4  # a larger request is cut
+    assert serving.max_tokens_for(10, 2, "prompt") == 2
+    assert serving.max_tokens_for(62, None, "prompt") == 2  # the context left is less

@@ -349,5 +349,5 @@ def test_vllm_engine_overrides(llama_dir):
     assert llm.llm_engine.cache_config.num_blocks == 40
     (out,) = llm.generate("hello", use_tqdm=False)
     assert len(out.outputs[0].token_ids) <= 7
-    with pytest.raises(ValueError, match="override_generation_config: temperature"):
+    with pytest.raises(ValueError, match="override_generation_config temperature"):
         LLM(str(llama_dir), override_generation_config='{"temperature": -1}')

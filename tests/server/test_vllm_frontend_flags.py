@@ -75,6 +75,7 @@ def plain(start_server, tmp_path_factory):
     return start_server(
         "--max-model-len", "512", "--max-num-seqs", "4", "--chat-template", str(template),
         "--chat-template-content-format", "string",
+        "--override-generation-config", '{"temperature": 0, "max_new_tokens": 5}',
     )  # fmt: skip
 
 
@@ -472,6 +473,24 @@ def test_request_priority_needs_the_priority_policy(plain, templated):
         )
     assert refused.value.body["param"] == "priority"
     assert "--scheduling-policy priority" in refused.value.body["message"]
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.completions.create(**body, extra_body={"priority": "high"})
-    assert refused.value.body["param"] == "priority"
+    for bad in ("high", 2**63, -(2**63) - 1):  # vLLM's field is an int64
+        with pytest.raises(openai.BadRequestError) as refused:
+            templated.openai_client().completions.create(**body, extra_body={"priority": bad})
+        assert refused.value.body["param"] == "priority"
+
+
+def test_the_overrides_max_new_tokens_caps_every_request(plain):
+    """vLLM's ``override_max_tokens``: ``max_new_tokens`` of ``--override-generation-config``
+    caps every request (completions' default of 16, and a larger ``max_tokens``); a smaller
+    ``max_tokens`` stays; its temperature 0 is the default sampling (greedy, repeatable)."""
+    client = plain.openai_client()
+    unset = client.completions.create(model=MODEL, prompt="The capital of France is")
+    assert unset.usage.completion_tokens == 5 and unset.choices[0].finish_reason == "length"
+    again = client.completions.create(model=MODEL, prompt="The capital of France is")
+    assert again.choices[0].text == unset.choices[0].text
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to 20."}], max_tokens=40
+    )
+    assert chat.usage.completion_tokens == 5
+    short = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2)
+    assert short.usage.completion_tokens == 2
