@@ -465,12 +465,14 @@ class ChatMessage(OpenAIModel):
     def _check_content_parts(cls, content: Any) -> Any:
         # Name the unsupported part (image_url, input_audio, file, ...) instead of pydantic's
         # "Input should be a valid string" from the union's first member.
-        for part in content if isinstance(content, list) else ():
+        for i, part in enumerate(content if isinstance(content, list) else ()):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind is not None and kind != "text":
                 raise ValueError(
                     f"Content part type {kind!r} is not supported: only 'text' parts are"
                 )
+            if kind == "text" and not isinstance(part.get("text"), str):
+                raise ValueError(f"content part {i} needs a string 'text'")
         return content
 
     def text(self) -> str:

@@ -303,6 +303,11 @@ def test_unsupported_content_part_is_named(http):
     response = http.post(CHAT, json=chat(messages=[{"role": "user", "content": parts}]))
     assert response.status_code == 400, response.text
     assert "'image_url' is not supported" in response.json()["error"]["message"]
+    response = http.post(
+        CHAT, json=chat(messages=[{"role": "user", "content": [{"type": "text"}]}])
+    )
+    assert response.status_code == 400, response.text
+    assert "content part 0 needs a string 'text'" in response.json()["error"]["message"]
 
 
 def huge_text(num_words: int, seed: int = 0) -> str:
