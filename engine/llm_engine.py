@@ -75,7 +75,10 @@ class LLMEngine:
             resolve_kv_cache_dtype,
             resolve_model,
         )
-        from kvpilot.engine.model_loader.generation_config import GENERATION_CONFIG_CHOICES
+        from kvpilot.engine.model_loader.generation_config import (
+            GENERATION_CONFIG_CHOICES,
+            MAX_NEW_TOKENS,
+        )
 
         args.validate()
         self.args = args
@@ -126,10 +129,10 @@ class LLMEngine:
         # vLLM's cap on every served request's output: the overrides' max_new_tokens, or a
         # generation config folder's.
         self.override_max_tokens = (
-            read_sampling_defaults(self.model_dir, "vllm", args.override_generation_config)
+            (args.override_generation_config or {}).get(MAX_NEW_TOKENS)
             if args.generation_config in GENERATION_CONFIG_CHOICES
-            else self.default_sampling
-        ).get("max_tokens")
+            else self.default_sampling.get("max_tokens")
+        )
         load_own_tokenizer = functools.partial(
             load_tokenizer,
             args.tokenizer or self.model_dir,

@@ -15,6 +15,7 @@ import pytest
 from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from kvpilot.engine.server import cli
 from kvpilot.engine.server.app import ServerConfig
+from kvpilot.engine.server.output_parsers import OutputParsers
 from kvpilot.engine.server.protocol import DeltaMessage
 from kvpilot.engine.server.reasoning_parsers import (
     REASONING_PARSERS,
@@ -23,7 +24,6 @@ from kvpilot.engine.server.reasoning_parsers import (
     ReasoningParser,
     get_reasoning_parser,
 )
-from kvpilot.engine.server.serving_chat import OutputParsers
 from kvpilot.engine.server.tool_parsers import (
     Hermes2ProToolParser,
     PythonicToolParser,

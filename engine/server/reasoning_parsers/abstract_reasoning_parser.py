@@ -35,8 +35,15 @@ class ReasoningParser:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.constrained = constrained
 
+    keeps_special_tokens = False
+    """Whether the parser must see special tokens in the text (Qwen3's tags are special
+    tokens; vLLM keeps them for its parser), as ``ToolParser.keeps_special_tokens``."""
+
     def adjust_request(self, params: SamplingParams) -> None:
-        """Change the request's sampling before it is submitted (default: nothing)."""
+        """Change the request's sampling before it is submitted (default: keep special tokens
+        in the text where ``keeps_special_tokens``)."""
+        if self.keeps_special_tokens:
+            params.skip_special_tokens = False
 
     def extract_reasoning_streaming(self, delta_text: str, finished: bool) -> DeltaMessage | None:
         """The delta to send for newly generated text.

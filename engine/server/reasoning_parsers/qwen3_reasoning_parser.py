@@ -14,7 +14,6 @@ prompt): without ``</think>`` it is all reasoning.
 
 from __future__ import annotations
 
-from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.reasoning_parsers.basic_parsers import BaseThinkingReasoningParser
 
 
@@ -30,11 +29,8 @@ class Qwen3ReasoningParser(BaseThinkingReasoningParser):
     """
 
     implicit_end_tags = ("<tool_call>",)
+    keeps_special_tokens = True  # as vLLM does for this parser
 
     def thinking_enabled(self) -> bool:
         """``enable_thinking`` from the request's template variables (default true)."""
         return bool(self.chat_template_kwargs.get("enable_thinking", True))
-
-    def adjust_request(self, params: SamplingParams) -> None:
-        """Keep special tokens in the text, as vLLM does for this parser."""
-        params.skip_special_tokens = False
