@@ -1,4 +1,4 @@
-"""The FastAPI application: OpenAI routes, ``/health``, ``/metrics``, ``/version``, ``/kv_events``,
+"""The FastAPI application: OpenAI routes (completions, chat completions, responses), ``/health``, ``/metrics``, ``/version``, ``/kv_events``,
 vLLM's ``/tokenize`` and ``/detokenize``.
 
 The model loads in the background after the server starts listening, so ``/health`` answers
@@ -57,6 +57,7 @@ from kvpilot.engine.server.protocol import (
 )
 from kvpilot.engine.server.reasoning_parsers import REASONING_PARSERS
 from kvpilot.engine.server.request_id_header import RequestIdHeaderMiddleware
+from kvpilot.engine.server.responses_protocol import ResponsesRequest, ResponsesResponse
 from kvpilot.engine.server.serving_chat import (
     OpenAIServingChat,
     check_default_chat_template_kwargs,
@@ -64,6 +65,7 @@ from kvpilot.engine.server.serving_chat import (
 from kvpilot.engine.server.serving_completion import OpenAIServingCompletion
 from kvpilot.engine.server.serving_engine import RETRY_AFTER_SECONDS, now
 from kvpilot.engine.server.serving_models import OpenAIServingModels
+from kvpilot.engine.server.serving_responses import OpenAIServingResponses, ResponseStore
 from kvpilot.engine.server.serving_tokenization import (
     OpenAIServingTokenization,
     tokenize_request_type,
@@ -121,6 +123,10 @@ class ServerConfig:
             ``chat_template_kwargs`` (vLLM's ``--default-chat-template-kwargs``).
         exclude_tools_when_tool_choice_none: render ``tool_choice: "none"`` requests without
             their tools (vLLM's ``--exclude-tools-when-tool-choice-none``).
+        enable_responses_store: keep ``/v1/responses`` responses in memory (the newest
+            ``MAX_STORED_RESPONSES``), for ``previous_response_id`` and
+            ``GET /v1/responses/{id}``; off: a request's ``store`` is ignored (vLLM's
+            ``VLLM_ENABLE_RESPONSES_API_STORE``).
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, an unknown
@@ -152,6 +158,7 @@ class ServerConfig:
     chat_template_content_format: str = "auto"
     default_chat_template_kwargs: dict[str, Any] | None = None
     exclude_tools_when_tool_choice_none: bool = False
+    enable_responses_store: bool = False
 
     def __post_init__(self) -> None:
         if self.log_outputs and not self.log_requests:
@@ -198,6 +205,7 @@ class _State:
     tokenizer: AsyncTokenizer | None = None
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
+    responses: OpenAIServingResponses | None = None
     models: OpenAIServingModels | None = None
     tokenization: OpenAIServingTokenization | None = None
     max_model_len: int | None = None
@@ -363,6 +371,24 @@ def create_app(
         body = _named_by_header(body, raw)
         return await _respond(raw, serving.create_chat_completion(body, now()))
 
+    @v1.post("/responses")
+    async def responses(body: ResponsesRequest, raw: Request) -> Response:
+        serving = ready_state().responses
+        body = _named_by_header(body, raw)
+        return await _respond(raw, serving.create_response(body, now()))
+
+    @v1.get("/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> ResponsesResponse:
+        return ready_state().responses.retrieve_stored(response_id).response
+
+    @v1.delete("/responses/{response_id}")
+    async def delete_response(response_id: str) -> dict[str, Any]:
+        return ready_state().responses.delete(response_id)
+
+    @v1.post("/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> ResponsesResponse:
+        return ready_state().responses.cancel(response_id)
+
     app.include_router(v1)
     return app
 
@@ -430,6 +456,8 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
         default_chat_template_kwargs=config.default_chat_template_kwargs,
         exclude_tools_when_tool_choice_none=config.exclude_tools_when_tool_choice_none,
     )
+    store = ResponseStore() if config.enable_responses_store else None
+    state.responses = OpenAIServingResponses(state.chat, store)
     state.models = models
     state.tokenization = OpenAIServingTokenization(
         tokenizer, models, state.chat, info.max_model_len, info.vocab_size
@@ -462,7 +490,7 @@ async def _wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-RequestBody = TypeVar("RequestBody", CompletionRequest, ChatCompletionRequest)
+RequestBody = TypeVar("RequestBody", CompletionRequest, ChatCompletionRequest, ResponsesRequest)
 
 
 def _named_by_header(body: RequestBody, raw: Request) -> RequestBody:

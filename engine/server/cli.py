@@ -22,6 +22,8 @@ if TYPE_CHECKING:
     from kvpilot.engine.server.app import ServerConfig
 
 API_KEY_ENV_VARS = ("KVPILOT_API_KEY", "VLLM_API_KEY")
+# vLLM's switch for keeping /v1/responses responses (--enable-responses-store's default).
+RESPONSES_STORE_ENV_VAR = "VLLM_ENABLE_RESPONSES_API_STORE"
 HOST_ENV_VAR = "KVPILOT_HOST"
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -255,6 +257,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=False,
         help="a request with tool_choice 'none' renders its chat template without its tools",
     )
+    server.add_argument(
+        "--enable-responses-store",
+        action=argparse.BooleanOptionalAction,
+        default=os.environ.get(RESPONSES_STORE_ENV_VAR, "0") not in ("", "0"),
+        help="keep the newest 1024 responses of /v1/responses in memory, for "
+        "previous_response_id and GET /v1/responses/{id} (default: off, or on with vLLM's "
+        "VLLM_ENABLE_RESPONSES_API_STORE=1); without it a request's store is ignored",
+    )
     tools.add_argument(
         "--tool-call-parser",
         default=None,
@@ -398,6 +408,7 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
         chat_template_content_format=args.chat_template_content_format,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        enable_responses_store=args.enable_responses_store,
         max_logprobs=None if args.max_logprobs == -1 else args.max_logprobs,
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,

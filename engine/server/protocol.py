@@ -633,12 +633,16 @@ class PromptTokenUsageInfo(OpenAIModel):
 
 class UsageInfo(OpenAIModel):
     """A response's token counts; ``prompt_tokens_details`` is left out of the JSON unless the
-    server reports it (``--enable-prompt-tokens-details``)."""
+    server reports it (``--enable-prompt-tokens-details``), ``completion_tokens_details``
+    (``{"reasoning_tokens": n}``) unless the server has a ``--reasoning-parser``, as vLLM's."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokenUsageInfo | None = Field(
+        default=None, exclude_if=lambda details: details is None
+    )
+    completion_tokens_details: dict[str, int] | None = Field(
         default=None, exclude_if=lambda details: details is None
     )
 

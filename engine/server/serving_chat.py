@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from kvpilot.engine.async_llm import EngineError
 from kvpilot.engine.chat_content_format import resolve_content_format
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import CompletionOutput
+from kvpilot.engine.sampling_params import SamplingParams
 from kvpilot.engine.server.errors import bad_request
 from kvpilot.engine.server.output_parsers import OutputParsers
 from kvpilot.engine.server.protocol import (
@@ -43,6 +45,40 @@ from kvpilot.engine.tokenization import (
 )
 
 ASSISTANT = "assistant"
+
+
+@dataclass
+class ChatRun:
+    """A chat request submitted to the engine: what answering it needs.
+
+    Attributes:
+        request_id: the engine's id of the request.
+        shown_id: the response's ``id`` (``response_id``).
+        prompt_token_ids: the rendered prompt.
+        stream: the engine's outputs (close it to abort the request).
+        echo: vLLM's ``echo`` text put before the reply.
+        lora_request: the adapter that serves it, or None.
+        parsers: how its outputs are read (reasoning, tool calls).
+        params: its sampling, as submitted.
+    """
+
+    request_id: str
+    shown_id: str
+    prompt_token_ids: list[int]
+    stream: RequestStream
+    echo: str
+    lora_request: LoRARequest | None
+    parsers: OutputParsers
+    params: SamplingParams
+
+    async def reasoning_tokens(
+        self, serving: OpenAIServing, outputs: list[list[int]]
+    ) -> int | None:
+        """The reasoning tokens of its whole outputs (``OpenAIServing.reasoning_tokens``)."""
+        return await serving.reasoning_tokens(
+            self.parsers.make_reasoning_parser, outputs, self.params
+        )
+
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -109,6 +145,40 @@ class OpenAIServingChat(OpenAIServing):
             The response, or for ``stream=true`` an iterator of Server-Sent Events.
 
         Raises:
+            OpenAIError: as ``start``.
+        """
+        run = await self.start(request, arrival_time)
+        if request.stream:
+            return self._stream(request, run)
+        try:
+            final = await self.final_output(run.stream)
+        finally:
+            run.stream.close()
+        choices = [self._choice(request, seq, run.echo, run.parsers) for seq in final.outputs]
+        num_prompt_tokens = len(run.prompt_token_ids)
+        outputs = [seq.token_ids for seq in final.outputs]
+        response = ChatCompletionResponse(
+            id=run.shown_id,
+            model=self.response_model(run.lora_request),
+            choices=choices,
+            usage=self.usage(
+                num_prompt_tokens,
+                sum(map(len, outputs)),
+                self.prompt_tokens_details(final, num_prompt_tokens, True),
+                await run.reasoning_tokens(self, outputs),
+            ),
+            prompt_logprobs=self.prompt_logprobs(request, run.prompt_token_ids, final),
+            prompt_token_ids=run.prompt_token_ids if request.return_token_ids else None,
+        )
+        if self.log_outputs:
+            for choice, seq in zip(choices, final.outputs, strict=True):
+                self._log_choice(run.request_id, choice, seq.token_ids)
+        return response
+
+    async def start(self, request: ChatCompletionRequest, arrival_time: float) -> ChatRun:
+        """Render, check and submit a chat request (``/v1/responses`` runs through it too).
+
+        Raises:
             OpenAIError: 400 for invalid parameters or messages (including a template that
                 refuses them, and ``chat_template_kwargs`` that are not template variables), a
                 request ``chat_template`` the server does not trust or that fails to compile or
@@ -156,41 +226,16 @@ class OpenAIServingChat(OpenAIServing):
             prompt_text=prompt_text,
             priority=request.priority,
         )
-        echo = self._echo_text(request, template_args["add_generation_prompt"])
-        shown_id = response_id("chatcmpl", request_id, request.request_id)
-        if request.stream:
-            return self._stream(
-                request,
-                shown_id,
-                request_id,
-                prompt_token_ids,
-                stream,
-                echo,
-                lora_request,
-                parsers,
-            )
-        try:
-            final = await self.final_output(stream)
-        finally:
-            stream.close()
-        choices = [self._choice(request, seq, echo, parsers) for seq in final.outputs]
-        num_prompt_tokens = len(prompt_token_ids)
-        response = ChatCompletionResponse(
-            id=shown_id,
-            model=self.response_model(lora_request),
-            choices=choices,
-            usage=self.usage(
-                num_prompt_tokens,
-                sum(len(seq.token_ids) for seq in final.outputs),
-                self.prompt_tokens_details(final, num_prompt_tokens, True),
-            ),
-            prompt_logprobs=self.prompt_logprobs(request, prompt_token_ids, final),
-            prompt_token_ids=prompt_token_ids if request.return_token_ids else None,
+        return ChatRun(
+            request_id=request_id,
+            shown_id=response_id("chatcmpl", request_id, request.request_id),
+            prompt_token_ids=prompt_token_ids,
+            stream=stream,
+            echo=self._echo_text(request, template_args["add_generation_prompt"]),
+            lora_request=lora_request,
+            parsers=parsers,
+            params=params,
         )
-        if self.log_outputs:
-            for choice, seq in zip(choices, final.outputs, strict=True):
-                self._log_choice(request_id, choice, seq.token_ids)
-        return response
 
     def _log_choice(
         self, request_id: str, choice: ChatCompletionChoice, token_ids: list[int]
@@ -226,7 +271,7 @@ class OpenAIServingChat(OpenAIServing):
                 reasoning=reasoning,
                 tool_calls=tool_calls,
             ),
-            logprobs=None if hidden else self._logprobs(seq, 0, request),
+            logprobs=None if hidden else self.logprobs_of(seq, 0, request),
             finish_reason=finish_reason,
             stop_reason=seq.stop_reason,
             **({} if hidden else self.token_ids(request, None, seq.token_ids)),
@@ -326,9 +371,10 @@ class OpenAIServingChat(OpenAIServing):
         role = self.response_role if add_generation_prompt else last.role
         return last.text() if last.role == role else ""
 
-    def _logprobs(
+    def logprobs_of(
         self, seq: CompletionOutput, start: int, request: ChatCompletionRequest
     ) -> ChatChoiceLogprobs | None:
+        """The ``logprobs`` of ``seq``'s tokens from ``start`` on; None unless asked for."""
         if seq.logprobs is None:
             return None
         as_id = request.return_tokens_as_token_ids or self.return_tokens_as_token_ids
@@ -355,17 +401,10 @@ class OpenAIServingChat(OpenAIServing):
             )
         return ChatChoiceLogprobs(content=content)
 
-    async def _stream(
-        self,
-        request: ChatCompletionRequest,
-        request_id: str,
-        engine_request_id: str,
-        prompt_token_ids: list[int],
-        stream: RequestStream,
-        echo: str,
-        lora_request: LoRARequest | None,
-        parsers: OutputParsers,
-    ) -> AsyncIterator[str]:
+    async def _stream(self, request: ChatCompletionRequest, run: ChatRun) -> AsyncIterator[str]:
+        request_id, engine_request_id = run.shown_id, run.request_id
+        prompt_token_ids, stream, parsers = run.prompt_token_ids, run.stream, run.parsers
+        echo, lora_request = run.echo, run.lora_request
         model = self.response_model(lora_request)
         num_prompt_tokens = len(prompt_token_ids)
         n = request.n
@@ -373,6 +412,7 @@ class OpenAIServingChat(OpenAIServing):
         include_usage, every = self.stream_usage(request)
         first_output = None  # vLLM's cached tokens: the first output's
         texts = [""] * n  # each choice's generated text, for the log
+        outputs: list[list[int]] = [[] for _ in range(n)]  # each choice's token ids
 
         def chunk(choices: list[ChatCompletionStreamChoice], first: bool = False) -> str:
             usage = self.usage(num_prompt_tokens, sum(num_tokens)) if every else None
@@ -402,6 +442,7 @@ class OpenAIServingChat(OpenAIServing):
                 for seq in output.outputs:
                     index = seq.index
                     num_tokens[index] = len(seq.token_ids)
+                    outputs[index] = seq.token_ids
                     if finished[index]:
                         continue
                     text = seq.text[sent_text[index] :]
@@ -413,7 +454,7 @@ class OpenAIServingChat(OpenAIServing):
                     finish_reason = parser.finish_reason(seq.finish_reason)
                     logprobs = None
                     if not parsers.hides_tokens:
-                        logprobs = self._logprobs(seq, sent_tokens[index], request)
+                        logprobs = self.logprobs_of(seq, sent_tokens[index], request)
                     has_logprobs = logprobs is not None and bool(logprobs.content)
                     if delta is None and not has_logprobs and not finished[index]:
                         continue
@@ -439,7 +480,8 @@ class OpenAIServingChat(OpenAIServing):
                     yield chunk([choice])
             if include_usage:
                 details = self.prompt_tokens_details(first_output, num_prompt_tokens, True)
-                usage = self.usage(num_prompt_tokens, sum(num_tokens), details)
+                reasoning = await run.reasoning_tokens(self, outputs)
+                usage = self.usage(num_prompt_tokens, sum(num_tokens), details, reasoning)
                 response = ChatCompletionStreamResponse(
                     id=request_id, model=model, choices=[], usage=usage
                 )

@@ -9,7 +9,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -34,6 +34,7 @@ from kvpilot.engine.server.protocol import (
     PromptTokenUsageInfo,
     UsageInfo,
 )
+from kvpilot.engine.server.reasoning_parsers import ReasoningParser
 from kvpilot.engine.server.serving_models import OpenAIServingModels
 
 logger = logging.getLogger("kvpilot.server")
@@ -443,14 +444,50 @@ class OpenAIServing:
         num_prompt_tokens: int,
         num_completion_tokens: int,
         prompt_tokens_details: PromptTokenUsageInfo | None = None,
+        reasoning_tokens: int | None = None,
     ) -> UsageInfo:
-        """A response's ``usage`` (``prompt_tokens_details`` where the server reports it)."""
+        """A response's ``usage`` (``prompt_tokens_details`` where the server reports it,
+        ``completion_tokens_details.reasoning_tokens`` unless ``reasoning_tokens`` is None)."""
         return UsageInfo(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
             prompt_tokens_details=prompt_tokens_details,
+            completion_tokens_details=(
+                None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens}
+            ),
         )
+
+    async def reasoning_tokens(
+        self,
+        make_parser: Callable[[], ReasoningParser] | None,
+        outputs: Sequence[Sequence[int]],
+        params: SamplingParams,
+    ) -> int | None:
+        """The reasoning tokens of whole outputs (``ReasoningParser.count_reasoning_tokens``,
+        their prefixes decoded on the tokenizer thread as the engine decoded them); None
+        without a reasoning parser.
+
+        Args:
+            make_parser: makes a choice's reasoning parser, or None.
+            outputs: each output's ``[num_output_tokens]`` token ids.
+            params: the request's sampling (how special tokens were decoded).
+        """
+        if make_parser is None:
+            return None
+
+        def count(tokenizer: Any) -> int:
+            def decode(token_ids: Sequence[int]) -> str:
+                return tokenizer.decode(
+                    list(token_ids),
+                    skip_special_tokens=params.skip_special_tokens,
+                    spaces_between_special_tokens=params.spaces_between_special_tokens,
+                    clean_up_tokenization_spaces=False,
+                )
+
+            return sum(make_parser().count_reasoning_tokens(ids, decode) for ids in outputs)
+
+        return await self.tokenizer.call(count)
 
 
 LOGPROB_FIELDS = ("logprobs", "top_logprobs", "prompt_logprobs")

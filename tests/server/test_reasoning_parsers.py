@@ -291,3 +291,52 @@ def test_kvpilot_serve_with_an_unknown_reasoning_parser_stops_before_loading():
     )
     assert result.returncode == 2
     assert "invalid choice: 'r1' (choose from 'deepseek_r1', 'qwen3')" in result.stderr
+
+
+# Tokens of a fixed vocabulary, the tags in pieces ("</", "think", ">"), as many tokenizers
+# write them: the count must find the token that completes the end tag.
+PIECES = ["<", "think", ">", "Let", " me", " see", ".", "</", "<tool_call>", "It", " is", " 4"]
+
+
+def piece_ids(*pieces: str) -> list[int]:
+    return [PIECES.index(piece) for piece in pieces]
+
+
+def decode_pieces(token_ids) -> str:
+    return "".join(PIECES[i] for i in token_ids)
+
+
+@pytest.mark.parametrize("parser", PARSERS)
+@pytest.mark.parametrize(
+    ("pieces", "expected"),
+    [
+        # Up to the ">" that completes "</think>": 8 tokens (the opening tag's 3 included).
+        (("<", "think", ">", "Let", " me", "</", "think", ">", "It", " is", " 4"), 8),
+        # Starting inside the block (the template opened it): "Let me</think>" is 5 tokens.
+        (("Let", " me", "</", "think", ">", "It"), 5),
+        # Never closed: all reasoning.
+        (("Let", " me", " see", "."), 4),
+        # Closed at the last token: no content, every token reasoning.
+        (("Let", "</", "think", ">"), 4),
+    ],
+)
+def test_reasoning_tokens_end_with_the_token_that_completes_the_end_tag(parser, pieces, expected):
+    ids = piece_ids(*pieces)
+    assert parser().count_reasoning_tokens(ids, decode_pieces) == expected
+
+
+def test_reasoning_tokens_of_outputs_without_reasoning_are_zero():
+    ids = piece_ids("It", " is", " 4")
+    # A constrained output that does not open the block, and thinking turned off.
+    assert Qwen3ReasoningParser(constrained=True).count_reasoning_tokens(ids, decode_pieces) == 0
+    off = Qwen3ReasoningParser({"enable_thinking": False})
+    closed = piece_ids("Let", "</", "think", ">", "It")
+    assert off.count_reasoning_tokens(closed, decode_pieces) == 0
+    # The interface's default: a parser that cannot tell counts none.
+    assert ReasoningParser().count_reasoning_tokens(closed, decode_pieces) == 0
+
+
+def test_qwen3_reasoning_tokens_end_at_a_tool_call():
+    ids = piece_ids("Let", " me", "<tool_call>", "It")
+    assert Qwen3ReasoningParser().count_reasoning_tokens(ids, decode_pieces) == 3
+    assert DeepSeekR1ReasoningParser().count_reasoning_tokens(ids, decode_pieces) == 4

@@ -107,6 +107,32 @@ def test_free_reply_without_end_tag_is_all_reasoning(client, http):
     assert (streamed["reasoning"], streamed["content"]) == (plain.choices[0].text, "")
 
 
+def reasoning_tokens(usage) -> int:
+    return usage.completion_tokens_details.reasoning_tokens
+
+
+def test_usage_counts_the_reasoning_tokens(client, default_tokenizer):
+    # The reasoning ends with the token that completes "</think>" (a few tokens in SmolLM2's
+    # vocabulary): found here by a linear scan of the output's prefixes.
+    response = chat(client, FORCED, extra_body={"return_token_ids": True})
+    ids = response.choices[0].token_ids
+    ended = next(
+        k
+        for k in range(1, len(ids) + 1)
+        if "</think>" in default_tokenizer.decode(ids[:k], skip_special_tokens=False)
+    )
+    assert 0 < ended < len(ids) == response.usage.completion_tokens
+    assert reasoning_tokens(response.usage) == ended
+    options = {"include_usage": True}
+    *_, last = chat(client, FORCED, stream=True, stream_options=options)
+    assert reasoning_tokens(last.usage) == ended
+    # A reply that never ends its block is all reasoning; with thinking off, none is.
+    free = chat(client, max_tokens=12)
+    assert reasoning_tokens(free.usage) == free.usage.completion_tokens == 12
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    assert reasoning_tokens(chat(client, FORCED, extra_body=off).usage) == 0
+
+
 def test_include_reasoning_false_leaves_the_reasoning_out(client):
     body = {"include_reasoning": False, "return_token_ids": True}
     [choice] = chat(client, FORCED, logprobs=True, extra_body=dict(body)).choices

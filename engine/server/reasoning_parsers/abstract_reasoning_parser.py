@@ -4,7 +4,7 @@ into the model's reasoning (``message.reasoning`` / ``delta.reasoning``) and its
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from kvpilot.engine.sampling_params import SamplingParams
@@ -64,3 +64,15 @@ class ReasoningParser:
         if delta is None:
             return None, None
         return delta.reasoning, delta.content
+
+    def count_reasoning_tokens(
+        self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
+    ) -> int:
+        """How many of a whole output's tokens are reasoning (``reasoning_tokens`` in the
+        usage); 0 by default, for a parser that cannot tell.
+
+        Args:
+            token_ids: ``[num_output_tokens]`` the output's token ids.
+            decode: the text of a prefix of them, as the output's text was decoded.
+        """
+        return 0

@@ -19,7 +19,7 @@ pieces, ever reaches the client.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from enum import Enum
 from typing import Any
 
@@ -88,6 +88,40 @@ class BaseThinkingReasoningParser(ReasoningParser):
         if not reasoning and not content:
             return None
         return DeltaMessage(reasoning=reasoning or None, content=content or None)
+
+    def count_reasoning_tokens(
+        self, token_ids: Sequence[int], decode: Callable[[Sequence[int]], str]
+    ) -> int:
+        """The output's tokens up to the end of its reasoning block, the tag that ends it
+        included: the fewest whose text ends the block, found by a binary search over prefixes
+        (each decoded as the output was: a tag may span tokens); every token when the block
+        never ends; 0 when the output has no reasoning. Counts the same for every tokenizer,
+        where vLLM counts the tokens between single-token tags.
+
+        Args:
+            token_ids: ``[num_output_tokens]`` the output's token ids.
+            decode: the text of a prefix of them (``skip_special_tokens`` as the request's).
+        """
+        whole = self._fresh()
+        whole.extract_reasoning_streaming(decode(token_ids), finished=True)
+        if whole._part is _Part.CONTENT:
+            return 0
+        if whole._part is _Part.REASONING:
+            return len(token_ids)
+        low, high = 0, len(token_ids)  # the block ends within the first `high` tokens
+        while low + 1 < high:
+            middle = (low + high) // 2
+            prefix = self._fresh()
+            prefix.extract_reasoning_streaming(decode(token_ids[:middle]), finished=False)
+            if prefix._part is _Part.ANSWER:
+                high = middle
+            else:
+                low = middle
+        return high
+
+    def _fresh(self) -> BaseThinkingReasoningParser:
+        """A parser in this one's starting state."""
+        return type(self)(self.chat_template_kwargs, self.constrained)
 
     def _take_reasoning(self, finished: bool) -> str:
         """The reasoning in the buffer, taken out of it, up to the tag that ends the block
