@@ -362,19 +362,19 @@ def create_app(
     @v1.post("/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         serving = ready_state().completion
-        body = _named_by_header(body, raw)
+        body = _from_headers(body, raw)
         return await _respond(raw, serving.create_completion(body, now()))
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         serving = ready_state().chat
-        body = _named_by_header(body, raw)
+        body = _from_headers(body, raw)
         return await _respond(raw, serving.create_chat_completion(body, now()))
 
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         serving = ready_state().responses
-        body = _named_by_header(body, raw)
+        body = _from_headers(body, raw)
         return await _respond(raw, serving.create_response(body, now()))
 
     @v1.get("/responses/{response_id}")
@@ -493,8 +493,32 @@ async def _wait_for_disconnect(raw: Request) -> None:
 RequestBody = TypeVar("RequestBody", CompletionRequest, ChatCompletionRequest, ResponsesRequest)
 
 
-def _named_by_header(body: RequestBody, raw: Request) -> RequestBody:
-    """The request with its ``request_id`` taken from the ``X-Request-Id`` header when there
-    is one (vLLM's order: the header, then the body's field)."""
-    header = raw.headers.get("x-request-id")
-    return body if not header else body.model_copy(update={"request_id": header})
+PRIORITY_HEADER = "X-Vllm-Priority"
+"""vLLM's header for a request's ``priority``; it wins over the body's field."""
+
+
+def _from_headers(body: RequestBody, raw: Request) -> RequestBody:
+    """The request with its ``request_id`` taken from the ``X-Request-Id`` header and its
+    ``priority`` from ``X-Vllm-Priority`` when there are such headers (vLLM's order: the
+    header, then the body's field).
+
+    Raises:
+        OpenAIError: 400 naming the header when ``X-Vllm-Priority`` is not a 64-bit integer
+            (vLLM ignores such a header; here it is refused rather than silently unused).
+    """
+    update: dict[str, Any] = {}
+    if header := raw.headers.get("x-request-id"):
+        update["request_id"] = header
+    if (priority := raw.headers.get(PRIORITY_HEADER)) is not None:
+        try:
+            update["priority"] = int(priority)
+        except ValueError:
+            update["priority"] = 2**63  # out of range: refused below
+        if not -(2**63) <= update["priority"] < 2**63:
+            raise OpenAIError(
+                HTTPStatus.BAD_REQUEST,
+                f"{PRIORITY_HEADER}: must be an integer between -2**63 and 2**63-1, "
+                f"got {priority!r}",
+                PRIORITY_HEADER,
+            )
+    return body.model_copy(update=update) if update else body

@@ -479,6 +479,27 @@ def test_request_priority_needs_the_priority_policy(plain, templated):
         assert refused.value.body["param"] == "priority"
 
 
+def test_the_priority_header_wins_over_the_body(plain, templated):
+    """vLLM's ``X-Vllm-Priority`` header sets ``priority`` over the body's field: on an fcfs
+    server a non-zero header is the same 400 as a non-zero field, a zero header lets a non-zero
+    field through; a header that is not an int64 is a 400 naming it (vLLM ignores it)."""
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+    client = plain.openai_client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(**body, extra_headers={"X-Vllm-Priority": "3"})
+    assert refused.value.body["param"] == "priority"
+    done = client.completions.create(
+        **body, extra_body={"priority": 3}, extra_headers={"X-Vllm-Priority": "0"}
+    )
+    assert done.usage.completion_tokens == 2
+    for bad in ("high", str(2**63), "1.5"):
+        with pytest.raises(openai.BadRequestError) as refused:
+            templated.openai_client().chat.completions.create(
+                model=MODEL, messages=HELLO, max_tokens=2, extra_headers={"X-Vllm-Priority": bad}
+            )
+        assert refused.value.body["param"] == "X-Vllm-Priority"
+
+
 def test_the_overrides_max_new_tokens_caps_every_request(plain):
     """vLLM's ``override_max_tokens``: ``max_new_tokens`` of ``--override-generation-config``
     caps every request (completions' default of 16, and a larger ``max_tokens``); a smaller
