@@ -415,6 +415,8 @@ class ChatCompletionNamedToolChoiceParam(OpenAIModel):
 
 
 ToolChoice = Literal["none", "auto", "required"] | ChatCompletionNamedToolChoiceParam
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]
+"""OpenAI's reasoning effort values."""
 
 
 class FunctionCall(OpenAIModel):
@@ -502,6 +504,9 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     # vLLM's: with a --reasoning-parser, false leaves the reasoning out of the response.
     include_reasoning: bool = True
+    # OpenAI's: reaches the chat template as `reasoning_effort`, and as vLLM passes it, turns
+    # thinking on (`enable_thinking`, unless chat_template_kwargs sets it) unless "none".
+    reasoning_effort: ReasoningEffort | None = None
 
     @model_validator(mode="before")
     @classmethod

@@ -31,7 +31,7 @@ def input_messages(
         instructions: a system message put first, if any.
         items: the request's ``input``: a string is one user message; a list holds messages
             (``{"role", "content"}``, ``type`` ``"message"`` or absent; content a string or a
-            list of ``input_text``/``output_text`` parts), ``function_call`` items (merged
+            list of ``input_text``/``output_text`` parts, which chat joins one a line), ``function_call`` items (merged
             into the assistant message before them, as its ``tool_calls``),
             ``function_call_output`` items (``tool`` messages) and ``reasoning`` items (left
             out: chat templates render no reasoning of earlier turns).
@@ -44,7 +44,8 @@ def input_messages(
 
     Raises:
         ValueError: ``input: ...`` naming the item that is not a dict, has an unknown
-            ``type`` or role, content that is not text, or misses a field it needs.
+            ``type`` or role, content that is not text, encrypted reasoning, or misses a field
+            it needs; or when no item is a message or call to answer.
     """
     messages: list[dict[str, Any]] = []
     if instructions:
@@ -52,6 +53,7 @@ def input_messages(
     messages.extend(dict(m) for m in history if m.get("role") != "system")
     if isinstance(items, str):
         return [*messages, {"role": "user", "content": items}]
+    start = len(messages)
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ValueError(f"input: item {i} must be an object, got {type(item).__name__}")
@@ -65,14 +67,21 @@ def input_messages(
                 {
                     "role": "tool",
                     "tool_call_id": _string(i, item, "call_id"),
-                    "content": _output_text(i, item.get("output")),
+                    "content": _output(i, item.get("output")),
                 }
             )
-        elif kind != "reasoning":
+        elif kind == "reasoning":
+            if item.get("encrypted_content") is not None:
+                raise ValueError(f"input: item {i}: encrypted reasoning content is not supported")
+        else:
             raise ValueError(
                 f"input: item {i} has type {kind!r}: supported are 'message', 'function_call', "
                 "'function_call_output' and 'reasoning'"
             )
+    if len(messages) == start:
+        raise ValueError(
+            "input: holds no message to answer (reasoning items are left out of the prompt)"
+        )
     return messages
 
 
@@ -82,29 +91,31 @@ def _message(i: int, item: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"input: item {i} has role {role!r}: must be one of {', '.join(MESSAGE_ROLES)}"
         )
-    return {"role": role, "content": _content_text(i, item.get("content"))}
+    return {"role": role, "content": _content(i, item.get("content"), "content")}
 
 
-def _content_text(i: int, content: Any) -> str:
+def _content(i: int, content: Any, key: str) -> str | list[dict[str, str]]:
+    """A string, or the text parts as chat's (``{"type": "text", "text"}``, which chat joins
+    one a line, or hands to an ``openai``-format template as they are)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
-        raise ValueError(f"input: item {i} needs 'content', a string or a list of text parts")
-    texts = []
+        raise ValueError(f"input: item {i} needs {key!r}, a string or a list of text parts")
+    parts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind not in TEXT_PARTS or not isinstance(part.get("text"), str):
             raise ValueError(
-                f"input: item {i}, content part {j} (type {kind!r}) is not supported: only "
+                f"input: item {i}, {key} part {j} (type {kind!r}) is not supported: only "
                 "text parts (input_text, output_text) with a string 'text' are"
             )
-        texts.append(part["text"])
-    return "".join(texts)
+        parts.append({"type": "text", "text": part["text"]})
+    return parts
 
 
-def _output_text(i: int, output: Any) -> str:
+def _output(i: int, output: Any) -> str | list[dict[str, str]]:
     """A ``function_call_output``'s ``output``: a string, or text parts."""
-    return output if isinstance(output, str) else _content_text(i, output)
+    return _content(i, output, "output")
 
 
 def _string(i: int, item: dict[str, Any], key: str) -> str:
@@ -136,6 +147,7 @@ def output_items(
     content: str | None,
     tool_calls: Sequence[ToolCall] | None,
     logprobs: list[dict[str, Any]] | None = None,
+    cut: bool = False,
 ) -> list[dict[str, Any]]:
     """A whole reply as ``output`` items: its reasoning, its text, its calls (each present).
 
@@ -144,6 +156,8 @@ def output_items(
         content: the reply's text, or None.
         tool_calls: the calls read from the reply.
         logprobs: the text's token logprobs (``OUTPUT_LOGPROBS``), or None.
+        cut: the output limit cut the reply: its last item is ``"incomplete"``, as OpenAI
+            marks it.
     """
     items = []
     if reasoning:
@@ -156,6 +170,8 @@ def output_items(
                 item_id("fc"), call.id, call.function.name, call.function.arguments, "completed"
             )
         )
+    if cut and items:
+        items[-1]["status"] = "incomplete"
     return items
 
 

@@ -19,20 +19,33 @@ from kvpilot.engine.server.protocol import (
     MAX_LOGPROBS,
     ChatCompletionRequest,
     OpenAIModel,
+    ReasoningEffort,
     _SamplingFields,
 )
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 """The ``include`` entry that asks for the output's logprobs (with ``top_logprobs``
 candidates each)."""
+Includable = Literal[
+    "message.output_text.logprobs",
+    "reasoning.encrypted_content",
+    "message.input_image.image_url",
+    "computer_call_output.output.image_url",
+    "code_interpreter_call.outputs",
+    "file_search_call.results",
+    "web_search_call.results",
+    "web_search_call.action.sources",
+]
+"""OpenAI's ``include`` values; only ``OUTPUT_LOGPROBS`` adds anything here (the others are
+about tools and content this server does not have)."""
 
 # _SamplingFields that are not the Responses API's (or are set from its own fields).
 _NOT_FORWARDED = frozenset({"n", "stream_options", "response_format"})
-# Chat's parameter names in errors -> the Responses API's.
-_RESPONSES_NAMES = {
-    "messages": "input",
-    "max_completion_tokens": "max_output_tokens",
-    "response_format": "text",
+# Fields of the Responses API that name what this server does not have.
+_REFUSED = {
+    "prompt": "prompt templates (prompt) are not supported; send input and instructions",
+    "conversation": "conversations are not supported; continue a response with "
+    "previous_response_id",
 }
 
 
@@ -63,6 +76,16 @@ class TextFormat(OpenAIModel):
         return self
 
 
+class ReasoningConfig(OpenAIModel):
+    """``reasoning``: ``effort`` reaches the chat template as chat completions'
+    ``reasoning_effort`` does (and with it ``enable_thinking``); ``summary`` is accepted and
+    unused (the reasoning item carries the reasoning itself)."""
+
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+
+
 class TextConfig(OpenAIModel):
     """``text``: the output's format (``format``)."""
 
@@ -88,13 +111,13 @@ class ResponsesRequest(_SamplingFields):
         text: ``{"format": ...}``, see ``TextFormat``.
         tools, tool_choice, parallel_tool_calls: function calling, as in chat completions;
             ``tool_choice`` names a function as ``{"type": "function", "name": ...}``.
-        reasoning: OpenAI's reasoning settings; accepted and unused (the server's
+        reasoning: ``{"effort", "summary"}`` (``ReasoningConfig``); the server's
             ``--reasoning-parser`` splits the reasoning off, vLLM's ``include_reasoning``
-            leaves it out).
+            leaves it out.
         truncation: ``"disabled"`` (a prompt over the context is refused) or ``"auto"`` (its
             oldest tokens are dropped).
         background: refused when true: responses are answered while the request waits.
-        metadata, service_tier, prompt_cache_key, max_tool_calls: accepted and echoed or unused.
+        metadata, service_tier, prompt_cache_key, max_tool_calls: accepted and echoed.
     """
 
     input: str | list[dict[str, Any]]
@@ -102,21 +125,29 @@ class ResponsesRequest(_SamplingFields):
     max_output_tokens: Annotated[int, Field(ge=1)] | None = None
     previous_response_id: str | None = None
     store: bool = True
-    include: list[str] | None = None
+    include: list[Includable] | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] = 0
     text: TextConfig | None = None
     tools: list[dict[str, Any]] = Field(default_factory=list)
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] = "auto"
     parallel_tool_calls: bool = True
-    reasoning: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     include_reasoning: bool = True
     truncation: Literal["auto", "disabled"] = "disabled"
     background: bool = False
     metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] = "auto"
     prompt_cache_key: str | None = None
-    max_tool_calls: int | None = None
+    max_tool_calls: Annotated[int, Field(ge=1)] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        for name, reason in _REFUSED.items():
+            if isinstance(data, dict) and data.get(name) is not None:
+                raise ValueError(f"{name}: {reason}")
+        return data
 
     @field_validator("input", mode="before")
     @classmethod
@@ -179,8 +210,8 @@ class ResponsesRequest(_SamplingFields):
             messages: the conversation (``responses_items.input_messages``).
 
         Raises:
-            ValueError: what chat completions would refuse, named by this API's fields
-                (``input`` for the messages, ``max_output_tokens``, ``text``).
+            pydantic.ValidationError: what chat completions refuse (named by chat's fields:
+                ``serving_responses.responses_error`` renames them).
         """
         body = self.model_dump(
             include=set(_SamplingFields.model_fields) - _NOT_FORWARDED,
@@ -195,22 +226,18 @@ class ResponsesRequest(_SamplingFields):
             "parallel_tool_calls": self.parallel_tool_calls,
             "include_reasoning": self.include_reasoning,
             "chat_template_kwargs": self.chat_template_kwargs,
+            "reasoning_effort": self.reasoning.effort if self.reasoning else None,
         }
         if self.truncation == "auto":
             body["truncate_prompt_tokens"] = -1
         if self.tools:
             body["tools"] = [chat_tool(tool) for tool in self.tools]
+        if self.tools or self.tool_choice not in ("auto", "none"):
+            # Without tools, "required" or a named function is chat's 400 (as vLLM's).
             body["tool_choice"] = chat_tool_choice(self.tool_choice)
         if self.text is not None and self.text.format.type != "text":
             body["response_format"] = chat_response_format(self.text.format)
-        try:
-            return ChatCompletionRequest.model_validate(body)
-        except ValidationError as exc:
-            first = exc.errors(include_url=False)[0]
-            message = first["msg"].removeprefix("Value error, ")
-            for chat_name, name in _RESPONSES_NAMES.items():
-                message = message.replace(chat_name, name)
-            raise ValueError(message) from None
+        return ChatCompletionRequest.model_validate(body)
 
 
 def chat_tool(tool: dict[str, Any]) -> dict[str, Any]:
@@ -237,7 +264,8 @@ def chat_response_format(text_format: TextFormat) -> dict[str, Any]:
 class ResponseUsage(OpenAIModel):
     """A response's ``usage``: prompt (``input``) and generated (``output``) tokens.
 
-    ``input_tokens_details.cached_tokens``: prompt tokens read from the prefix cache;
+    ``input_tokens_details``: ``cached_tokens``, prompt tokens read from the prefix cache, and
+    ``cache_write_tokens``, those of full blocks the request added to it;
     ``output_tokens_details.reasoning_tokens``: generated tokens of the reasoning.
     """
 
@@ -282,7 +310,9 @@ class ResponsesResponse(OpenAIModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     background: bool = False
-    service_tier: str | None = None
+    service_tier: str = "auto"
+    prompt_cache_key: str | None = None
+    max_tool_calls: int | None = None
 
     @classmethod
     def of(
@@ -305,9 +335,13 @@ class ResponsesResponse(OpenAIModel):
                 "metadata",
                 "user",
                 "service_tier",
+                "prompt_cache_key",
+                "max_tool_calls",
             },
             by_alias=True,
         )
         if request.text is not None:
             echoed["text"] = request.text.model_dump(by_alias=True, exclude_none=True)
+        if request.reasoning is not None:
+            echoed["reasoning"] = request.reasoning.model_dump(exclude_none=True)
         return cls(id=response_id, model=model, **echoed | fields)

@@ -2,7 +2,8 @@
 
 ``response.created`` and ``response.in_progress`` open the stream; each output item then comes
 as ``response.output_item.added``, its deltas, and its ``.done`` events
-(``response.output_item.done`` last); ``response.completed`` carries the whole response. For a
+(``response.output_item.done`` last); ``response.completed`` carries the whole response
+(``status`` ``"incomplete"`` when the output was cut, as vLLM sends it). For a
 ``message``: ``response.content_part.added``, ``response.output_text.delta``...,
 ``response.output_text.done``, ``response.content_part.done``; for a ``reasoning`` item the same
 with ``reasoning_text``; for a ``function_call``: ``response.function_call_arguments.delta``...
@@ -74,8 +75,8 @@ class ResponseEvents:
 
         Args:
             delta: newly generated reasoning, text and/or tool call pieces.
-            logprobs: the logprobs of the tokens behind it (empty unless asked for): sent
-                with the next text delta.
+            logprobs: the logprobs of the text's tokens behind it (empty unless asked for):
+                sent with the next text delta.
         """
         self._pending_logprobs.extend(logprobs)
         events = []
@@ -89,14 +90,15 @@ class ResponseEvents:
             events += self._call_delta(call)
         return events
 
-    def close(self) -> list[str]:
-        """The ``.done`` events of the open item, if any."""
+    def close(self, status: str = "completed") -> list[str]:
+        """The ``.done`` events of the open item, if any; ``status`` ``"incomplete"`` for one
+        the output limit cut."""
         item, self._open = self._open, None
         if item is None:
             return []
         where = {"item_id": item.id, "output_index": item.output_index}
         if item.kind == "function_call":
-            done = function_call_item(item.id, item.call_id, item.name, item.text, "completed")
+            done = function_call_item(item.id, item.call_id, item.name, item.text, status)
             events = [
                 self.event(
                     "response.function_call_arguments.done",
@@ -107,14 +109,14 @@ class ResponseEvents:
             ]
         else:
             if item.kind == "reasoning":
-                done = reasoning_item(item.id, item.text, "completed")
+                done = reasoning_item(item.id, item.text, status)
                 text_done = self.event(
                     "response.reasoning_text.done", **where, content_index=0, text=item.text
                 )
             else:
                 item.logprobs += self._pending_logprobs
                 self._pending_logprobs = []
-                done = message_item(item.id, item.text, "completed", item.logprobs)
+                done = message_item(item.id, item.text, status, item.logprobs)
                 text_done = self.event(
                     "response.output_text.done",
                     **where,
@@ -133,9 +135,10 @@ class ResponseEvents:
         return events
 
     def completed(self, response: ResponsesResponse) -> str:
-        """``response.completed`` (or ``response.incomplete``) with the whole response."""
-        kind = "response.completed" if response.status == "completed" else "response.incomplete"
-        return self.event(kind, response=response.model_dump())
+        """``response.completed`` with the whole response, whatever its ``status`` (as vLLM
+        sends it, and as the ``openai`` client's stream helper waits for it; OpenAI sends
+        ``response.incomplete`` for an incomplete one)."""
+        return self.event("response.completed", response=response.model_dump())
 
     def error(self, message: str, code: int) -> str:
         """An ``error`` event: the response failed after the stream began."""

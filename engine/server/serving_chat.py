@@ -505,7 +505,8 @@ def chat_template_arguments(
 ) -> dict[str, Any]:
     """The keyword arguments of ``tokenization.apply_chat_template`` for a request, merged as
     vLLM merges them (``tokenization.merge_chat_template_kwargs``): ``chat_template_kwargs`` over
-    the request's own settings.
+    the request's own settings; a ``reasoning_effort`` is the template variable of that name and
+    sets ``enable_thinking`` (false for ``"none"``) where ``chat_template_kwargs`` does not.
 
     Args:
         request: the chat request.
@@ -523,6 +524,12 @@ def chat_template_arguments(
     if exclude_tools_when_tool_choice_none and request.tool_choice == "none":
         tools = []
     variables = request.chat_template_kwargs
+    if request.reasoning_effort is not None:
+        effort = {
+            "reasoning_effort": request.reasoning_effort,
+            "enable_thinking": request.reasoning_effort != "none",
+        }
+        variables = effort | dict(variables or {})
     if default_kwargs:
         own = {k: v for k, v in (variables or {}).items() if v is not None and v != "auto"}
         variables = dict(default_kwargs) | own

@@ -325,10 +325,15 @@ class OpenAIServing:
         cached = output.num_cached_tokens
         details = PromptTokenUsageInfo(cached_tokens=cached)
         if created:
-            block = self.prefix_cache_block_size
-            full = 0 if block is None else num_prompt_tokens // block * block
-            details.created_cache_tokens = max(0, full - cached)
+            details.created_cache_tokens = self.created_cache_tokens(num_prompt_tokens, cached)
         return details
+
+    def created_cache_tokens(self, num_prompt_tokens: int, num_cached_tokens: int) -> int:
+        """The prompt tokens in full blocks a request computed and added to the prefix cache
+        (0 when prefix caching is off)."""
+        block = self.prefix_cache_block_size
+        full = 0 if block is None else num_prompt_tokens // block * block
+        return max(0, full - num_cached_tokens)
 
     async def add(
         self,

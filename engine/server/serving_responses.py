@@ -11,15 +11,19 @@ request's ``store`` is ignored and ``previous_response_id`` is not found.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
+from fastapi.exceptions import RequestValidationError
+from pydantic import ValidationError
+
 from kvpilot.engine.async_llm import EngineError
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.server.errors import OpenAIError, bad_request
+from kvpilot.engine.server.errors import OpenAIError, bad_request, validation_error
 from kvpilot.engine.server.protocol import ChatCompletionRequest, DeltaMessage
 from kvpilot.engine.server.responses_items import input_messages, output_items
 from kvpilot.engine.server.responses_items import output_messages as reply_messages
@@ -94,18 +98,22 @@ class OpenAIServingResponses:
         try:
             messages = input_messages(request.instructions, request.input, history)
             chat_request = request.to_chat_request(messages)
+            run = await self.chat.start(chat_request, arrival_time)
+        except ValidationError as exc:  # the chat request's checks
+            error = validation_error(RequestValidationError(exc.errors(include_url=False)), None)
+            raise responses_error(error) from None
         except ValueError as exc:
-            raise bad_request(exc) from None
-        run = await self.chat.start(chat_request, arrival_time)
-        shown_id = f"resp_{run.request_id.removeprefix('chatcmpl-')}"
-        if request.request_id is not None:
-            shown_id = f"resp_{request.request_id}"
+            raise responses_error(bad_request(exc)) from None
+        except OpenAIError as exc:
+            raise responses_error(exc) from None
         response = ResponsesResponse.of(
             request,
-            shown_id,
+            request.request_id or f"resp_{run.request_id.removeprefix('chatcmpl-')}",
             self.chat.response_model(run.lora_request),
             status="in_progress",
             store=self._stores(request),
+            temperature=run.params.temperature,
+            top_p=run.params.top_p,
         )
         if request.stream:
             return self._stream(request, chat_request, run, response, messages)
@@ -115,16 +123,15 @@ class OpenAIServingResponses:
             run.stream.close()
         seq = final.outputs[0]
         reasoning, content, tool_calls, _ = run.parsers.choice().whole(seq.text, seq.finish_reason)
+        reasoning_tokens = await run.reasoning_tokens(self.chat, [seq.token_ids])
         logprobs = None
         if not run.parsers.hides_tokens and chat_request.logprobs:
-            logprobs = self.chat.logprobs_of(seq, 0, chat_request)
-        items = output_items(
-            reasoning,
-            content,
-            tool_calls,
-            [lp.model_dump() for lp in logprobs.content or []] if logprobs else None,
-        )
-        return await self._finish(request, response, run, final, items, messages)
+            # The text's own tokens: those after the reasoning.
+            chunk = self.chat.logprobs_of(seq, reasoning_tokens or 0, chat_request)
+            logprobs = [lp.model_dump() for lp in chunk.content or []]
+        cut = seq.finish_reason == "length"
+        items = output_items(reasoning, content, tool_calls, logprobs, cut)
+        return await self._finish(request, response, run, final, items, messages, reasoning_tokens)
 
     def retrieve_stored(self, response_id: str) -> StoredResponse:
         """A kept response.
@@ -169,9 +176,13 @@ class OpenAIServingResponses:
         final: RequestOutput,
         items: list[dict[str, Any]],
         messages: list[dict[str, Any]],
+        reasoning_tokens: int | None = None,
     ) -> ResponsesResponse:
-        """The whole response from the request's last output and its items; kept when asked."""
+        """The whole response from the request's last output and its items (its reasoning
+        tokens counted unless given); kept when asked."""
         seq = final.outputs[0]
+        if reasoning_tokens is None:
+            reasoning_tokens = await run.reasoning_tokens(self.chat, [seq.token_ids])
         num_prompt_tokens = len(run.prompt_token_ids)
         num_output_tokens = len(seq.token_ids)
         cut = seq.finish_reason == "length"
@@ -182,12 +193,14 @@ class OpenAIServingResponses:
                 "output": items,
                 "usage": ResponseUsage(
                     input_tokens=num_prompt_tokens,
-                    input_tokens_details={"cached_tokens": final.num_cached_tokens},
-                    output_tokens=num_output_tokens,
-                    output_tokens_details={
-                        "reasoning_tokens": await run.reasoning_tokens(self.chat, [seq.token_ids])
-                        or 0
+                    input_tokens_details={
+                        "cached_tokens": final.num_cached_tokens,
+                        "cache_write_tokens": self.chat.created_cache_tokens(
+                            num_prompt_tokens, final.num_cached_tokens
+                        ),
                     },
+                    output_tokens=num_output_tokens,
+                    output_tokens_details={"reasoning_tokens": reasoning_tokens or 0},
                     total_tokens=num_prompt_tokens + num_output_tokens,
                 ),
             }
@@ -208,26 +221,32 @@ class OpenAIServingResponses:
     ) -> AsyncIterator[str]:
         events = ResponseEvents()
         parser = run.parsers.choice()
-        sent_text = sent_tokens = 0
-        final = None
+        wants_logprobs = chat_request.logprobs and not run.parsers.hides_tokens
+        # Where the text's tokens start: after the reasoning's, known once the text begins.
+        text_start = 0 if run.parsers.make_reasoning_parser is None else None
+        sent_text = sent_logprobs = 0
+        final = final_reason = None
         for event in events.start(response):
             yield event
         try:
             async for output in run.stream:
                 final = output
                 seq = output.outputs[0]
+                final_reason = seq.finish_reason
                 text, sent_text = seq.text[sent_text:], len(seq.text)
-                finished = seq.finish_reason is not None
+                delta = parser.delta(text, seq.finish_reason is not None)
+                if text_start is None and delta is not None and delta.content:
+                    text_start = await run.reasoning_tokens(self.chat, [seq.token_ids])
                 logprobs = []
-                if chat_request.logprobs and not run.parsers.hides_tokens:
-                    chunk = self.chat.logprobs_of(seq, sent_tokens, chat_request)
+                if wants_logprobs and text_start is not None:
+                    start = max(sent_logprobs, text_start)
+                    chunk = self.chat.logprobs_of(seq, start, chat_request)
                     logprobs = [lp.model_dump() for lp in chunk.content or []] if chunk else []
-                sent_tokens = len(seq.token_ids)
-                delta = parser.delta(text, finished)
+                    sent_logprobs = len(seq.token_ids)
                 if delta is not None or logprobs:
                     for event in events.delta(delta or DeltaMessage(), logprobs):
                         yield event
-            for event in events.close():
+            for event in events.close("incomplete" if final_reason == "length" else "completed"):
                 yield event
             yield events.completed(
                 await self._finish(request, response, run, final, events.items, messages)
@@ -236,3 +255,24 @@ class OpenAIServingResponses:
             yield events.error(str(exc), int(engine_error_status(exc)))
         finally:
             run.stream.close()
+
+
+CHAT_NAMES = {
+    "messages": "input",
+    "max_tokens": "max_output_tokens",
+    "max_completion_tokens": "max_output_tokens",
+    "response_format": "text",
+}
+"""Chat completions' parameter names in errors -> the Responses API's."""
+_CHAT_NAME = re.compile(rf"\b({'|'.join(CHAT_NAMES)})\b")
+
+
+def responses_error(error: OpenAIError) -> OpenAIError:
+    """An error of the chat path named by this API's fields (``CHAT_NAMES``): ``input`` for
+    the messages, ``max_output_tokens``, ``text``. Errors about ``tools`` and ``tool_choice``
+    keep their text, which quotes the request's own function names."""
+    if error.param in ("tools", "tool_choice"):
+        return error
+    error.param = CHAT_NAMES.get(error.param, error.param)
+    error.message = _CHAT_NAME.sub(lambda match: CHAT_NAMES[match.group(1)], error.message)
+    return error

@@ -113,6 +113,56 @@ def test_max_output_tokens_cut_is_incomplete(client):
     assert response.status == "incomplete"
     assert response.incomplete_details.reason == "max_output_tokens"
     assert response.usage.output_tokens == 3
+    assert response.output[-1].status == "incomplete"
+    # The client's stream helper finishes on the cut response too.
+    with client.responses.stream(
+        model=MODEL, input=QUESTION, temperature=0, max_output_tokens=3
+    ) as stream:
+        final = stream.get_final_response()
+    assert (final.status, final.output_text) == ("incomplete", response.output_text)
+    assert final.output[-1].status == "incomplete"
+
+
+def test_text_parts_are_joined_as_chat_joins_them(client):
+    parts = [{"type": "input_text", "text": "The quick"}, {"type": "input_text", "text": "fox"}]
+    response = respond(client, [{"role": "user", "content": parts}], max_output_tokens=2)
+    chat_parts = [{"type": "text", "text": "The quick"}, {"type": "text", "text": "fox"}]
+    expected = chat(client, [{"role": "user", "content": chat_parts}], max_tokens=2)
+    assert response.usage.input_tokens == expected.usage.prompt_tokens
+    assert response.output_text == expected.choices[0].message.content
+
+
+def test_request_id_is_the_response_id_and_settings_are_echoed(client):
+    response = respond(
+        client,
+        max_output_tokens=2,
+        prompt_cache_key="users-42",
+        top_p=0.5,
+        extra_body={"request_id": "resp_mine", "top_k": 1},
+    )
+    assert response.id == "resp_mine"
+    assert (response.prompt_cache_key, response.service_tier) == ("users-42", "auto")
+    assert (response.temperature, response.top_p) == (0.0, 0.5)  # as sampled
+    assert response.usage.input_tokens_details.cache_write_tokens >= 0
+
+
+def test_reasoning_effort_none_turns_thinking_off(client):
+    # Qwen3's parser reads enable_thinking, which reasoning.effort sets (as vLLM passes it).
+    thinking = {"chat_template_kwargs": {"enable_thinking": True}}
+    on = respond(client, forced=FORCED, max_output_tokens=120, extra_body=dict(thinking))
+    assert [item.type for item in on.output] == ["reasoning", "message"]
+    effort = {"effort": "none"}
+    off = respond(client, forced=FORCED, max_output_tokens=120, reasoning=effort)
+    assert [item.type for item in off.output] == ["message"]
+    assert off.output_text == FORCED and off.reasoning.effort == "none"
+    reply = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=120,
+        reasoning_effort="high",
+        extra_body={"structured_outputs": {"choice": [FORCED]}},
+    )
+    assert reply.choices[0].message.reasoning == THOUGHT
 
 
 def test_streamed_events_build_the_same_response(client):
@@ -130,7 +180,7 @@ def test_streamed_events_build_the_same_response(client):
         "response.output_text.done",
         "response.content_part.done",
         "response.output_item.done",
-        f"response.{whole.status}",
+        "response.completed",  # whatever the status, as vLLM sends it
     ]
     assert events[0].response.status == "in_progress" and events[0].response.output == []
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -244,6 +294,20 @@ def test_output_logprobs_are_the_tokens_of_the_text(client):
     assert all(lp.top_logprobs[0].logprob == lp.logprob for lp in part.logprobs)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_output_logprobs_leave_the_reasoning_tokens_out(client, stream):
+    body = {"chat_template_kwargs": {"enable_thinking": True}}
+    asked = {"include": ["message.output_text.logprobs"], "max_output_tokens": 120}
+    response = respond(client, forced=FORCED, extra_body=body, stream=stream, **asked)
+    if stream:
+        response = list(response)[-1].response
+    [part] = response.output[1].content
+    tokens = "".join(lp.token for lp in part.logprobs)
+    assert tokens.removesuffix("<|im_end|>") == ANSWER == part.text
+    reasoning = response.usage.output_tokens_details.reasoning_tokens
+    assert len(part.logprobs) == response.usage.output_tokens - reasoning
+
+
 def test_json_schema_text_format_constrains_the_output(client):
     schema = {
         "type": "object",
@@ -273,7 +337,23 @@ def test_json_schema_text_format_constrains_the_output(client):
          "tool_choice", "not among tools"),
         ({"text": {"format": {"type": "json_schema"}}}, "text", "schema"),
         ({"max_output_tokens": 0}, "max_output_tokens", "greater than or equal to 1"),
+        ({"max_output_tokens": 10**9}, "max_output_tokens", "max_output_tokens"),
+        ({"input": "word " * 5000}, "input", "input"),
         ({"input": []}, "input", "at least 1 item"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input", "no message"),
+        ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "x"}]}, "input",
+         "encrypted"),
+        ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input", "'output'"),
+        ({"tool_choice": "required"}, "tool_choice", "needs tools"),
+        ({"include": ["everything"]}, "include", ""),
+        ({"prompt": {"id": "pmpt_1"}}, "prompt", "not supported"),
+        ({"conversation": "conv_1"}, "conversation", "previous_response_id"),
+        ({"reasoning": {"effort": "extreme"}}, "reasoning", ""),
+        ({"text": {"format": {"type": "json_schema", "schema": {"type": 5}}}}, "text", ""),
+        # The request's own names are quoted as they are.
+        ({"tools": [{**WEATHER_TOOL, "name": "send_messages"}],
+          "tool_choice": {"type": "function", "name": "get_response_format"}}, "tool_choice",
+         "'get_response_format' is not among tools (send_messages)"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_400s_naming_the_field(server, api_key, body, param, words):
