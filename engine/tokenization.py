@@ -359,6 +359,18 @@ def merge_chat_template_kwargs(
     }
 
 
+def with_reasoning_effort(
+    effort: str | None, chat_template_kwargs: Mapping[str, Any] | None
+) -> dict[str, Any] | None:
+    """A request's template variables with OpenAI's ``reasoning_effort``, as vLLM passes it:
+    the variable of that name, and ``enable_thinking`` (false for ``"none"``) unless the
+    request's ``chat_template_kwargs`` set them; unchanged without an effort."""
+    if effort is None:
+        return None if chat_template_kwargs is None else dict(chat_template_kwargs)
+    derived = {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+    return derived | dict(chat_template_kwargs or {})
+
+
 def developer_as_system(conversation: list[dict[str, Any]], template: Any) -> list[dict[str, Any]]:
     """OpenAI's ``developer`` role for a chat template that does not know it, as vLLM maps it.
 

@@ -1,6 +1,7 @@
 """The router's HTTP front: OpenAI's routes, each request routed to one replica and relayed.
 
-``POST /v1/completions`` and ``POST /v1/chat/completions``: the body's ``model`` selects the
+``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses`` (its input
+rendered as the chat conversation the engine makes of it): the body's ``model`` selects the
 replicas that serve it (served model names and LoRA adapter names, as each replica lists them in
 ``/v1/models``). A model no replica serves is held while the wake hook (``wake.py``) wakes it, or
 a 404 in OpenAI's error body when the hook cannot. The prompt is tokenized on the tokenizer's
@@ -12,6 +13,13 @@ before the first byte the request goes to the next best replica (each replica tr
 a byte it never does. Every answer of a replica, 4xx and 5xx included, comes back as the replica
 wrote it. A body the router cannot read (not JSON, no ``model``) is still forwarded, to the
 least loaded replica, so that the engine answers it with its own 400.
+
+A response is stored on the replica that answered it (``--enable-responses-store``), so the
+router remembers each response's replica (the newest ``RESPONSE_AFFINITY_SIZE``; the id is the
+client's ``X-Request-Id`` or ``request_id``, else one the router sends as ``X-Request-Id``): a
+request with ``previous_response_id`` goes to that replica while it is up, and
+``GET``/``DELETE /v1/responses/{id}`` and ``POST /v1/responses/{id}/cancel`` are relayed to it
+(404 for an id the router does not know).
 
 ``POST /tokenize`` and ``POST /detokenize`` (vLLM's): routed as above by their ``model``, but
 never tokenized or recorded as a prompt a replica has cached (nothing is generated from them),
@@ -35,6 +43,8 @@ import functools
 import json
 import logging
 import time
+import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from http import HTTPStatus
@@ -47,17 +57,20 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from kvpilot.engine.server.errors import OpenAIError, error_response, read_body
 from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+from kvpilot.engine.server.responses_protocol import ResponsesRequest
 from kvpilot.engine.tokenization import max_prompt_chars
 from kvpilot.router import proxy
 from kvpilot.router.config import RouterConfig
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.prompt_hashes import (
     CHAT_PATH,
+    RESPONSES_PATH,
     model_root_hash,
     prefix_key,
     prompt_block_hashes,
     prompt_chars,
     prompt_token_ids,
+    responses_chat_body,
 )
 from kvpilot.router.replicas import Replica, ReplicaSet
 from kvpilot.router.scoring import Candidate, Decision, choose_replica
@@ -65,12 +78,15 @@ from kvpilot.router.wake import NoWake, WakeHook
 
 logger = logging.getLogger("kvpilot.router")
 
-ROUTED_PATHS = ("/v1/completions", CHAT_PATH)
+ROUTED_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH)
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 """Routed by model and load; their bodies are not prompts (nothing is cached from them)."""
 FALLBACK_MAX_MODEL_LEN = 32768
 """The context (tokens) that bounds what the router tokenizes while no replica serving the
 model has reported its ``max_model_len`` (e.g. its ``/v1/models`` refused the router's key)."""
+RESPONSE_AFFINITY_SIZE = 65536
+"""Response ids the router remembers the replica of (the newest), for ``previous_response_id``
+and ``/v1/responses/{id}``."""
 WAKE_RETRY_AFTER_S = 10
 """``Retry-After`` (seconds) of the 503 for a request held past ``--wake-timeout``."""
 
@@ -88,6 +104,8 @@ class Plan:
             ``not a prompt``; None when there are.
         key: the consistent-hash key (``prompt_hashes.prefix_key``).
         chains: the prompt's block hashes by (block size, root hash, adapter), as computed.
+        pinned: the replica that must answer it (it holds the response a
+            ``previous_response_id`` continues), or None.
     """
 
     path: str
@@ -97,6 +115,7 @@ class Plan:
     untokenized: str | None
     key: bytes
     chains: dict[tuple, list[bytes]] | None = None
+    pinned: str | None = None
 
 
 class Router:
@@ -128,6 +147,7 @@ class Router:
         self._reporters: dict[str, asyncio.Future] = {}  # model -> the task reporting it
         self._poll_soon = asyncio.Event()
         self._published: set[str] = set()  # replicas with a replica_up series
+        self._responses: OrderedDict[str, str] = OrderedDict()  # response id -> replica URL
 
     async def start(self) -> None:
         """Open the client session, load the tokenizer, poll the replicas once."""
@@ -202,19 +222,28 @@ class Router:
         """Read the model and the prompt's token ids (on the tokenizer's thread, and only when
         the prompt can fit the replicas' context: ``tokenization.max_prompt_chars``)."""
         model = _requested_model(body)
-        plan = Plan(path, body, model, None, None, prefix_key(body), {})
+        # A Responses API body is rendered as the chat body the engine makes of it.
+        prompt_path, view, previous, pinned = path, body, None, None
+        if path == RESPONSES_PATH:
+            prompt_path, view = CHAT_PATH, responses_chat_body(body) or {}
+            previous = body.get("previous_response_id")
+            if isinstance(previous, str):
+                pinned = self._responses.get(previous)
+        plan = Plan(path, body, model, None, None, prefix_key(view or body), {}, pinned)
         if self.config.routing_policy != "kvpilot":
             plan.untokenized = "policy"
         elif self.tokenizer is None:
             plan.untokenized = "no tokenizer"
-        elif not body or path in TOKENIZER_PATHS:
+        elif not view or path in TOKENIZER_PATHS:
             plan.untokenized = "not a prompt"
         else:
             max_chars = await self._max_prompt_chars(model)
-            if prompt_chars(path, body) > max_chars:
+            if prompt_chars(prompt_path, view) > max_chars:
                 plan.untokenized = "too long"
             else:
-                plan.token_ids = await self.tokenizer.call(prompt_token_ids, path, body, max_chars)
+                plan.token_ids = await self.tokenizer.call(
+                    prompt_token_ids, prompt_path, view, max_chars
+                )
                 plan.untokenized = None if plan.token_ids is not None else "not a prompt"
         return plan
 
@@ -225,6 +254,9 @@ class Router:
         replicas = [r for r in self.replicas.serving(plan.model) if r.url not in tried]
         if not replicas:
             return None
+        pinned = next((r for r in replicas if r.url == plan.pinned), None)
+        if pinned is not None:  # the replica that stored the previous response
+            return Decision(pinned.url, "previous_response", 0, pinned.in_flight + 1, ())
         order = self.replicas.ring.order(plan.key)
         candidates = [
             Candidate(
@@ -270,6 +302,10 @@ class Router:
             elif model not in self.replicas.known_models():
                 return self._no_such_model(model)
         plan = await self.plan(path, body)
+        headers: Any = raw.headers
+        response_id = None
+        if path == RESPONSES_PATH:
+            response_id, headers = _response_id(raw, body)
         tried: set[str] = set()
         while True:
             decision = self.decide(plan, tried)
@@ -282,11 +318,12 @@ class Router:
             if not tried:
                 self.metrics.added_latency.observe(time.perf_counter() - arrival)
             self._count_decision(replica, decision.reason, plan.token_ids, decision.matched_tokens)
-            replica.in_flight += 1
-            self.metrics.in_flight.labels(replica.url).inc()
+            self._start(replica)
             replica.record_sent(self._chain(plan, replica))
             try:
-                upstream = await self._open_or_disconnect(raw, replica, path, payload)
+                upstream = await self._open_or_disconnect(
+                    raw, replica, path, payload, headers=headers
+                )
             except proxy.UpstreamUnreachable as exc:
                 self._finish(replica, label, None, "connect")
                 logger.warning("retrying elsewhere: %s", exc)
@@ -299,8 +336,40 @@ class Router:
             if upstream is None:  # the client left before the answer started
                 self._finish(replica, label, 499, "disconnect")
                 return Response(status_code=499)
+            if response_id is not None and upstream.status == HTTPStatus.OK:
+                self._responses[response_id] = replica.url
+                self._responses.move_to_end(response_id)
+                while len(self._responses) > RESPONSE_AFFINITY_SIZE:
+                    self._responses.popitem(last=False)
             on_done = functools.partial(self._finish, replica, label, upstream.status)
             return proxy.UpstreamResponse(upstream, on_done)
+
+    async def stored_response(self, raw: Request, response_id: str, suffix: str = "") -> Response:
+        """``GET``/``DELETE /v1/responses/{id}`` and ``POST .../cancel``: relayed to the replica
+        that answered the response (the one that stored it); 404 as the engine's for an id the
+        router did not route (or no longer remembers), 503 when that replica is unreachable."""
+        url = self._responses.get(response_id)
+        replica = self.replicas.replicas.get(url) if url is not None else None
+        if replica is None:
+            return error_response(
+                HTTPStatus.NOT_FOUND, f"Response with id '{response_id}' not found.", "response_id"
+            )
+        path = f"{RESPONSES_PATH}/{response_id}{suffix}"
+        self._start(replica)
+        try:
+            upstream = await self._open_or_disconnect(
+                raw, replica, path, await raw.body(), method=raw.method
+            )
+        except proxy.UpstreamUnreachable as exc:
+            self._finish(replica, "", None, "connect")
+            return self._unavailable(
+                "", f"the replica that holds the response is unreachable: {exc}"
+            )
+        if upstream is None:
+            self._finish(replica, "", 499, "disconnect")
+            return Response(status_code=499)
+        on_done = functools.partial(self._finish, replica, "", upstream.status)
+        return proxy.UpstreamResponse(upstream, on_done)
 
     async def debug_route(self, raw: Request) -> Response:
         """``POST /debug/route``: the decision for a request body, forwarding nothing; a body
@@ -311,7 +380,13 @@ class Router:
         except OpenAIError as exc:
             return exc.response()
         body = _json_object(payload)
-        path = CHAT_PATH if isinstance(request, ChatCompletionRequest) else ROUTED_PATHS[0]
+        path = (
+            CHAT_PATH
+            if isinstance(request, ChatCompletionRequest)
+            else RESPONSES_PATH
+            if isinstance(request, ResponsesRequest)
+            else ROUTED_PATHS[0]
+        )
         plan = await self.plan(path, body)
         model = plan.model
         decision = self.decide(plan, set(), advance=False)
@@ -478,12 +553,20 @@ class Router:
         )
 
     async def _open_or_disconnect(
-        self, raw: Request, replica: Replica, path: str, payload: bytes
+        self,
+        raw: Request,
+        replica: Replica,
+        path: str,
+        payload: bytes,
+        headers: Any = None,
+        method: str = "POST",
     ) -> aiohttp.ClientResponse | None:
         """The replica's open response, or None when the client disconnected first (the
-        upstream request is then cancelled, which closes its connection)."""
+        upstream request is then cancelled, which closes its connection). ``headers``: the
+        client's (default) or those to send instead."""
+        headers = raw.headers if headers is None else headers
         opening = asyncio.ensure_future(
-            proxy.open_upstream(self.session, "POST", replica.url + path, raw.headers, payload)
+            proxy.open_upstream(self.session, method, replica.url + path, headers, payload)
         )
         watcher = asyncio.ensure_future(proxy.wait_for_disconnect(raw.receive))
         try:
@@ -504,6 +587,11 @@ class Router:
         if token_ids is not None:
             self.metrics.prompt_tokens.labels(replica.url).inc(len(token_ids))
             self.metrics.matched_tokens.labels(replica.url).inc(matched)
+
+    def _start(self, replica: Replica) -> None:
+        """Account for the start of one forwarding attempt (``_finish`` ends it)."""
+        replica.in_flight += 1
+        self.metrics.in_flight.labels(replica.url).inc()
 
     def _finish(self, replica: Replica, model: str, status: int | None, outcome: str) -> None:
         """Account for the end of one forwarding attempt."""
@@ -537,13 +625,28 @@ def _requested_model(body: dict[str, Any]) -> str | None:
     return model if isinstance(model, str) and model else None
 
 
-def _request_type(body: Any) -> type[CompletionRequest | ChatCompletionRequest]:
-    """The request a body is: chat when it has ``messages``."""
-    return (
-        ChatCompletionRequest
-        if isinstance(body, dict) and "messages" in body
-        else CompletionRequest
-    )
+def _request_type(body: Any) -> type[CompletionRequest | ChatCompletionRequest | ResponsesRequest]:
+    """The request a body is: chat when it has ``messages``, a response when it has
+    ``input``."""
+    if isinstance(body, dict) and "messages" in body:
+        return ChatCompletionRequest
+    if isinstance(body, dict) and "input" in body:
+        return ResponsesRequest
+    return CompletionRequest
+
+
+def _response_id(raw: Request, body: dict[str, Any]) -> tuple[str, Any]:
+    """The id a Responses API request's response will have, and the headers to forward: the
+    client's ``X-Request-Id``, else the body's ``request_id``, which the engine makes the
+    response's id; else one the router makes and sends as ``X-Request-Id``."""
+    header = raw.headers.get("x-request-id")
+    if header:
+        return header, raw.headers
+    requested = body.get("request_id")
+    if isinstance(requested, str) and requested:
+        return requested, raw.headers
+    response_id = f"resp_{uuid.uuid4().hex}"
+    return response_id, {**raw.headers, "x-request-id": response_id}
 
 
 def _decision_json(decision: Decision) -> dict[str, Any]:
@@ -607,6 +710,14 @@ def create_app(
 
     for path in ROUTED_PATHS + TOKENIZER_PATHS:
         app.add_api_route(path, routed(path), methods=["POST"])
+
+    @app.api_route(RESPONSES_PATH + "/{response_id}", methods=["GET", "DELETE"])
+    async def stored_response(response_id: str, raw: Request) -> Response:
+        return await router.stored_response(raw, response_id)
+
+    @app.post(RESPONSES_PATH + "/{response_id}/cancel")
+    async def cancel_response(response_id: str, raw: Request) -> Response:
+        return await router.stored_response(raw, response_id, "/cancel")
 
     @app.post("/debug/route")
     async def debug_route(raw: Request) -> Response:

@@ -26,11 +26,19 @@ from typing import Any
 from kvpilot.engine.block_pool import BlockHash
 from kvpilot.engine.chat_content_format import resolve_content_format
 from kvpilot.engine.kv_cache_manager import block_extra_keys, extend_block_hashes
-from kvpilot.engine.tokenization import apply_chat_template, encode_text, parse_chat_messages
+from kvpilot.engine.server.responses_items import input_messages
+from kvpilot.engine.server.responses_protocol import chat_tool
+from kvpilot.engine.tokenization import (
+    apply_chat_template,
+    encode_text,
+    parse_chat_messages,
+    with_reasoning_effort,
+)
 
 logger = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
+RESPONSES_PATH = "/v1/responses"
 PREFIX_KEY_CHARS = 256
 """Characters of the prompt that the consistent-hash fallback keys on."""
 
@@ -63,6 +71,23 @@ def prompt_block_hashes(
     return extend_block_hashes(
         [], token_ids, block_size, root_hash, block_extra_keys(cache_salt, lora)
     )
+
+
+def responses_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """A Responses API body as the chat completions body the engine renders for it
+    (``responses_items.input_messages``, function tools as chat's, ``reasoning.effort`` as
+    chat's ``reasoning_effort``); None when it continues a stored response (its conversation
+    is on the replica that stored it) or its input cannot be read (the engine answers it)."""
+    if body.get("previous_response_id") is not None:
+        return None
+    try:
+        messages = input_messages(body.get("instructions"), body.get("input"))
+        tools = [chat_tool(tool) for tool in body.get("tools") or ()]
+    except (ValueError, TypeError, AttributeError):
+        return None
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
+    return {**body, "messages": messages, "tools": tools or None, "reasoning_effort": effort}
 
 
 def prompt_chars(path: str, body: Mapping[str, Any]) -> int:
@@ -119,7 +144,9 @@ def prompt_token_ids(
                 chat_template=body.get("chat_template"),
                 add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
-                chat_template_kwargs=body.get("chat_template_kwargs"),
+                chat_template_kwargs=with_reasoning_effort(
+                    body.get("reasoning_effort"), body.get("chat_template_kwargs")
+                ),
                 max_chars=max_chars,
             )
         prompt = body["prompt"]

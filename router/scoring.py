@@ -37,8 +37,9 @@ on the ring walk under the bound (KubeAI's method).
 
 Reasons (the ``reason`` label of ``kvpilot:router_routing_decisions_total``): ``prefix`` (the
 chosen replica holds part of the prompt), ``load`` (no usable match: the least loaded), ``hash``
-(no tokens: the ring), ``only`` (one candidate), and, chosen in ``app.py`` by policy,
-``round_robin``.
+(no tokens: the ring), ``only`` (one candidate), and, chosen in ``app.py``, ``round_robin``
+(by policy) and ``previous_response`` (the replica that stored the response a request
+continues).
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class Decision:
 
     Attributes:
         replica: the chosen candidate's name.
-        reason: ``prefix``, ``load``, ``hash`` or ``only`` (see the module docstring).
+        reason: ``prefix``, ``load``, ``hash``, ``only``, ``round_robin`` or
+            ``previous_response`` (see the module docstring).
         matched_tokens: prompt tokens the chosen replica is believed to hold.
         bound: the most load a replica may hold once this request is added.
         terms: every candidate's figures, in the order given.

@@ -42,6 +42,7 @@ from kvpilot.engine.tokenization import (
     NOT_TEMPLATE_VARIABLES,
     merge_chat_template_kwargs,
     parse_chat_messages,
+    with_reasoning_effort,
 )
 
 ASSISTANT = "assistant"
@@ -523,13 +524,7 @@ def chat_template_arguments(
     tools = [tool.model_dump(exclude_none=True) for tool in request.tools or []]
     if exclude_tools_when_tool_choice_none and request.tool_choice == "none":
         tools = []
-    variables = request.chat_template_kwargs
-    if request.reasoning_effort is not None:
-        effort = {
-            "reasoning_effort": request.reasoning_effort,
-            "enable_thinking": request.reasoning_effort != "none",
-        }
-        variables = effort | dict(variables or {})
+    variables = with_reasoning_effort(request.reasoning_effort, request.chat_template_kwargs)
     if default_kwargs:
         own = {k: v for k, v in (variables or {}).items() if v is not None and v != "auto"}
         variables = dict(default_kwargs) | own

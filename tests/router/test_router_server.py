@@ -31,7 +31,7 @@ LONG_PREFIX = "Once upon a time, in a cluster far away, a router kept every pref
 @pytest.fixture(scope="module")
 def replicas(tiny_model_dir):
     flags = (str(tiny_model_dir("llama")), "--served-model-name", MODEL)
-    flags += ("--max-model-len", "512", "--max-num-seqs", "4")
+    flags += ("--max-model-len", "512", "--max-num-seqs", "4", "--enable-responses-store")
     with live_replicas(flags, flags) as servers:
         yield servers
 
@@ -239,6 +239,58 @@ def test_a_shared_prefix_lands_on_the_replica_that_holds_it(router, replicas, cl
     assert after[chosen][0] - before[chosen][0] >= 96  # the second one hit the prefix
     assert router.metric("kvpilot:router_routing_decisions_total", reason="prefix") > decisions
     assert router.metric("kvpilot:router_prefix_matched_tokens_total", replica=replicas[chosen].url)
+
+
+def test_a_response_is_rendered_as_its_chat_conversation(router) -> None:
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    conversation = {"instructions": "Be brief.", "input": "Name three colors."}
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Name three colors."},
+    ]
+    routes = [
+        httpx.post(f"{router.url}/debug/route", json={"model": MODEL, **body}, headers=headers)
+        for body in (conversation, {"messages": messages})
+    ]
+    assert [r.status_code for r in routes] == [200, 200]
+    response, chat = (r.json() for r in routes)
+    assert response["path"] == "/v1/responses" and response["untokenized"] is None
+    assert response["prompt_tokens"] == chat["prompt_tokens"] > 0
+
+
+def test_responses_are_continued_on_the_replica_that_stored_them(router, replicas, client):
+    ask = {"model": MODEL, "temperature": 0, "max_output_tokens": 6}
+    first = client.responses.create(input="Name three colors.", **ask)
+    direct = replicas[0].openai_client().responses.create(input="Name three colors.", **ask)
+    assert first.output_text == direct.output_text
+    assert first.usage.input_tokens == direct.usage.input_tokens
+
+    def holder(response_id: str) -> int:
+        kept = []
+        for i, server in enumerate(replicas):
+            try:
+                server.openai_client().responses.retrieve(response_id)
+                kept.append(i)
+            except openai.NotFoundError:
+                pass
+        [index] = kept  # stored on one replica only
+        return index
+
+    pinned = router.metric("kvpilot:router_routing_decisions_total", reason="previous_response")
+    chain = [first]
+    for turn in ("And two more?", "Which is warmest?", "Thanks."):
+        chain.append(client.responses.create(input=turn, previous_response_id=chain[-1].id, **ask))
+    assert {holder(r.id) for r in chain} == {holder(first.id)}
+    assert (
+        router.metric("kvpilot:router_routing_decisions_total", reason="previous_response")
+        == pinned + 3
+    )
+    assert client.responses.retrieve(chain[-1].id).output_text == chain[-1].output_text
+    client.responses.delete(chain[-1].id)
+    for response_id in (chain[-1].id, "resp_never_routed"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.responses.retrieve(response_id)
+        assert missing.value.body["message"] == f"Response with id '{response_id}' not found."
 
 
 def test_tokenize_and_detokenize_reach_a_replica_and_leave_no_prompt_behind(
