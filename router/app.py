@@ -1,7 +1,8 @@
 """The router's HTTP front: OpenAI's routes, each request routed to one replica and relayed.
 
-``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses`` (its input
-rendered as the chat conversation the engine makes of it): the body's ``model`` selects the
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` and Anthropic's
+``POST /v1/messages`` (the last two rendered as the chat conversation the engine makes of
+them): the body's ``model`` selects the
 replicas that serve it (served model names and LoRA adapter names, as each replica lists them in
 ``/v1/models``). A model no replica serves is held while the wake hook (``wake.py``) wakes it, or
 a 404 in OpenAI's error body when the hook cannot. The prompt is tokenized on the tokenizer's
@@ -64,7 +65,9 @@ from kvpilot.router.config import RouterConfig
 from kvpilot.router.metrics import RouterMetrics
 from kvpilot.router.prompt_hashes import (
     CHAT_PATH,
+    MESSAGES_PATH,
     RESPONSES_PATH,
+    messages_chat_body,
     model_root_hash,
     prefix_key,
     prompt_block_hashes,
@@ -78,7 +81,9 @@ from kvpilot.router.wake import NoWake, WakeHook
 
 logger = logging.getLogger("kvpilot.router")
 
-ROUTED_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH)
+ROUTED_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH, MESSAGES_PATH)
+CHAT_VIEWS = {RESPONSES_PATH: responses_chat_body, MESSAGES_PATH: messages_chat_body}
+"""Paths whose bodies are planned as the chat body the engine renders from them."""
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")
 """Routed by model and load; their bodies are not prompts (nothing is cached from them)."""
 FALLBACK_MAX_MODEL_LEN = 32768
@@ -224,8 +229,9 @@ class Router:
         model = _requested_model(body)
         # A Responses API body is rendered as the chat body the engine makes of it.
         prompt_path, view, previous, pinned = path, body, None, None
+        if path in CHAT_VIEWS:
+            prompt_path, view = CHAT_PATH, CHAT_VIEWS[path](body) or {}
         if path == RESPONSES_PATH:
-            prompt_path, view = CHAT_PATH, responses_chat_body(body) or {}
             previous = body.get("previous_response_id")
             if isinstance(previous, str):
                 pinned = self._responses.get(previous)

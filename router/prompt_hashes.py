@@ -26,8 +26,9 @@ from typing import Any
 from kvpilot.engine.block_pool import BlockHash
 from kvpilot.engine.chat_content_format import resolve_content_format
 from kvpilot.engine.kv_cache_manager import block_extra_keys, extend_block_hashes
+from kvpilot.engine.server import anthropic_protocol, responses_protocol
+from kvpilot.engine.server.anthropic_protocol import chat_messages, system_messages, thinking_kwargs
 from kvpilot.engine.server.responses_items import input_messages
-from kvpilot.engine.server.responses_protocol import chat_tool
 from kvpilot.engine.tokenization import (
     apply_chat_template,
     encode_text,
@@ -39,6 +40,7 @@ logger = logging.getLogger(__name__)
 
 CHAT_PATH = "/v1/chat/completions"
 RESPONSES_PATH = "/v1/responses"
+MESSAGES_PATH = "/v1/messages"
 PREFIX_KEY_CHARS = 256
 """Characters of the prompt that the consistent-hash fallback keys on."""
 
@@ -82,12 +84,26 @@ def responses_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     try:
         messages = input_messages(body.get("instructions"), body.get("input"))
-        tools = [chat_tool(tool) for tool in body.get("tools") or ()]
+        tools = [responses_protocol.chat_tool(tool) for tool in body.get("tools") or ()]
     except (ValueError, TypeError, AttributeError):
         return None
     reasoning = body.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
     return {**body, "messages": messages, "tools": tools or None, "reasoning_effort": effort}
+
+
+def messages_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    """An Anthropic Messages API body as the chat completions body the engine renders for it
+    (``anthropic_protocol``: the system prompt first, blocks as chat's messages, tools as
+    chat's, ``thinking`` as ``enable_thinking``); None when it cannot be read (the engine
+    answers it)."""
+    try:
+        messages = system_messages(body.get("system")) + chat_messages(body.get("messages"))
+        tools = [anthropic_protocol.chat_tool(i, t) for i, t in enumerate(body.get("tools") or ())]
+        kwargs = thinking_kwargs(body.get("thinking"), body.get("chat_template_kwargs"))
+    except (ValueError, TypeError, AttributeError):
+        return None
+    return {**body, "messages": messages, "tools": tools or None, "chat_template_kwargs": kwargs}
 
 
 def prompt_chars(path: str, body: Mapping[str, Any]) -> int:

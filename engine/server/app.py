@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes (completions, chat completions, responses), ``/health``, ``/metrics``, ``/version``, ``/kv_events``,
+"""The FastAPI application: OpenAI routes (completions, chat completions, responses),
+Anthropic's ``/v1/messages``, ``/health``, ``/metrics``, ``/version``, ``/kv_events``,
 vLLM's ``/tokenize`` and ``/detokenize``.
 
 The model loads in the background after the server starts listening, so ``/health`` answers
@@ -40,6 +41,7 @@ from kvpilot.engine.async_llm import AsyncLLM
 from kvpilot.engine.chat_content_format import CHAT_TEMPLATE_CONTENT_FORMATS
 from kvpilot.engine.engine_core import EngineDeadError
 from kvpilot.engine.metrics import PrometheusStatLogger
+from kvpilot.engine.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.auth import APIKeyMiddleware
 from kvpilot.engine.server.errors import OpenAIError, install_error_handlers, read_body
@@ -64,6 +66,7 @@ from kvpilot.engine.server.serving_chat import (
 )
 from kvpilot.engine.server.serving_completion import OpenAIServingCompletion
 from kvpilot.engine.server.serving_engine import RETRY_AFTER_SECONDS, now
+from kvpilot.engine.server.serving_messages import AnthropicServingMessages, anthropic_error
 from kvpilot.engine.server.serving_models import OpenAIServingModels
 from kvpilot.engine.server.serving_responses import OpenAIServingResponses, ResponseStore
 from kvpilot.engine.server.serving_tokenization import (
@@ -206,6 +209,7 @@ class _State:
     completion: OpenAIServingCompletion | None = None
     chat: OpenAIServingChat | None = None
     responses: OpenAIServingResponses | None = None
+    messages: AnthropicServingMessages | None = None
     models: OpenAIServingModels | None = None
     tokenization: OpenAIServingTokenization | None = None
     max_model_len: int | None = None
@@ -371,6 +375,23 @@ def create_app(
         body = _from_headers(body, raw)
         return await _respond(raw, serving.create_chat_completion(body, now()))
 
+    @v1.post("/messages")
+    async def messages(raw: Request) -> Response:
+        try:
+            body = read_body(await raw.body(), raw.headers.get("content-type"), _messages_type)
+            serving = ready_state().messages
+            return await _respond(raw, serving.create_message(body, now()))
+        except OpenAIError as exc:
+            return anthropic_error(exc)
+
+    @v1.post("/messages/count_tokens")
+    async def count_message_tokens(raw: Request) -> Response:
+        try:
+            body = read_body(await raw.body(), raw.headers.get("content-type"), _count_type)
+            return JSONResponse(await ready_state().messages.count_tokens(body))
+        except OpenAIError as exc:
+            return anthropic_error(exc)
+
     @v1.post("/responses")
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         serving = ready_state().responses
@@ -458,6 +479,7 @@ def _install_engine(state: _State, engine: Any, config: ServerConfig) -> None:
     )
     store = ResponseStore() if config.enable_responses_store else None
     state.responses = OpenAIServingResponses(state.chat, store)
+    state.messages = AnthropicServingMessages(state.chat)
     state.models = models
     state.tokenization = OpenAIServingTokenization(
         tokenizer, models, state.chat, info.max_model_len, info.vocab_size
@@ -491,6 +513,14 @@ async def _wait_for_disconnect(raw: Request) -> None:
 
 
 RequestBody = TypeVar("RequestBody", CompletionRequest, ChatCompletionRequest, ResponsesRequest)
+
+
+def _messages_type(_: Any) -> type[MessagesRequest]:
+    return MessagesRequest
+
+
+def _count_type(_: Any) -> type[CountTokensRequest]:
+    return CountTokensRequest
 
 
 PRIORITY_HEADER = "X-Vllm-Priority"

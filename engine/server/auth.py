@@ -28,6 +28,18 @@ def is_protected(path: str) -> bool:
     return path in PROTECTED_PATHS or path.startswith(PROTECTED_PREFIX + "/")
 
 
+def api_key(headers: list[tuple[bytes, bytes]]) -> str:
+    """The key a request sends: its bearer token, else Anthropic's ``x-api-key`` header (what
+    Anthropic's clients send); ``""`` when there is neither."""
+    token = bearer_token(headers)
+    if token:
+        return token
+    for name, value in headers:
+        if name.lower() == b"x-api-key":
+            return value.decode("latin-1").strip()
+    return ""
+
+
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> str:
     """The token of an ``Authorization: Bearer <token>`` header among raw ASGI ``headers``;
     ``""`` when there is none."""
@@ -40,7 +52,8 @@ def bearer_token(headers: list[tuple[bytes, bytes]]) -> str:
 
 class APIKeyMiddleware:
     """Answers 401 (OpenAI's error body, ``AuthenticationError``) to a protected request whose
-    bearer token is none of ``api_keys``, each compared in constant time.
+    key (``api_key``: the bearer token, or ``x-api-key``) is none of ``api_keys``, each compared
+    in constant time.
 
     Args:
         app: the application it guards.
@@ -53,14 +66,15 @@ class APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and is_protected(scope["path"]):
-            token = bearer_token(scope.get("headers", []))
+            token = api_key(scope.get("headers", []))
             # latin-1 gives back the header's own bytes; the key is compared as UTF-8 bytes.
             sent = token.encode("latin-1")
             # A list, not a generator: every key is compared, whichever matches.
             if not any([hmac.compare_digest(sent, key) for key in self.api_keys]):
                 response = error_response(
                     HTTPStatus.UNAUTHORIZED,
-                    "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                    "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or "
+                    "Anthropic's 'x-api-key: <key>')",
                 )
                 await response(scope, receive, send)
                 return

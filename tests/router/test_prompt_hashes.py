@@ -16,10 +16,13 @@ from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.model_loader import load_tokenizer
 from kvpilot.engine.request import Request
 from kvpilot.router.prompt_hashes import (
+    CHAT_PATH,
+    messages_chat_body,
     prefix_key,
     prompt_block_hashes,
     prompt_chars,
     prompt_token_ids,
+    responses_chat_body,
 )
 
 BS = 16
@@ -88,6 +91,26 @@ def test_chat_hashes_equal_the_engines_on_transformers_rendering(engine, tokeniz
     assert token_ids == reference
     ours = prompt_block_hashes(token_ids, BS, engine.kv_cache_manager.root_hash, cache_salt="s")
     assert ours == engine_hashes(engine, "chat", {"prompt_token_ids": reference}, cache_salt="s")
+
+
+def test_responses_and_messages_bodies_render_as_their_chat_conversation(tokenizer) -> None:
+    """A Responses API body and an Anthropic Messages body are tokenized as the chat body the
+    engine renders from them (the same conversation as ``CHAT``)."""
+    system, (user, assistant, more) = CHAT[0]["content"], CHAT[1:]
+    chat = prompt_token_ids(tokenizer, CHAT_PATH, {"messages": CHAT})
+    parts = [{"type": "input_text", "text": p["text"]} for p in more["content"]]
+    response = {
+        "instructions": system,
+        "input": [user, assistant, {"role": "user", "content": parts}],
+    }
+    assert prompt_token_ids(tokenizer, CHAT_PATH, responses_chat_body(response)) == chat
+    blocks = [{"type": "text", "text": p["text"]} for p in more["content"]]
+    message = {"system": system, "messages": [user, assistant, {"role": "user", "content": blocks}]}
+    assert prompt_token_ids(tokenizer, CHAT_PATH, messages_chat_body(message)) == chat
+    # Bodies the engine will refuse, or whose conversation a replica holds, give no view.
+    assert responses_chat_body({"input": 5}) is None
+    assert responses_chat_body({"input": "Hi", "previous_response_id": "resp_1"}) is None
+    assert messages_chat_body({"messages": [{"role": "system", "content": "x"}]}) is None
 
 
 def test_chat_parts_reach_a_template_that_loops_over_them_as_the_engine_sends_them(

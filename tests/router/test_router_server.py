@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -291,6 +292,20 @@ def test_responses_are_continued_on_the_replica_that_stored_them(router, replica
         with pytest.raises(openai.NotFoundError) as missing:
             client.responses.retrieve(response_id)
         assert missing.value.body["message"] == f"Response with id '{response_id}' not found."
+
+
+def test_anthropic_messages_are_routed_and_answered_as_directly(router, replicas) -> None:
+    ask = {
+        "model": MODEL,
+        "max_tokens": 6,
+        "messages": [{"role": "user", "content": "Name three colors."}],
+        "extra_body": {"temperature": 0},
+    }
+    routed, direct = (
+        anthropic.Anthropic(base_url=url, api_key=API_KEY, max_retries=0).messages.create(**ask)
+        for url in (router.url, replicas[0].url)
+    )
+    assert routed.content == direct.content and routed.usage == direct.usage
 
 
 def test_tokenize_and_detokenize_reach_a_replica_and_leave_no_prompt_behind(

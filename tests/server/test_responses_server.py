@@ -26,14 +26,18 @@ QUESTION = "What is the capital of France?"
 WEATHER_TOOL = {"type": "function", **WEATHER["function"]}
 
 
+# Reasoning and pythonic tool calls as in test_reasoning_server.py, thinking off unless a
+# request turns it on (shared by test_messages_server.py).
+PARSER_FLAGS = (
+    "--max-model-len", "1024", "--max-num-seqs", "4", "--reasoning-parser", "qwen3",
+    "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+    "--default-chat-template-kwargs", '{"enable_thinking": false}',
+)  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def server(start_server):
-    return start_server(
-        "--max-model-len", "1024", "--max-num-seqs", "4", "--reasoning-parser", "qwen3",
-        "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
-        "--enable-responses-store", "--default-chat-template-kwargs",
-        '{"enable_thinking": false}',
-    )  # fmt: skip
+    return start_server(*PARSER_FLAGS, "--enable-responses-store")
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,321 @@
+"""Anthropic's Messages API bodies (``POST /v1/messages``), as vLLM serves them for text models.
+
+A request is read into a chat completion (``MessagesRequest.to_chat_request``): ``system`` and
+``messages`` become chat messages (text blocks as text parts, ``tool_use`` blocks as the
+assistant's ``tool_calls``, ``tool_result`` blocks as ``tool`` messages; ``thinking`` blocks of
+earlier turns left out), ``max_tokens`` the output limit, ``stop_sequences`` the stop strings,
+``tools`` chat's function tools (``input_schema`` their parameters), ``tool_choice`` chat's
+(``any`` is ``"required"``), ``thinking`` the template's ``enable_thinking``. Field names are
+Anthropic's (https://docs.anthropic.com/en/api/messages).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Literal
+
+from pydantic import Field
+
+from kvpilot.engine.server.protocol import ChatCompletionRequest, OpenAIModel, _SamplingFields
+
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
+"""Anthropic's error ``type`` of each HTTP status (others: ``api_error``)."""
+
+
+# _SamplingFields that are not the Messages API's (or are set from its own fields).
+_NOT_FORWARDED = frozenset({"n", "stream_options", "response_format", "stop"})
+
+
+class MessagesRequest(_SamplingFields):
+    """``POST /v1/messages`` (and, without ``max_tokens``, ``/v1/messages/count_tokens``).
+
+    Attributes:
+        messages: the conversation, alternating ``user`` and ``assistant`` turns; ``content``
+            a string or blocks: ``text``, ``tool_use`` (assistant), ``tool_result`` (user),
+            ``thinking`` / ``redacted_thinking`` (left out of the prompt).
+        max_tokens: the most tokens to generate (required, as Anthropic's API requires it).
+        system: the system prompt: a string or ``text`` blocks.
+        stop_sequences: strings that end the output (the one met is ``stop_sequence``).
+        temperature, top_p, top_k: sampling (unset: the model's generation config).
+        tools: ``{"name", "description", "input_schema"}``.
+        tool_choice: ``{"type": "auto" | "any" | "tool" | "none"}`` (``tool`` with ``name``);
+            ``disable_parallel_tool_use`` allows one call.
+        thinking: ``{"type": "enabled", "budget_tokens"}`` or ``{"type": "disabled"}``: the
+            chat template's ``enable_thinking``.
+        output_config: ``{"format": {"type": "json_schema", "schema"}, "effort"}``: structured
+            output, and the template's ``reasoning_effort``.
+        metadata: accepted and unused.
+        chat_template_kwargs: vLLM's extra template variables.
+
+    vLLM's extra sampling fields of chat completions (``min_p``, ``seed``,
+    ``repetition_penalty``, ``structured_outputs``, ``priority``, ...) are taken too.
+    """
+
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int = Field(ge=1)
+    system: str | list[dict[str, Any]] | None = None
+    stop_sequences: list[str] | None = None
+    output_config: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    metadata: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_chat_request(self, max_tokens: int | None = None) -> ChatCompletionRequest:
+        """The chat completion that generates this message.
+
+        Args:
+            max_tokens: the output limit (default ``max_tokens``).
+
+        Raises:
+            ValueError: a block, tool or setting that cannot be read (``messages: ...``,
+                ``system: ...``, ``tools: ...``, ``tool_choice: ...``, ``thinking: ...``), or
+                what chat completions refuse (``pydantic.ValidationError``).
+        """
+        body = self.model_dump(
+            include=set(_SamplingFields.model_fields) - _NOT_FORWARDED,
+            exclude_unset=True,
+            by_alias=True,
+        )
+        body |= {
+            "messages": system_messages(self.system) + chat_messages(self.messages),
+            "max_completion_tokens": max_tokens or self.max_tokens,
+            "stop": self.stop_sequences,
+            "chat_template_kwargs": thinking_kwargs(self.thinking, self.chat_template_kwargs),
+        }
+        if self.output_config is not None:
+            body |= output_settings(self.output_config)
+        if self.tools:
+            body["tools"] = [chat_tool(i, tool) for i, tool in enumerate(self.tools)]
+        if self.tool_choice is not None:
+            body["tool_choice"], parallel = chat_tool_choice(self.tool_choice)
+            body["parallel_tool_calls"] = parallel
+        return ChatCompletionRequest.model_validate(body)
+
+
+class CountTokensRequest(MessagesRequest):
+    """``POST /v1/messages/count_tokens``: a messages request without ``max_tokens``."""
+
+    max_tokens: int = 1
+
+
+def output_settings(config: dict[str, Any]) -> dict[str, Any]:
+    """``output_config`` as chat's ``response_format`` and ``reasoning_effort``.
+
+    Raises:
+        ValueError: ``output_config: ...`` for a format other than a JSON schema.
+    """
+    settings: dict[str, Any] = {}
+    if config.get("effort") is not None:
+        settings["reasoning_effort"] = config["effort"]
+    text_format = config.get("format")
+    if text_format is not None:
+        if not isinstance(text_format, dict) or text_format.get("type") != "json_schema":
+            raise ValueError("output_config: format must be {'type': 'json_schema', 'schema': ...}")
+        schema = text_format.get("schema")
+        settings["response_format"] = {"type": "json_schema", "json_schema": {"schema": schema}}
+    return settings
+
+
+def system_messages(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
+    """The system prompt as chat's first message (none when empty)."""
+    if system is None:
+        return []
+    text = system if isinstance(system, str) else "\n".join(_texts(system, "system"))
+    return [{"role": "system", "content": text}] if text else []
+
+
+def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Anthropic's conversation as chat messages.
+
+    A user turn's ``tool_result`` blocks become ``tool`` messages, before its text; an
+    assistant turn's ``tool_use`` blocks its ``tool_calls`` (``input`` as JSON arguments);
+    ``thinking`` blocks are left out.
+
+    Raises:
+        ValueError: ``messages: ...`` naming the message and block that cannot be read (a role
+            other than user and assistant, an image or document, a block without its fields).
+    """
+    chat: list[dict[str, Any]] = []
+    for i, message in enumerate(messages):
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise ValueError(f"messages: message {i} has role {role!r}: must be user or assistant")
+        content = message.get("content")
+        if isinstance(content, str):
+            chat.append({"role": role, "content": content})
+            continue
+        if not isinstance(content, list):
+            raise ValueError(f"messages: message {i} needs 'content', a string or a list of blocks")
+        parts, calls = [], []
+        for j, block in enumerate(content):
+            kind = block.get("type") if isinstance(block, dict) else None
+            where = f"messages: message {i}, block {j}"
+            if kind == "text" and isinstance(block.get("text"), str):
+                parts.append({"type": "text", "text": block["text"]})
+            elif kind == "tool_use" and role == "assistant":
+                calls.append(_tool_call(where, block))
+            elif kind == "tool_result" and role == "user":
+                chat.append(_tool_result(where, block))
+            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+                continue
+            else:
+                raise ValueError(
+                    f"{where} (type {kind!r}) is not supported in a {role} message: supported "
+                    "are text, tool_use (assistant), tool_result (user) and thinking (assistant)"
+                )
+        if parts or calls:
+            turn: dict[str, Any] = {"role": role, "content": parts or None}
+            if calls:
+                turn["tool_calls"] = calls
+            chat.append(turn)
+    return chat
+
+
+def _texts(blocks: list[dict[str, Any]], where: str) -> list[str]:
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, dict) or block.get("type") != "text":
+            raise ValueError(f"{where}: block {j} must be a text block")
+        if not isinstance(block.get("text"), str):
+            raise ValueError(f"{where}: block {j} needs a string 'text'")
+        texts.append(block["text"])
+    return texts
+
+
+def _tool_call(where: str, block: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
+        raise ValueError(f"{where} (tool_use) needs a string 'id' and 'name'")
+    arguments = block.get("input", {})
+    if not isinstance(arguments, dict):
+        raise ValueError(f"{where} (tool_use) needs 'input', an object")
+    return {
+        "id": block["id"],
+        "type": "function",
+        "function": {"name": block["name"], "arguments": json.dumps(arguments)},
+    }
+
+
+def _tool_result(where: str, block: dict[str, Any]) -> dict[str, Any]:
+    if not isinstance(block.get("tool_use_id"), str):
+        raise ValueError(f"{where} (tool_result) needs a string 'tool_use_id'")
+    content = block.get("content", "")
+    if isinstance(content, list):
+        content = "\n".join(_texts(content, f"{where} (tool_result) content"))
+    if not isinstance(content, str):
+        raise ValueError(f"{where} (tool_result) needs 'content', a string or text blocks")
+    return {"role": "tool", "tool_call_id": block["tool_use_id"], "content": content}
+
+
+def chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
+    """An Anthropic tool as chat's function tool.
+
+    Raises:
+        ValueError: ``tools: ...`` for a server tool (a ``type`` such as ``web_search_…``) or
+            one without ``name`` and ``input_schema``.
+    """
+    if tool.get("type") not in (None, "custom"):
+        raise ValueError(
+            f"tools: tool {i} has type {tool.get('type')!r}: only client tools (name, "
+            "description, input_schema) are supported"
+        )
+    if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+        raise ValueError(f"tools: tool {i} needs a string 'name' and an 'input_schema' object")
+    function = {"name": tool["name"], "parameters": tool["input_schema"]}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    return {"type": "function", "function": function}
+
+
+def chat_tool_choice(choice: dict[str, Any]) -> tuple[str | dict[str, Any], bool]:
+    """Anthropic's ``tool_choice`` as chat's ``(tool_choice, parallel_tool_calls)``.
+
+    Raises:
+        ValueError: ``tool_choice: ...`` for an unknown type, or ``tool`` without a name.
+    """
+    kind = choice.get("type")
+    parallel = not choice.get("disable_parallel_tool_use", False)
+    if kind in ("auto", "none"):
+        return kind, parallel
+    if kind == "any":
+        return "required", parallel
+    if kind == "tool" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}, parallel
+    raise ValueError(
+        "tool_choice: must be {'type': 'auto' | 'any' | 'none'} or "
+        f"{{'type': 'tool', 'name': ...}}; got {choice!r}"
+    )
+
+
+def thinking_kwargs(
+    thinking: dict[str, Any] | None, chat_template_kwargs: dict[str, Any] | None
+) -> dict[str, Any] | None:
+    """The template variables with ``thinking``'s ``enable_thinking`` under the request's own.
+
+    Raises:
+        ValueError: ``thinking: ...`` for a type other than enabled, adaptive or disabled.
+    """
+    if thinking is None:
+        return chat_template_kwargs
+    kind = thinking.get("type")
+    if kind not in ("enabled", "adaptive", "disabled"):
+        raise ValueError(f"thinking: type must be 'enabled' or 'disabled', got {kind!r}")
+    return {"enable_thinking": kind != "disabled"} | dict(chat_template_kwargs or {})
+
+
+def stop_reason(finish_reason: str | None, stop: int | str | None, tool_used: bool) -> str | None:
+    """Anthropic's ``stop_reason`` of a chat finish reason (after the tool parser's), as vLLM
+    maps it: ``max_tokens`` (cut), ``tool_use`` (the calls are complete, or a call was made
+    and no stop string was met; a named ``tool_choice`` ends with ``stop``),
+    ``stop_sequence`` (a stop string met) or ``end_turn``."""
+    if finish_reason is None:
+        return None
+    if finish_reason == "length":
+        return "max_tokens"
+    if finish_reason == "tool_calls":
+        return "tool_use"
+    if isinstance(stop, str):
+        return "stop_sequence"
+    return "tool_use" if tool_used else "end_turn"
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    """A call's JSON arguments as a ``tool_use`` block's ``input`` (an object; ``{}`` for
+    arguments that are not one, such as a call the output limit cut)."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """Anthropic's error body."""
+    kind = ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+class MessagesResponse(OpenAIModel):
+    """A whole reply (``type: "message"``): ``content`` blocks (``thinking``, ``text``,
+    ``tool_use``), ``stop_reason``, the ``stop_sequence`` met, and the ``usage``
+    (``input_tokens``, ``output_tokens``, ``cache_read_input_tokens``: prompt tokens read from
+    the prefix cache)."""
+
+    id: str
+    type: Literal["message"] = "message"
+    role: Literal["assistant"] = "assistant"
+    model: str
+    content: list[dict[str, Any]]
+    stop_reason: str | None = None
+    stop_sequence: str | None = None
+    usage: dict[str, int]
