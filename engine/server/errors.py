@@ -143,6 +143,16 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> O
     return OpenAIError(HTTPStatus.BAD_REQUEST, text, param)
 
 
+def request_error(exc: ValueError) -> OpenAIError:
+    """The 400 for a request derived from the client's (a chat completion made of a Responses
+    or Messages body) that could not be read: a pydantic ``ValidationError`` as
+    ``validation_error`` words it, another ``ValueError`` as ``bad_request``."""
+    if isinstance(exc, ValidationError):
+        errors = exc.errors(include_url=False)
+        return validation_error(RequestValidationError(errors), None)
+    return bad_request(exc)
+
+
 def read_body(
     payload: bytes,
     content_type: str | None,

@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
 
 from kvpilot.engine.async_llm import EngineError
 from kvpilot.engine.outputs import RequestOutput
@@ -28,7 +26,7 @@ from kvpilot.engine.server.anthropic_protocol import (
     tool_input,
 )
 from kvpilot.engine.server.anthropic_stream import MessageEvents
-from kvpilot.engine.server.errors import OpenAIError, bad_request, validation_error
+from kvpilot.engine.server.errors import OpenAIError, request_error
 from kvpilot.engine.server.protocol import ChatCompletionRequest, ToolCall
 from kvpilot.engine.server.serving_chat import ChatRun, OpenAIServingChat
 from kvpilot.engine.server.serving_engine import engine_error_status
@@ -147,12 +145,8 @@ def chat_request(request: MessagesRequest) -> ChatCompletionRequest:
     """
     try:
         return request.to_chat_request()
-    except ValidationError as exc:
-        raise validation_error(
-            RequestValidationError(exc.errors(include_url=False)), None
-        ) from None
     except ValueError as exc:
-        raise bad_request(exc) from None
+        raise request_error(exc) from None
 
 
 def content_blocks(

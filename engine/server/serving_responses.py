@@ -18,12 +18,9 @@ from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
-from fastapi.exceptions import RequestValidationError
-from pydantic import ValidationError
-
 from kvpilot.engine.async_llm import EngineError
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.server.errors import OpenAIError, bad_request, validation_error
+from kvpilot.engine.server.errors import OpenAIError, bad_request, request_error
 from kvpilot.engine.server.protocol import ChatCompletionRequest, DeltaMessage
 from kvpilot.engine.server.responses_items import input_messages, output_items
 from kvpilot.engine.server.responses_items import output_messages as reply_messages
@@ -56,14 +53,17 @@ class ResponseStore:
         self._responses: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def put(self, stored: StoredResponse) -> None:
+        """Keep a response (the oldest is dropped past ``max_size``)."""
         self._responses[stored.response.id] = stored
         while len(self._responses) > self.max_size:
             self._responses.popitem(last=False)
 
     def get(self, response_id: str) -> StoredResponse | None:
+        """The kept response of that id, or None."""
         return self._responses.get(response_id)
 
     def delete(self, response_id: str) -> bool:
+        """Forget a response; whether it was kept."""
         return self._responses.pop(response_id, None) is not None
 
 
@@ -99,11 +99,8 @@ class OpenAIServingResponses:
             messages = input_messages(request.instructions, request.input, history)
             chat_request = request.to_chat_request(messages)
             run = await self.chat.start(chat_request, arrival_time)
-        except ValidationError as exc:  # the chat request's checks
-            error = validation_error(RequestValidationError(exc.errors(include_url=False)), None)
-            raise responses_error(error) from None
-        except ValueError as exc:
-            raise responses_error(bad_request(exc)) from None
+        except ValueError as exc:  # the input's, or the chat request's checks
+            raise responses_error(request_error(exc)) from None
         except OpenAIError as exc:
             raise responses_error(exc) from None
         response = ResponsesResponse.of(
