@@ -18,6 +18,17 @@ from pydantic import Field
 
 from kvpilot.engine.server.protocol import ChatCompletionRequest, OpenAIModel, _SamplingFields
 
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+"""Anthropic's ``output_config.effort`` values (chat's ``reasoning_effort`` takes them)."""
+MIN_THINKING_BUDGET = 1024
+"""The least ``thinking.budget_tokens`` Anthropic's API takes."""
+CHAT_NAMES = {
+    "max_completion_tokens": "max_tokens",
+    "stop": "stop_sequences",
+    "reasoning_effort": "output_config.effort",
+    "response_format": "output_config.format",
+}
+"""Chat completions' parameter names in errors -> the Messages API's."""
 ANTHROPIC_ERROR_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
@@ -29,10 +40,6 @@ ANTHROPIC_ERROR_TYPES = {
     503: "overloaded_error",
 }
 """Anthropic's error ``type`` of each HTTP status (others: ``api_error``)."""
-
-
-# _SamplingFields that are not the Messages API's (or are set from its own fields).
-_NOT_FORWARDED = frozenset({"n", "stream_options", "response_format", "stop"})
 
 
 class MessagesRequest(_SamplingFields):
@@ -71,25 +78,17 @@ class MessagesRequest(_SamplingFields):
     metadata: dict[str, Any] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def to_chat_request(self, max_tokens: int | None = None) -> ChatCompletionRequest:
+    def to_chat_request(self) -> ChatCompletionRequest:
         """The chat completion that generates this message.
-
-        Args:
-            max_tokens: the output limit (default ``max_tokens``).
 
         Raises:
             ValueError: a block, tool or setting that cannot be read (``messages: ...``,
                 ``system: ...``, ``tools: ...``, ``tool_choice: ...``, ``thinking: ...``), or
                 what chat completions refuse (``pydantic.ValidationError``).
         """
-        body = self.model_dump(
-            include=set(_SamplingFields.model_fields) - _NOT_FORWARDED,
-            exclude_unset=True,
-            by_alias=True,
-        )
-        body |= {
+        body = self.forwarded_fields("stop") | {
             "messages": system_messages(self.system) + chat_messages(self.messages),
-            "max_completion_tokens": max_tokens or self.max_tokens,
+            "max_completion_tokens": self.max_tokens,
             "stop": self.stop_sequences,
             "chat_template_kwargs": thinking_kwargs(self.thinking, self.chat_template_kwargs),
         }
@@ -116,8 +115,11 @@ def output_settings(config: dict[str, Any]) -> dict[str, Any]:
         ValueError: ``output_config: ...`` for a format other than a JSON schema.
     """
     settings: dict[str, Any] = {}
-    if config.get("effort") is not None:
-        settings["reasoning_effort"] = config["effort"]
+    effort = config.get("effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise ValueError(f"output_config: effort must be one of {', '.join(EFFORTS)}")
+        settings["reasoning_effort"] = effort
     text_format = config.get("format")
     if text_format is not None:
         if not isinstance(text_format, dict) or text_format.get("type") != "json_schema":
@@ -174,6 +176,8 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                     f"{where} (type {kind!r}) is not supported in a {role} message: supported "
                     "are text, tool_use (assistant), tool_result (user) and thinking (assistant)"
                 )
+        if not content:
+            raise ValueError(f"messages: message {i} has no content blocks")
         if parts or calls:
             turn: dict[str, Any] = {"role": role, "content": parts or None}
             if calls:
@@ -229,10 +233,15 @@ def chat_tool(i: int, tool: dict[str, Any]) -> dict[str, Any]:
             f"tools: tool {i} has type {tool.get('type')!r}: only client tools (name, "
             "description, input_schema) are supported"
         )
-    if not isinstance(tool.get("name"), str) or not isinstance(tool.get("input_schema"), dict):
+    schema = tool.get("input_schema")
+    if not isinstance(tool.get("name"), str) or not isinstance(schema, dict):
         raise ValueError(f"tools: tool {i} needs a string 'name' and an 'input_schema' object")
-    function = {"name": tool["name"], "parameters": tool["input_schema"]}
-    if isinstance(tool.get("description"), str):
+    if schema.get("type", "object") != "object":
+        raise ValueError(f"tools: tool {i}: input_schema must describe an object (type 'object')")
+    if not isinstance(tool.get("description", ""), str):
+        raise ValueError(f"tools: tool {i}: description must be a string")
+    function = {"name": tool["name"], "parameters": schema}
+    if tool.get("description"):
         function["description"] = tool["description"]
     return {"type": "function", "function": function}
 
@@ -244,7 +253,10 @@ def chat_tool_choice(choice: dict[str, Any]) -> tuple[str | dict[str, Any], bool
         ValueError: ``tool_choice: ...`` for an unknown type, or ``tool`` without a name.
     """
     kind = choice.get("type")
-    parallel = not choice.get("disable_parallel_tool_use", False)
+    disable_parallel = choice.get("disable_parallel_tool_use", False)
+    if not isinstance(disable_parallel, bool):
+        raise ValueError("tool_choice: disable_parallel_tool_use must be true or false")
+    parallel = not disable_parallel
     if kind in ("auto", "none"):
         return kind, parallel
     if kind == "any":
@@ -270,6 +282,14 @@ def thinking_kwargs(
     kind = thinking.get("type")
     if kind not in ("enabled", "adaptive", "disabled"):
         raise ValueError(f"thinking: type must be 'enabled' or 'disabled', got {kind!r}")
+    budget = thinking.get("budget_tokens")
+    if kind == "enabled" and (
+        not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET
+    ):
+        raise ValueError(
+            f"thinking: budget_tokens must be an integer of at least {MIN_THINKING_BUDGET} "
+            "(accepted; kvpilot does not bound the thinking by it)"
+        )
     return {"enable_thinking": kind != "disabled"} | dict(chat_template_kwargs or {})
 
 

@@ -379,6 +379,7 @@ def create_app(
     async def messages(raw: Request) -> Response:
         try:
             body = read_body(await raw.body(), raw.headers.get("content-type"), _messages_type)
+            body = _from_headers(body, raw)
             serving = ready_state().messages
             return await _respond(raw, serving.create_message(body, now()))
         except OpenAIError as exc:
@@ -512,7 +513,9 @@ async def _wait_for_disconnect(raw: Request) -> None:
         pass
 
 
-RequestBody = TypeVar("RequestBody", CompletionRequest, ChatCompletionRequest, ResponsesRequest)
+RequestBody = TypeVar(
+    "RequestBody", CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest
+)
 
 
 def _messages_type(_: Any) -> type[MessagesRequest]:

@@ -14,13 +14,17 @@ import hmac
 from collections.abc import Sequence
 from http import HTTPStatus
 
+from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvpilot.engine.server.anthropic_protocol import error_body as anthropic_error_body
 from kvpilot.engine.server.errors import error_response
 
 # Paths (a prefix, or the whole path) that need the key.
 PROTECTED_PREFIX = "/v1"
 PROTECTED_PATHS = frozenset({"/v1", "/kv_events"})
+ANTHROPIC_PREFIX = "/v1/messages"
+"""Anthropic's routes, whose 401 has Anthropic's error body."""
 
 
 def is_protected(path: str) -> bool:
@@ -71,11 +75,14 @@ class APIKeyMiddleware:
             sent = token.encode("latin-1")
             # A list, not a generator: every key is compared, whichever matches.
             if not any([hmac.compare_digest(sent, key) for key in self.api_keys]):
-                response = error_response(
-                    HTTPStatus.UNAUTHORIZED,
+                message = (
                     "Incorrect or missing API key: send 'Authorization: Bearer <key>' (or "
-                    "Anthropic's 'x-api-key: <key>')",
+                    "Anthropic's 'x-api-key: <key>')"
                 )
+                response = error_response(HTTPStatus.UNAUTHORIZED, message)
+                if scope["path"].startswith(ANTHROPIC_PREFIX):  # Anthropic's body there
+                    status = int(HTTPStatus.UNAUTHORIZED)
+                    response = JSONResponse(anthropic_error_body(status, message), status)
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)

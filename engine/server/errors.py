@@ -143,6 +143,19 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> O
     return OpenAIError(HTTPStatus.BAD_REQUEST, text, param)
 
 
+def renamed(error: OpenAIError, names: dict[str, str], keep: tuple[str, ...] = ()) -> OpenAIError:
+    """``error`` with the parameter names of ``names`` replaced (its ``param`` and whole words
+    of its message): an error of a chat completion made from another API's request, named by
+    that API's fields. Errors about the parameters in ``keep`` stay as they are (their text
+    quotes the request's own names, e.g. of its tools)."""
+    if error.param in keep:
+        return error
+    words = re.compile(rf"\b({'|'.join(map(re.escape, names))})\b")
+    error.param = names.get(error.param, error.param)
+    error.message = words.sub(lambda match: names[match.group(1)], error.message)
+    return error
+
+
 def request_error(exc: ValueError) -> OpenAIError:
     """The 400 for a request derived from the client's (a chat completion made of a Responses
     or Messages body) that could not be read: a pydantic ``ValidationError`` as
@@ -188,12 +201,14 @@ def read_body(
             invalid = {"type": "json_invalid", "loc": ("body", exc.pos), "ctx": {"error": exc.msg}}
             error = RequestValidationError([invalid], body=exc.doc)
             raise validation_error(error, content_type) from None
-        except UnicodeDecodeError:  # FastAPI's own answer for it
+        except (UnicodeDecodeError, RecursionError):  # FastAPI's own answer for them
             raise OpenAIError(
                 HTTPStatus.BAD_REQUEST, "There was an error parsing the body"
             ) from None
     try:
         return request_type(body).model_validate(body, from_attributes=True)
+    except RecursionError:
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, "the request body is nested too deeply") from None
     except ValidationError as exc:
         errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
         raise validation_error(RequestValidationError(errors, body=body), content_type) from None

@@ -240,6 +240,17 @@ class _SamplingFields(OpenAIModel):
             raise ValueError("structured_outputs: cannot be combined with response_format")
         return self
 
+    def forwarded_fields(self, *exclude: str) -> dict[str, Any]:
+        """The sampling fields this request set, as a chat completion's body takes them: for a
+        request of another API made into one (Responses, Anthropic Messages). Without ``n``,
+        ``stream_options`` and ``response_format`` (those APIs have their own), the deprecated
+        ``guided_*`` fields (``structured_outputs`` holds their constraint by now), and
+        ``exclude``."""
+        left_out = {"n", "stream_options", "response_format", *GUIDED_FIELDS, *exclude}
+        return self.model_dump(
+            include=set(_SamplingFields.model_fields) - left_out, exclude_unset=True, by_alias=True
+        )
+
     @property
     def guided_fields(self) -> list[str]:
         """The deprecated ``guided_*`` fields the request sets (``guided_json``, ...)."""

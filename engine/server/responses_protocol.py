@@ -39,8 +39,6 @@ Includable = Literal[
 """OpenAI's ``include`` values; only ``OUTPUT_LOGPROBS`` adds anything here (the others are
 about tools and content this server does not have)."""
 
-# _SamplingFields that are not the Responses API's (or are set from its own fields).
-_NOT_FORWARDED = frozenset({"n", "stream_options", "response_format"})
 # Fields of the Responses API that name what this server does not have.
 _REFUSED = {
     "prompt": "prompt templates (prompt) are not supported; send input and instructions",
@@ -213,12 +211,7 @@ class ResponsesRequest(_SamplingFields):
             pydantic.ValidationError: what chat completions refuse (named by chat's fields:
                 ``serving_responses.responses_error`` renames them).
         """
-        body = self.model_dump(
-            include=set(_SamplingFields.model_fields) - _NOT_FORWARDED,
-            exclude_unset=True,
-            by_alias=True,
-        )
-        body |= {
+        body = self.forwarded_fields() | {
             "messages": messages,
             "max_completion_tokens": self.max_output_tokens,
             "logprobs": self.wants_logprobs,

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse
 from kvpilot.engine.async_llm import EngineError
 from kvpilot.engine.outputs import RequestOutput
 from kvpilot.engine.server.anthropic_protocol import (
+    CHAT_NAMES,
     CountTokensRequest,
     MessagesRequest,
     MessagesResponse,
@@ -26,7 +27,7 @@ from kvpilot.engine.server.anthropic_protocol import (
     tool_input,
 )
 from kvpilot.engine.server.anthropic_stream import MessageEvents
-from kvpilot.engine.server.errors import OpenAIError, request_error
+from kvpilot.engine.server.errors import OpenAIError, renamed, request_error
 from kvpilot.engine.server.protocol import ChatCompletionRequest, ToolCall
 from kvpilot.engine.server.serving_chat import ChatRun, OpenAIServingChat
 from kvpilot.engine.server.serving_engine import engine_error_status
@@ -55,8 +56,11 @@ class AnthropicServingMessages:
                 cannot be read or that the chat path refuses; 503 when the waiting queue is
                 full.
         """
-        run = await self.chat.start(chat_request(request), arrival_time)
-        message_id = f"msg_{run.request_id.removeprefix('chatcmpl-')}"
+        try:
+            run = await self.chat.start(chat_request(request), arrival_time)
+        except OpenAIError as exc:
+            raise messages_error(exc) from None
+        message_id = f"msg_{request.request_id or run.request_id.removeprefix('chatcmpl-')}"
         model = self.chat.response_model(run.lora_request)
         if request.stream:
             return self._stream(run, message_id, model)
@@ -68,6 +72,7 @@ class AnthropicServingMessages:
         reasoning, content, tool_calls, finish = run.parsers.choice().whole(
             seq.text, seq.finish_reason
         )
+        self._log_output(run, final)
         return MessagesResponse(
             id=message_id,
             model=model,
@@ -83,38 +88,53 @@ class AnthropicServingMessages:
         Raises:
             OpenAIError: as ``create_message``.
         """
-        return {"input_tokens": len(await self.chat.render(chat_request(request)))}
+        self.chat.check_model(request.model)
+        try:
+            return {"input_tokens": len(await self.chat.render(chat_request(request)))}
+        except OpenAIError as exc:
+            raise messages_error(exc) from None
 
-    def _usage(self, run: ChatRun, final: RequestOutput) -> dict[str, int]:
-        cached = final.num_cached_tokens
+    def _usage(self, run: ChatRun, output: RequestOutput) -> dict[str, int]:
+        """Anthropic's usage: ``input_tokens`` are the prompt's tokens neither read from the
+        prefix cache (``cache_read_input_tokens``) nor added to it in full blocks
+        (``cache_creation_input_tokens``); the three sum to the prompt, as Anthropic counts."""
+        cached = output.num_cached_tokens
         num_prompt_tokens = len(run.prompt_token_ids)
+        created = self.chat.created_cache_tokens(num_prompt_tokens, cached)
         return {
-            "input_tokens": num_prompt_tokens,
-            "output_tokens": len(final.outputs[0].token_ids),
+            "input_tokens": num_prompt_tokens - cached - created,
+            "output_tokens": len(output.outputs[0].token_ids),
             "cache_read_input_tokens": cached,
-            "cache_creation_input_tokens": self.chat.created_cache_tokens(
-                num_prompt_tokens, cached
-            ),
+            "cache_creation_input_tokens": created,
         }
+
+    def _log_output(self, run: ChatRun, final: RequestOutput, streaming: bool = False) -> None:
+        """The reply's text in the log, with ``--enable-log-outputs``."""
+        if self.chat.log_outputs:
+            seq = final.outputs[0]
+            self.chat.log_output(
+                run.request_id, seq.text, seq.token_ids, seq.finish_reason, streaming=streaming
+            )
 
     async def _stream(self, run: ChatRun, message_id: str, model: str) -> AsyncIterator[str]:
         events = MessageEvents()
         parser = run.parsers.choice()
         sent_text, called, final, finish = 0, False, None, None
-        yield events.start(
-            {
-                "id": message_id,
-                "type": "message",
-                "role": "assistant",
-                "model": model,
-                "content": [],
-                "stop_reason": None,
-                "stop_sequence": None,
-                "usage": {"input_tokens": len(run.prompt_token_ids), "output_tokens": 0},
-            }
-        )
         try:
             async for output in run.stream:
+                if final is None:  # sent with the first output, which knows the cache hits
+                    yield events.start(
+                        {
+                            "id": message_id,
+                            "type": "message",
+                            "role": "assistant",
+                            "model": model,
+                            "content": [],
+                            "stop_reason": None,
+                            "stop_sequence": None,
+                            "usage": self._usage(run, output) | {"output_tokens": 0},
+                        }
+                    )
                 final, seq = output, output.outputs[0]
                 text, sent_text = seq.text[sent_text:], len(seq.text)
                 delta = parser.delta(text, seq.finish_reason is not None)
@@ -124,13 +144,13 @@ class AnthropicServingMessages:
                     for event in events.delta(delta):
                         yield event
             seq = final.outputs[0]
-            usage = self._usage(run, final)
             for event in events.stop(
                 stop_reason(finish, seq.stop_reason, called),
                 _stop_sequence(finish, seq.stop_reason, called),
-                {"output_tokens": usage["output_tokens"]},
+                self._usage(run, final),
             ):
                 yield event
+            self._log_output(run, final, streaming=True)
         except EngineError as exc:
             yield events.error(int(engine_error_status(exc)), str(exc))
         finally:
@@ -146,7 +166,13 @@ def chat_request(request: MessagesRequest) -> ChatCompletionRequest:
     try:
         return request.to_chat_request()
     except ValueError as exc:
-        raise request_error(exc) from None
+        raise messages_error(request_error(exc)) from None
+
+
+def messages_error(error: OpenAIError) -> OpenAIError:
+    """An error of the chat path named by this API's fields (``anthropic_protocol.CHAT_NAMES``);
+    errors about ``tools`` and ``tool_choice`` keep their text (it quotes the tools' names)."""
+    return renamed(error, CHAT_NAMES, keep=("tools", "tool_choice"))
 
 
 def content_blocks(
@@ -154,6 +180,9 @@ def content_blocks(
 ) -> list[dict[str, Any]]:
     """A whole reply as content blocks: ``thinking``, ``text``, ``tool_use`` (each present)."""
     blocks: list[dict[str, Any]] = []
+    if not reasoning and not content and not tool_calls:
+        # An empty reply still has its text block, as vLLM sends it (clients read content[0]).
+        return [{"type": "text", "text": ""}]
     if reasoning:
         blocks.append({"type": "thinking", "thinking": reasoning, "signature": ""})
     if content:

@@ -11,7 +11,6 @@ request's ``store`` is ignored and ``previous_response_id`` is not found.
 
 from __future__ import annotations
 
-import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from typing import Any
 
 from kvpilot.engine.async_llm import EngineError
 from kvpilot.engine.outputs import RequestOutput
-from kvpilot.engine.server.errors import OpenAIError, bad_request, request_error
+from kvpilot.engine.server.errors import OpenAIError, bad_request, renamed, request_error
 from kvpilot.engine.server.protocol import ChatCompletionRequest, DeltaMessage
 from kvpilot.engine.server.responses_items import input_messages, output_items
 from kvpilot.engine.server.responses_items import output_messages as reply_messages
@@ -261,15 +260,10 @@ CHAT_NAMES = {
     "response_format": "text",
 }
 """Chat completions' parameter names in errors -> the Responses API's."""
-_CHAT_NAME = re.compile(rf"\b({'|'.join(CHAT_NAMES)})\b")
 
 
 def responses_error(error: OpenAIError) -> OpenAIError:
     """An error of the chat path named by this API's fields (``CHAT_NAMES``): ``input`` for
     the messages, ``max_output_tokens``, ``text``. Errors about ``tools`` and ``tool_choice``
     keep their text, which quotes the request's own function names."""
-    if error.param in ("tools", "tool_choice"):
-        return error
-    error.param = CHAT_NAMES.get(error.param, error.param)
-    error.message = _CHAT_NAME.sub(lambda match: CHAT_NAMES[match.group(1)], error.message)
-    return error
+    return renamed(error, CHAT_NAMES, keep=("tools", "tool_choice"))

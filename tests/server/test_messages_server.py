@@ -8,7 +8,10 @@ or a call are forced with structured outputs' ``choice``, as in ``test_reasoning
 
 from __future__ import annotations
 
+import re
+
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -60,6 +63,11 @@ def create(client: anthropic.Anthropic, messages=ASK, forced: str | None = None,
     )
 
 
+def prompt_tokens(usage) -> int:
+    """The prompt's tokens, as Anthropic's usage splits them (uncached, read, written)."""
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
 def chat(openai_client: openai.OpenAI, messages, max_tokens: int = 24, **kwargs):
     return openai_client.chat.completions.create(
         model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens, **kwargs
@@ -73,7 +81,9 @@ def test_text_reply_is_the_chat_completion_of_the_same_conversation(client, open
     assert message.id.startswith("msg_") and message.model == MODEL
     [block] = message.content
     assert block.type == "text" and block.text == expected.choices[0].message.content
-    assert message.usage.input_tokens == expected.usage.prompt_tokens
+    # Anthropic's input_tokens leave out the prefix cache's reads and writes; the three sum to
+    # the prompt.
+    assert prompt_tokens(message.usage) == expected.usage.prompt_tokens
     assert message.usage.output_tokens == expected.usage.completion_tokens
     finished = expected.choices[0].finish_reason == "stop"
     assert message.stop_reason == ("end_turn" if finished else "max_tokens")
@@ -81,7 +91,7 @@ def test_text_reply_is_the_chat_completion_of_the_same_conversation(client, open
         client.messages.count_tokens(
             model=MODEL, system="Answer in one sentence.", messages=ASK
         ).input_tokens
-        == message.usage.input_tokens
+        == expected.usage.prompt_tokens
     )
 
 
@@ -110,6 +120,7 @@ def test_streamed_events_build_the_same_message(client):
     assert text == final.content[0].text == whole.content[0].text
     assert final.stop_reason == whole.stop_reason
     assert final.usage.output_tokens == whole.usage.output_tokens
+    assert prompt_tokens(final.usage) == prompt_tokens(whole.usage)
 
 
 def test_thinking_comes_as_a_thinking_block_streamed_or_not(client):
@@ -171,7 +182,7 @@ def test_tool_use_then_its_result_continues_the_conversation(client, openai_clie
         ],
         tools=[WEATHER],
     )  # fmt: skip
-    assert answer.usage.input_tokens == expected.usage.prompt_tokens
+    assert prompt_tokens(answer.usage) == expected.usage.prompt_tokens
     assert answer.content[0].text == expected.choices[0].message.content
 
 
@@ -184,6 +195,13 @@ def test_tool_use_then_its_result_continues_the_conversation(client, openai_clie
         ({"max_tokens": None}, "max_tokens"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "client tools"),
         ({"tool_choice": {"type": "tool"}}, "tool_choice"),
+        ({"tool_choice": {"type": "auto", "disable_parallel_tool_use": "yes"}},
+         "disable_parallel_tool_use"),
+        ({"thinking": {"type": "enabled", "budget_tokens": 10}}, "budget_tokens"),
+        ({"messages": [{"role": "user", "content": []}]}, "no content"),
+        ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "object"),
+        ({"stop_sequences": [""]}, "stop_sequences"),
+        ({"output_config": {"effort": "ultra"}}, "output_config"),
         ({"thinking": {"type": "sometimes"}}, "thinking"),
     ],
 )  # fmt: skip
@@ -202,6 +220,31 @@ def test_unknown_model_and_wrong_key_are_anthropic_errors(server, client):
     with pytest.raises(anthropic.NotFoundError) as missing:
         client.messages.create(model="no-such-model", messages=ASK, max_tokens=4)
     assert missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.count_tokens(model="no-such-model", messages=ASK)
     stranger = anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0)
-    with pytest.raises(anthropic.AuthenticationError):
+    with pytest.raises(anthropic.AuthenticationError) as refused:
         stranger.messages.create(model=MODEL, messages=ASK, max_tokens=4)
+    assert refused.value.body["error"]["type"] == "authentication_error"
+
+
+def test_vllm_extensions_and_the_request_id_header(client):
+    # The deprecated guided_* fields of chat completions work here too.
+    message = create(client, extra_body={"guided_regex": "abc[0-9]{3}"}, max_tokens=12)
+    assert re.fullmatch("abc[0-9]{3}", message.content[0].text)
+    named = client.messages.create(
+        model=MODEL, messages=ASK, max_tokens=2, extra_headers={"X-Request-Id": "trace-9"}
+    )
+    assert named.id == "msg_trace-9"
+
+
+def test_a_body_nested_too_deeply_is_a_400(server):
+    nested = "[" * 100_000 + "]" * 100_000
+    body = f'{{"model": "{MODEL}", "max_tokens": 2, "messages": [], "metadata": {nested}}}'
+    reply = httpx.post(
+        f"{server.url}/v1/messages",
+        content=body,
+        headers={"x-api-key": API_KEY, "content-type": "application/json"},
+        timeout=60,
+    )
+    assert reply.status_code == 400 and reply.json()["type"] == "error"

@@ -12,6 +12,7 @@ reads reasoning."""
 from __future__ import annotations
 
 import json
+import re
 
 import httpx
 import openai
@@ -148,6 +149,11 @@ def test_request_id_is_the_response_id_and_settings_are_echoed(client):
     assert (response.prompt_cache_key, response.service_tier) == ("users-42", "auto")
     assert (response.temperature, response.top_p) == (0.0, 0.5)  # as sampled
     assert response.usage.input_tokens_details.cache_write_tokens >= 0
+
+
+def test_the_deprecated_guided_fields_work_as_on_chat(client):
+    response = respond(client, max_output_tokens=12, extra_body={"guided_regex": "abc[0-9]{3}"})
+    assert re.fullmatch("abc[0-9]{3}", response.output_text)
 
 
 def test_reasoning_effort_none_turns_thinking_off(client):
