@@ -27,7 +27,7 @@ from kvpilot.engine.block_pool import BlockHash
 from kvpilot.engine.chat_content_format import resolve_content_format
 from kvpilot.engine.kv_cache_manager import block_extra_keys, extend_block_hashes
 from kvpilot.engine.server import anthropic_protocol, responses_protocol
-from kvpilot.engine.server.anthropic_protocol import chat_messages, system_messages, thinking_kwargs
+from kvpilot.engine.server.anthropic_protocol import conversation, thinking_kwargs
 from kvpilot.engine.server.responses_items import input_messages
 from kvpilot.engine.tokenization import (
     apply_chat_template,
@@ -98,7 +98,7 @@ def messages_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
     chat's, ``thinking`` as ``enable_thinking``); None when it cannot be read (the engine
     answers it)."""
     try:
-        messages = system_messages(body.get("system")) + chat_messages(body.get("messages"))
+        messages = conversation(body.get("system"), body.get("messages"))
         tools = [anthropic_protocol.chat_tool(i, t) for i, t in enumerate(body.get("tools") or ())]
         kwargs = thinking_kwargs(body.get("thinking"), body.get("chat_template_kwargs"))
     except (ValueError, TypeError, AttributeError):

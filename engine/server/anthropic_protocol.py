@@ -1,7 +1,8 @@
 """Anthropic's Messages API bodies (``POST /v1/messages``), as vLLM serves them for text models.
 
 A request is read into a chat completion (``MessagesRequest.to_chat_request``): ``system`` and
-``messages`` become chat messages (text blocks as text parts, ``tool_use`` blocks as the
+``messages`` become chat messages (``conversation``: the system prompt first, text blocks as
+text parts, ``tool_use`` blocks as the
 assistant's ``tool_calls``, ``tool_result`` blocks as ``tool`` messages; ``thinking`` blocks of
 earlier turns left out), ``max_tokens`` the output limit, ``stop_sequences`` the stop strings,
 ``tools`` chat's function tools (``input_schema`` their parameters), ``tool_choice`` chat's
@@ -87,7 +88,7 @@ class MessagesRequest(_SamplingFields):
                 what chat completions refuse (``pydantic.ValidationError``).
         """
         body = self.forwarded_fields("stop") | {
-            "messages": system_messages(self.system) + chat_messages(self.messages),
+            "messages": conversation(self.system, self.messages),
             "max_completion_tokens": self.max_tokens,
             "stop": self.stop_sequences,
             "chat_template_kwargs": thinking_kwargs(self.thinking, self.chat_template_kwargs),
@@ -129,12 +130,41 @@ def output_settings(config: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
-def system_messages(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
-    """The system prompt as chat's first message (none when empty)."""
+BILLING_HEADER = "x-anthropic-billing-header"
+"""How Claude Code's per-request attribution block starts: left out of the system prompt (its
+hash changes with every request and would defeat prefix caching), as vLLM leaves it out."""
+
+
+def conversation(
+    system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Chat messages of a Messages API request: one system message first (``system`` and any
+    ``system`` turn among ``messages``, merged as vLLM merges them for chat templates that
+    take the system prompt first; Claude Code's ``BILLING_HEADER`` blocks left out), then
+    ``chat_messages``.
+
+    Raises:
+        ValueError: as ``chat_messages``; ``system: ...`` for blocks other than text.
+    """
+    if not isinstance(messages, list):
+        raise ValueError("messages: must be a list of messages")
+    texts = _system_texts(system, "system")
+    for i, message in enumerate(messages):
+        if isinstance(message, dict) and message.get("role") == "system":
+            texts += _system_texts(message.get("content"), f"messages: message {i}")
+    prompt = "\n".join(t for t in texts if t and not t.startswith(BILLING_HEADER))
+    turns = [m for m in messages if not (isinstance(m, dict) and m.get("role") == "system")]
+    return ([{"role": "system", "content": prompt}] if prompt else []) + chat_messages(turns)
+
+
+def _system_texts(system: Any, where: str) -> list[str]:
     if system is None:
         return []
-    text = system if isinstance(system, str) else "\n".join(_texts(system, "system"))
-    return [{"role": "system", "content": text}] if text else []
+    if isinstance(system, str):
+        return [system]
+    if not isinstance(system, list):
+        raise ValueError(f"{where}: the system prompt must be a string or text blocks")
+    return _texts(system, where)
 
 
 def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -150,9 +180,13 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """
     chat: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise ValueError(f"messages: message {i} must be an object")
         role = message.get("role")
         if role not in ("user", "assistant"):
-            raise ValueError(f"messages: message {i} has role {role!r}: must be user or assistant")
+            raise ValueError(
+                f"messages: message {i} has role {role!r}: must be user, assistant or system"
+            )
         content = message.get("content")
         if isinstance(content, str):
             chat.append({"role": role, "content": content})

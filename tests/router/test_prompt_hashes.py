@@ -110,7 +110,7 @@ def test_responses_and_messages_bodies_render_as_their_chat_conversation(tokeniz
     # Bodies the engine will refuse, or whose conversation a replica holds, give no view.
     assert responses_chat_body({"input": 5}) is None
     assert responses_chat_body({"input": "Hi", "previous_response_id": "resp_1"}) is None
-    assert messages_chat_body({"messages": [{"role": "system", "content": "x"}]}) is None
+    assert messages_chat_body({"messages": [{"role": "tool", "content": "x"}]}) is None
 
 
 def test_chat_parts_reach_a_template_that_loops_over_them_as_the_engine_sends_them(

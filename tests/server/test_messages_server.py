@@ -95,6 +95,20 @@ def test_text_reply_is_the_chat_completion_of_the_same_conversation(client, open
     )
 
 
+def test_system_turns_merge_and_claude_codes_billing_header_is_left_out(client, openai_client):
+    """vLLM's rules: system turns join the system prompt (first, for the template), and Claude
+    Code's per-request attribution block is dropped so that prefix caching still works."""
+    expected = chat(openai_client, [{"role": "system", "content": "Be brief."}, *ASK])
+    billing = {"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1; cch=9f3a;"}
+    system = [billing, {"type": "text", "text": "Be brief."}]
+    for message in (
+        create(client, system=system),
+        create(client, [{"role": "system", "content": "Be brief."}, *ASK]),
+    ):
+        assert prompt_tokens(message.usage) == expected.usage.prompt_tokens
+        assert message.content[0].text == expected.choices[0].message.content
+
+
 def test_cut_and_stopped_replies_say_why(client):
     cut = create(client, max_tokens=3)
     assert (cut.stop_reason, cut.usage.output_tokens) == ("max_tokens", 3)
@@ -191,7 +205,7 @@ def test_tool_use_then_its_result_continues_the_conversation(client, openai_clie
     [
         ({"messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}]},
          "'image'"),
-        ({"messages": [{"role": "system", "content": "Hi"}]}, "must be user or assistant"),
+        ({"messages": [{"role": "tool", "content": "Hi"}]}, "must be user, assistant or system"),
         ({"max_tokens": None}, "max_tokens"),
         ({"tools": [{"type": "web_search_20250305", "name": "web_search"}]}, "client tools"),
         ({"tool_choice": {"type": "tool"}}, "tool_choice"),
