@@ -1,10 +1,9 @@
 """A streamed Messages API reply's Server-Sent Events, in the order Anthropic sends them.
 
 ``message_start`` (the message, empty, with the prompt's usage, sent with the first output);
-for each content block
-``content_block_start``, its ``content_block_delta`` events (``thinking_delta``,
-``text_delta``, or a ``tool_use`` block's ``input_json_delta`` pieces of its JSON input), and
-``content_block_stop``; then ``message_delta`` (``stop_reason``, ``stop_sequence``, the whole
+for each content block ``content_block_start``, its ``content_block_delta`` events
+(``thinking_delta``, ``text_delta``, or a ``tool_use`` block's ``input_json_delta`` pieces of
+its JSON input), and ``content_block_stop``; then ``message_delta`` (``stop_reason``, ``stop_sequence``, the whole
 usage) and ``message_stop``. Each is written as ``event: <type>`` and ``data: <json>``.
 """
 
