@@ -27,8 +27,8 @@ from kvpilot.engine.block_pool import BlockHash
 from kvpilot.engine.chat_content_format import resolve_content_format
 from kvpilot.engine.kv_cache_manager import block_extra_keys, extend_block_hashes
 from kvpilot.engine.server import anthropic_protocol, responses_protocol
-from kvpilot.engine.server.anthropic_protocol import conversation, thinking_kwargs
-from kvpilot.engine.server.responses_items import input_messages
+from kvpilot.engine.server.anthropic_protocol import conversation, is_prefill, thinking_kwargs
+from kvpilot.engine.server.responses_items import continues_final_message, input_messages
 from kvpilot.engine.tokenization import (
     apply_chat_template,
     encode_text,
@@ -89,7 +89,15 @@ def responses_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
         return None
     reasoning = body.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
-    return {**body, "messages": messages, "tools": tools or None, "reasoning_effort": effort}
+    partial = continues_final_message(body.get("input"))
+    return {
+        **body,
+        "messages": messages,
+        "tools": tools or None,
+        "reasoning_effort": effort,
+        "add_generation_prompt": not partial,
+        "continue_final_message": partial,
+    }
 
 
 def messages_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -103,7 +111,15 @@ def messages_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
         kwargs = thinking_kwargs(body.get("thinking"), body.get("chat_template_kwargs"))
     except (ValueError, TypeError, AttributeError):
         return None
-    return {**body, "messages": messages, "tools": tools or None, "chat_template_kwargs": kwargs}
+    prefill = is_prefill(messages)
+    return {
+        **body,
+        "messages": messages,
+        "tools": tools or None,
+        "chat_template_kwargs": kwargs,
+        "add_generation_prompt": not prefill,
+        "continue_final_message": prefill,
+    }
 
 
 def prompt_chars(path: str, body: Mapping[str, Any]) -> int:

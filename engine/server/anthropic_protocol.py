@@ -95,6 +95,9 @@ class MessagesRequest(_SamplingFields):
         }
         if self.output_config is not None:
             body |= output_settings(self.output_config)
+        if is_prefill(body["messages"]):
+            # Anthropic's prefill: the reply continues the last assistant turn.
+            body |= {"add_generation_prompt": False, "continue_final_message": True}
         if self.tools:
             body["tools"] = [chat_tool(i, tool) for i, tool in enumerate(self.tools)]
         if self.tool_choice is not None:
@@ -107,6 +110,13 @@ class CountTokensRequest(MessagesRequest):
     """``POST /v1/messages/count_tokens``: a messages request without ``max_tokens``."""
 
     max_tokens: int = 1
+
+
+def is_prefill(messages: list[dict[str, Any]]) -> bool:
+    """Whether a conversation's last chat message is an assistant's text without calls: an
+    Anthropic prefill, which the reply continues."""
+    last = messages[-1] if messages else {}
+    return last.get("role") == "assistant" and not last.get("tool_calls")
 
 
 def output_settings(config: dict[str, Any]) -> dict[str, Any]:

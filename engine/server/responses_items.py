@@ -85,6 +85,21 @@ def input_messages(
     return messages
 
 
+PARTIAL = ("in_progress", "incomplete")
+"""Statuses of an assistant message that a request continues (vLLM's rule)."""
+
+
+def continues_final_message(items: str | Sequence[dict[str, Any]]) -> bool:
+    """Whether the input ends with a partial assistant message (``status`` ``"in_progress"`` or
+    ``"incomplete"``), which the reply continues instead of starting a new turn, as vLLM
+    continues it (chat's ``continue_final_message``)."""
+    if isinstance(items, str) or not items or not isinstance(items[-1], dict):
+        return False
+    last = items[-1]
+    is_message = last.get("type", "message") == "message" and last.get("role") == "assistant"
+    return is_message and last.get("status") in PARTIAL
+
+
 def _message(i: int, item: dict[str, Any]) -> dict[str, Any]:
     role = item.get("role")
     if role not in MESSAGE_ROLES:

@@ -22,6 +22,7 @@ from kvpilot.engine.server.protocol import (
     ReasoningEffort,
     _SamplingFields,
 )
+from kvpilot.engine.server.responses_items import continues_final_message
 
 OUTPUT_LOGPROBS = "message.output_text.logprobs"
 """The ``include`` entry that asks for the output's logprobs (with ``top_logprobs``
@@ -221,6 +222,8 @@ class ResponsesRequest(_SamplingFields):
             "chat_template_kwargs": self.chat_template_kwargs,
             "reasoning_effort": self.reasoning.effort if self.reasoning else None,
         }
+        if continues_final_message(self.input):
+            body |= {"add_generation_prompt": False, "continue_final_message": True}
         if self.truncation == "auto":
             body["truncate_prompt_tokens"] = -1
         if self.tools:

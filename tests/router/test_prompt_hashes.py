@@ -107,6 +107,17 @@ def test_responses_and_messages_bodies_render_as_their_chat_conversation(tokeniz
     blocks = [{"type": "text", "text": p["text"]} for p in more["content"]]
     message = {"system": system, "messages": [user, assistant, {"role": "user", "content": blocks}]}
     assert prompt_token_ids(tokenizer, CHAT_PATH, messages_chat_body(message)) == chat
+    # A partial last assistant message (an Anthropic prefill) is continued, not answered.
+    continued = prompt_token_ids(
+        tokenizer,
+        CHAT_PATH,
+        {"messages": CHAT[:3], "add_generation_prompt": False, "continue_final_message": True},
+    )
+    partial = {**assistant, "status": "incomplete"}
+    view = responses_chat_body({"instructions": system, "input": [user, partial]})
+    assert prompt_token_ids(tokenizer, CHAT_PATH, view) == continued
+    view = messages_chat_body({"system": system, "messages": [user, assistant]})
+    assert prompt_token_ids(tokenizer, CHAT_PATH, view) == continued
     # Bodies the engine will refuse, or whose conversation a replica holds, give no view.
     assert responses_chat_body({"input": 5}) is None
     assert responses_chat_body({"input": "Hi", "previous_response_id": "resp_1"}) is None

@@ -109,6 +109,20 @@ def test_system_turns_merge_and_claude_codes_billing_header_is_left_out(client, 
         assert message.content[0].text == expected.choices[0].message.content
 
 
+def test_a_prefill_is_continued(client, openai_client):
+    """Anthropic's prefill: a last assistant turn is continued, not answered."""
+    prefill = [*ASK, {"role": "assistant", "content": "The capital of France is"}]
+    message = create(client, prefill, max_tokens=6)
+    expected = chat(
+        openai_client,
+        prefill,
+        max_tokens=6,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert message.content[0].text == expected.choices[0].message.content
+    assert prompt_tokens(message.usage) == expected.usage.prompt_tokens
+
+
 def test_cut_and_stopped_replies_say_why(client):
     cut = create(client, max_tokens=3)
     assert (cut.stop_reason, cut.usage.output_tokens) == ("max_tokens", 3)

@@ -113,6 +113,23 @@ def test_input_items_are_the_chat_messages(client):
     assert response.usage.input_tokens == expected.usage.prompt_tokens
 
 
+def test_a_partial_assistant_message_is_continued(client):
+    """vLLM's rule: a last assistant message that is in progress or incomplete is continued."""
+    start = "The capital of France is"
+    partial = {"role": "assistant", "content": [{"type": "output_text", "text": start}]}
+    response = respond(client, [{"role": "user", "content": QUESTION}, {**partial,
+        "status": "incomplete"}], max_output_tokens=6)  # fmt: skip
+    expected = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": QUESTION}, {"role": "assistant", "content": start}],
+        temperature=0,
+        max_tokens=6,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    assert response.output_text == expected.choices[0].message.content
+    assert response.usage.input_tokens == expected.usage.prompt_tokens
+
+
 def test_max_output_tokens_cut_is_incomplete(client):
     response = respond(client, max_output_tokens=3)
     assert response.status == "incomplete"
