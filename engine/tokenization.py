@@ -91,6 +91,35 @@ def encode_text(
     return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
+BILLING_HEADER = "x-anthropic-billing-header"
+"""How Claude Code's per-request attribution line starts: left out of system prompts (its hash
+changes with every request and would defeat prefix caching), as vLLM leaves it out."""
+
+
+def without_billing_header(content: Any) -> Any:
+    """A system message's content without a leading ``BILLING_HEADER`` line (the rest of its
+    text part stays; a part that was only that line goes); other content as it is."""
+
+    def strip(text: str) -> str | None:
+        if not text.startswith(BILLING_HEADER):
+            return text
+        return text.partition("\n")[2] or None
+
+    if isinstance(content, str):
+        return strip(content) or ""
+    if not isinstance(content, list):
+        return content
+    parts = []
+    for part in content:
+        if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+            text = strip(part["text"])
+            if text is None:
+                continue
+            part = {**part, "text": text}
+        parts.append(part)
+    return parts
+
+
 def parse_chat_messages(
     messages: Sequence[ChatMessage], content_format: str = "string"
 ) -> list[dict[str, Any]]:
@@ -106,9 +135,11 @@ def parse_chat_messages(
             as one part, None as ``[]``).
 
     Returns:
-        ``[{"role", "content"(, "name", "tool_calls", "tool_call_id")}]``; tool call arguments
-        are parsed from JSON text into dicts, as transformers' tool-use templates expect them
-        (vLLM does the same).
+        ``[{"role", "content"(, "name", "tool_calls", "tool_call_id", "reasoning",
+        "reasoning_content")}]``; tool call arguments are parsed from JSON text into dicts, as
+        transformers' tool-use templates expect them (vLLM does the same); an assistant turn's
+        ``reasoning`` (or ``reasoning_content``) goes to the template under both names; a
+        system message's leading ``BILLING_HEADER`` line is left out (``without_billing_header``).
 
     Raises:
         ValueError: ``messages: ...`` for an empty conversation, a message that is not a mapping,
@@ -131,6 +162,8 @@ def parse_chat_messages(
         if not isinstance(role, str):
             raise ValueError(f"messages: message {i} needs a string 'role'")
         content = message.get("content")
+        if role == "system":
+            content = without_billing_header(content)
         if content_format == "openai":
             entry = {"role": role, "content": _content_parts(content, i)}
         else:
@@ -141,6 +174,10 @@ def parse_chat_messages(
             entry["tool_calls"] = _tool_calls(message["tool_calls"], i)
         if message.get("tool_call_id") is not None:
             entry["tool_call_id"] = str(message["tool_call_id"])
+        reasoning = message.get("reasoning") or message.get("reasoning_content")
+        if role == "assistant" and isinstance(reasoning, str):
+            # Both names, as vLLM gives templates an earlier turn's reasoning.
+            entry["reasoning"] = entry["reasoning_content"] = reasoning
         conversation.append(entry)
     return conversation
 

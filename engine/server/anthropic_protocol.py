@@ -3,8 +3,8 @@
 A request is read into a chat completion (``MessagesRequest.to_chat_request``): ``system`` and
 ``messages`` become chat messages (``conversation``: the system prompt first, text blocks as
 text parts, ``tool_use`` blocks as the
-assistant's ``tool_calls``, ``tool_result`` blocks as ``tool`` messages; ``thinking`` blocks of
-earlier turns left out), ``max_tokens`` the output limit, ``stop_sequences`` the stop strings,
+assistant's ``tool_calls``, ``tool_result`` blocks as ``tool`` messages, ``thinking`` blocks as the
+turn's ``reasoning``), ``max_tokens`` the output limit, ``stop_sequences`` the stop strings,
 ``tools`` chat's function tools (``input_schema`` their parameters), ``tool_choice`` chat's
 (``any`` is ``"required"``), ``thinking`` the template's ``enable_thinking``. Field names are
 Anthropic's (https://docs.anthropic.com/en/api/messages).
@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from kvpilot.engine.server.protocol import ChatCompletionRequest, OpenAIModel, _SamplingFields
+from kvpilot.engine.tokenization import BILLING_HEADER
 
 EFFORTS = ("low", "medium", "high", "xhigh", "max")
 """Anthropic's ``output_config.effort`` values (chat's ``reasoning_effort`` takes them)."""
@@ -49,7 +50,8 @@ class MessagesRequest(_SamplingFields):
     Attributes:
         messages: the conversation, alternating ``user`` and ``assistant`` turns; ``content``
             a string or blocks: ``text``, ``tool_use`` (assistant), ``tool_result`` (user),
-            ``thinking`` / ``redacted_thinking`` (left out of the prompt).
+            ``thinking`` (the turn's ``reasoning``, for templates that render it),
+            ``redacted_thinking`` (left out).
         max_tokens: the most tokens to generate (required, as Anthropic's API requires it).
         system: the system prompt: a string or ``text`` blocks.
         stop_sequences: strings that end the output (the one met is ``stop_sequence``).
@@ -140,11 +142,6 @@ def output_settings(config: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
-BILLING_HEADER = "x-anthropic-billing-header"
-"""How Claude Code's per-request attribution block starts: left out of the system prompt (its
-hash changes with every request and would defeat prefix caching), as vLLM leaves it out."""
-
-
 def conversation(
     system: str | list[dict[str, Any]] | None, messages: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -181,8 +178,8 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Anthropic's conversation as chat messages.
 
     A user turn's ``tool_result`` blocks become ``tool`` messages, before its text; an
-    assistant turn's ``tool_use`` blocks its ``tool_calls`` (``input`` as JSON arguments);
-    ``thinking`` blocks are left out.
+    assistant turn's ``tool_use`` blocks its ``tool_calls`` (``input`` as JSON arguments), its
+    ``thinking`` blocks its ``reasoning`` (``redacted_thinking`` is left out).
 
     Raises:
         ValueError: ``messages: ...`` naming the message and block that cannot be read (a role
@@ -203,7 +200,7 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         if not isinstance(content, list):
             raise ValueError(f"messages: message {i} needs 'content', a string or a list of blocks")
-        parts, calls = [], []
+        parts, calls, thoughts = [], [], []
         for j, block in enumerate(content):
             kind = block.get("type") if isinstance(block, dict) else None
             where = f"messages: message {i}, block {j}"
@@ -213,7 +210,9 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 calls.append(_tool_call(where, block))
             elif kind == "tool_result" and role == "user":
                 chat.append(_tool_result(where, block))
-            elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            elif kind == "thinking" and role == "assistant":
+                thoughts.append(block.get("thinking") or "")
+            elif kind == "redacted_thinking" and role == "assistant":
                 continue
             else:
                 raise ValueError(
@@ -222,10 +221,12 @@ def chat_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 )
         if not content:
             raise ValueError(f"messages: message {i} has no content blocks")
-        if parts or calls:
+        if parts or calls or thoughts:
             turn: dict[str, Any] = {"role": role, "content": parts or None}
             if calls:
                 turn["tool_calls"] = calls
+            if any(thoughts):  # for templates that render earlier reasoning, as vLLM passes it
+                turn["reasoning"] = "".join(thoughts)
             chat.append(turn)
     return chat
 

@@ -472,6 +472,10 @@ class ChatMessage(OpenAIModel):
     # An assistant's earlier calls and, in a "tool" message, the call it answers.
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+    # vLLM's: an earlier assistant turn's reasoning, for templates that render it
+    # (``reasoning_content``: its older name).
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod

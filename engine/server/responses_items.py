@@ -33,8 +33,8 @@ def input_messages(
             (``{"role", "content"}``, ``type`` ``"message"`` or absent; content a string or a
             list of ``input_text``/``output_text`` parts, which chat joins one a line), ``function_call`` items (merged
             into the assistant message before them, as its ``tool_calls``),
-            ``function_call_output`` items (``tool`` messages) and ``reasoning`` items (left
-            out: chat templates render no reasoning of earlier turns).
+            ``function_call_output`` items (``tool`` messages) and ``reasoning`` items (the
+            ``reasoning`` of the assistant turn they open, for templates that render it).
         history: an earlier response's conversation (``previous_response_id``): its messages
             come before ``items``, without its system messages (instructions do not carry
             over, as OpenAI's rule).
@@ -53,13 +53,14 @@ def input_messages(
     messages.extend(dict(m) for m in history if m.get("role") != "system")
     if isinstance(items, str):
         return [*messages, {"role": "user", "content": items}]
-    start = len(messages)
+    answered = False  # whether an item other than reasoning came
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ValueError(f"input: item {i} must be an object, got {type(item).__name__}")
         kind = item.get("type", "message" if "role" in item else None)
+        answered = answered or kind != "reasoning"
         if kind == "message":
-            messages.append(_message(i, item))
+            _add_message(messages, _message(i, item))
         elif kind == "function_call":
             _add_call(messages, _function_call(i, item))
         elif kind == "function_call_output":
@@ -73,16 +74,44 @@ def input_messages(
         elif kind == "reasoning":
             if item.get("encrypted_content") is not None:
                 raise ValueError(f"input: item {i}: encrypted reasoning content is not supported")
+            if text := _reasoning_text(item):
+                messages.append({"role": "assistant", "content": None, "reasoning": text})
         else:
             raise ValueError(
                 f"input: item {i} has type {kind!r}: supported are 'message', 'function_call', "
                 "'function_call_output' and 'reasoning'"
             )
-    if len(messages) == start:
-        raise ValueError(
-            "input: holds no message to answer (reasoning items are left out of the prompt)"
-        )
+    if not answered:
+        raise ValueError("input: holds no message to answer, only reasoning")
     return messages
+
+
+def _reasoning_text(item: dict[str, Any]) -> str:
+    """A reasoning item's text: its ``reasoning_text`` content, else its summary (vLLM's
+    order)."""
+    for key in ("content", "summary"):
+        parts = item.get(key)
+        if isinstance(parts, list) and parts and isinstance(parts[0], dict):
+            text = parts[0].get("text")
+            if isinstance(text, str):
+                return text
+    return ""
+
+
+def _add_message(messages: list[dict[str, Any]], message: dict[str, Any]) -> None:
+    """An assistant message completes the reasoning before it (one turn, as vLLM merges
+    them); any other message comes on its own."""
+    last = messages[-1] if messages else None
+    if (
+        message["role"] == "assistant"
+        and last is not None
+        and last["role"] == "assistant"
+        and last.get("content") is None
+        and not last.get("tool_calls")
+    ):
+        last["content"] = message["content"]
+    else:
+        messages.append(message)
 
 
 PARTIAL = ("in_progress", "incomplete")
@@ -226,7 +255,7 @@ def function_call_item(
 
 def output_messages(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """A response's ``output`` as the chat messages a follow-up request continues from: the
-    text and calls of one assistant message (reasoning left out)."""
+    reasoning, text and calls of one assistant message."""
     text = "".join(
         part["text"] for item in items if item["type"] == "message" for part in item["content"]
     )
@@ -239,7 +268,12 @@ def output_messages(items: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         for item in items
         if item["type"] == "function_call"
     ]
+    reasoning = "".join(
+        part["text"] for item in items if item["type"] == "reasoning" for part in item["content"]
+    )
     message: dict[str, Any] = {"role": "assistant", "content": text or None}
     if calls:
         message["tool_calls"] = calls
-    return [message] if text or calls else []
+    if reasoning:
+        message["reasoning"] = reasoning
+    return [message] if text or calls or reasoning else []

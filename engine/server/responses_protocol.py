@@ -97,7 +97,8 @@ class ResponsesRequest(_SamplingFields):
     Attributes:
         input: a user message as a string, or a list of items: messages (``role`` and
             ``content``, a string or ``input_text``/``output_text`` parts), ``function_call``
-            and ``function_call_output`` items, ``reasoning`` items (left out of the prompt).
+            and ``function_call_output`` items, ``reasoning`` items (the next assistant turn's
+            ``reasoning``, for templates that render it).
         instructions: a system message put first.
         max_output_tokens: the most tokens to generate; None: the rest of the context.
         previous_response_id: continue a stored response (the server must keep responses:
