@@ -26,9 +26,9 @@ from typing import Any
 from kvpilot.engine.block_pool import BlockHash
 from kvpilot.engine.chat_content_format import resolve_content_format
 from kvpilot.engine.kv_cache_manager import block_extra_keys, extend_block_hashes
-from kvpilot.engine.server import anthropic_protocol, responses_protocol
-from kvpilot.engine.server.anthropic_protocol import conversation, is_prefill, thinking_kwargs
-from kvpilot.engine.server.responses_items import continues_final_message, input_messages
+from kvpilot.engine.server.anthropic_protocol import CountTokensRequest
+from kvpilot.engine.server.responses_items import input_messages
+from kvpilot.engine.server.responses_protocol import ResponsesRequest
 from kvpilot.engine.tokenization import (
     apply_chat_template,
     encode_text,
@@ -76,50 +76,31 @@ def prompt_block_hashes(
 
 
 def responses_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
-    """A Responses API body as the chat completions body the engine renders for it
-    (``responses_items.input_messages``, function tools as chat's, ``reasoning.effort`` as
-    chat's ``reasoning_effort``); None when it continues a stored response (its conversation
-    is on the replica that stored it) or its input cannot be read (the engine answers it)."""
+    """A Responses API body as the chat completions body the engine renders for it (the
+    engine's own conversion: ``responses_items.input_messages`` and
+    ``ResponsesRequest.to_chat_request``); None when it continues a stored response (its
+    conversation is on the replica that stored it) or cannot be read (the engine answers it)."""
     if body.get("previous_response_id") is not None:
         return None
     try:
-        messages = input_messages(body.get("instructions"), body.get("input"))
-        tools = [responses_protocol.chat_tool(tool) for tool in body.get("tools") or ()]
-    except (ValueError, TypeError, AttributeError):
+        request = ResponsesRequest.model_validate(body)
+        chat = request.to_chat_request(input_messages(request.instructions, request.input))
+    except ValueError:
         return None
-    reasoning = body.get("reasoning")
-    effort = reasoning.get("effort") if isinstance(reasoning, Mapping) else None
-    partial = continues_final_message(body.get("input"))
-    return {
-        **body,
-        "messages": messages,
-        "tools": tools or None,
-        "reasoning_effort": effort,
-        "add_generation_prompt": not partial,
-        "continue_final_message": partial,
-    }
+    return chat.model_dump(exclude_none=True)
 
 
 def messages_chat_body(body: Mapping[str, Any]) -> dict[str, Any] | None:
     """An Anthropic Messages API body as the chat completions body the engine renders for it
-    (``anthropic_protocol``: the system prompt first, blocks as chat's messages, tools as
-    chat's, ``thinking`` as ``enable_thinking``); None when it cannot be read (the engine
-    answers it)."""
+    (the engine's own conversion, ``MessagesRequest.to_chat_request``; read as a
+    ``count_tokens`` body, since ``max_tokens`` changes no prompt); None when it cannot be
+    read (the engine answers it)."""
     try:
-        messages = conversation(body.get("system"), body.get("messages"))
-        tools = [anthropic_protocol.chat_tool(i, t) for i, t in enumerate(body.get("tools") or ())]
-        kwargs = thinking_kwargs(body.get("thinking"), body.get("chat_template_kwargs"))
-    except (ValueError, TypeError, AttributeError):
+        return (
+            CountTokensRequest.model_validate(body).to_chat_request().model_dump(exclude_none=True)
+        )
+    except ValueError:
         return None
-    prefill = is_prefill(messages)
-    return {
-        **body,
-        "messages": messages,
-        "tools": tools or None,
-        "chat_template_kwargs": kwargs,
-        "add_generation_prompt": not prefill,
-        "continue_final_message": prefill,
-    }
 
 
 def prompt_chars(path: str, body: Mapping[str, Any]) -> int:

@@ -9,11 +9,11 @@ usage) and ``message_stop``. Each is written as ``event: <type>`` and ``data: <j
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from kvpilot.engine.server.anthropic_protocol import error_body
 from kvpilot.engine.server.protocol import DeltaMessage
+from kvpilot.engine.server.serving_engine import named_sse
 
 
 class MessageEvents:
@@ -27,8 +27,7 @@ class MessageEvents:
     @staticmethod
     def event(type_: str, **fields: Any) -> str:
         """One event."""
-        body = {"type": type_, **fields}
-        return f"event: {type_}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return named_sse(type_, {"type": type_, **fields})
 
     def start(self, message: dict[str, Any]) -> str:
         """``message_start`` with the message so far (no content)."""

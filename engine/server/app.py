@@ -378,7 +378,8 @@ def create_app(
     @v1.post("/messages")
     async def messages(raw: Request) -> Response:
         try:
-            body = read_body(await raw.body(), raw.headers.get("content-type"), _messages_type)
+            kind = raw.headers.get("content-type")
+            body = read_body(await raw.body(), kind, lambda _: MessagesRequest)
             body = _from_headers(body, raw)
             serving = ready_state().messages
             return await _respond(raw, serving.create_message(body, now()))
@@ -388,7 +389,8 @@ def create_app(
     @v1.post("/messages/count_tokens")
     async def count_message_tokens(raw: Request) -> Response:
         try:
-            body = read_body(await raw.body(), raw.headers.get("content-type"), _count_type)
+            kind = raw.headers.get("content-type")
+            body = read_body(await raw.body(), kind, lambda _: CountTokensRequest)
             return JSONResponse(await ready_state().messages.count_tokens(body))
         except OpenAIError as exc:
             return anthropic_error(exc)
@@ -516,14 +518,6 @@ async def _wait_for_disconnect(raw: Request) -> None:
 RequestBody = TypeVar(
     "RequestBody", CompletionRequest, ChatCompletionRequest, ResponsesRequest, MessagesRequest
 )
-
-
-def _messages_type(_: Any) -> type[MessagesRequest]:
-    return MessagesRequest
-
-
-def _count_type(_: Any) -> type[CountTokensRequest]:
-    return CountTokensRequest
 
 
 PRIORITY_HEADER = "X-Vllm-Priority"

@@ -13,7 +13,6 @@ written as ``event: <type>`` and ``data: <json>``, as vLLM and OpenAI send them.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +25,7 @@ from kvpilot.engine.server.responses_items import (
     reasoning_item,
 )
 from kvpilot.engine.server.responses_protocol import ResponsesResponse
+from kvpilot.engine.server.serving_engine import named_sse
 
 
 @dataclass
@@ -60,7 +60,7 @@ class ResponseEvents:
         """One event, numbered."""
         body = {"type": type_, "sequence_number": self.sequence_number, **fields}
         self.sequence_number += 1
-        return f"event: {type_}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
+        return named_sse(type_, body)
 
     def start(self, response: ResponsesResponse) -> list[str]:
         """``response.created`` and ``response.in_progress`` for the response in progress."""

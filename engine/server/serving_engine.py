@@ -6,6 +6,7 @@ Named after vLLM's ``OpenAIServing`` base class.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -541,6 +542,12 @@ def sse(payload: BaseModel | str, exclude_none: bool = False) -> str:
     else:
         data = payload.model_dump_json(exclude_none=exclude_none)
     return f"data: {data}\n\n"
+
+
+def named_sse(type_: str, body: dict[str, Any]) -> str:
+    """One Server-Sent Event named ``type_`` (``event: <type>``) carrying ``body`` as JSON, as
+    the Responses and Anthropic Messages APIs stream their events."""
+    return f"event: {type_}\ndata: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
 def engine_error_status(exc: EngineError) -> HTTPStatus:

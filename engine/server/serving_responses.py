@@ -244,8 +244,10 @@ class OpenAIServingResponses:
                         yield event
             for event in events.close("incomplete" if final_reason == "length" else "completed"):
                 yield event
-            yield events.completed(
-                await self._finish(request, response, run, final, events.items, messages)
+            yield events.completed(  # text_start, when known, is the reasoning's length
+                await self._finish(
+                    request, response, run, final, events.items, messages, text_start
+                )
             )
         except EngineError as exc:
             yield events.error(str(exc), int(engine_error_status(exc)))
