@@ -15,6 +15,7 @@ from typing import Any
 from kvpilot.engine.accepted_flags import add_accepted_flags
 from kvpilot.engine.layers.quantization import QUANTIZATION_METHODS
 from kvpilot.engine.lora.request import parse_lora_modules
+from kvpilot.engine.reasoning_config import ReasoningConfig
 from kvpilot.engine.spec_decode.config import SpeculativeConfig
 
 # CPU defaults, chosen on a 2-core machine with the 135M default model (docs/benchmarks.md):
@@ -253,7 +254,11 @@ class EngineArgs:
     before anything reads it (a nested config such as ``text_config`` is updated key by key);
     ``override_generation_config`` (the same) replaces entries of its generation config.
     ``num_gpu_blocks_override`` sets the number of KV blocks on any device, in place of the
-    budget (vLLM's, for tests and reproductions). ``hf_token`` (a token, or True for the one
+    budget (vLLM's, for tests and reproductions). ``reasoning_config`` (a ``ReasoningConfig``,
+    its dict or JSON text) and ``reasoning_parser`` (a ``--reasoning-parser`` name, which fills
+    the config's strings left empty, as in vLLM) tell the engine where a think block starts and
+    ends, for requests with a ``thinking_token_budget``; validation leaves a ``ReasoningConfig``
+    or None in ``reasoning_config``. ``hf_token`` (a token, or True for the one
     ``huggingface-cli login`` stored), ``tokenizer_revision`` and ``ignore_patterns`` (globs of
     repository files not to download) apply to Hub downloads.
 
@@ -292,6 +297,8 @@ class EngineArgs:
     max_lora_rank: int = 16
     lora_modules: list[str] | None = None
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
+    reasoning_parser: str | None = None
+    reasoning_config: ReasoningConfig | dict[str, Any] | str | None = None
     quantization: str | None = None
     download_dir: str | None = None
     tokenizer_mode: str = "auto"
@@ -453,6 +460,11 @@ class EngineArgs:
                     "speculative_config",
                     "method 'draft_model' needs pipeline_parallel_size 1 (use 'ngram')",
                 )
+        if self.reasoning_parser is not None and not isinstance(self.reasoning_parser, str):
+            bad("reasoning_parser", "must be a reasoning parser's name")
+        self.reasoning_config = ReasoningConfig.from_json(
+            self.reasoning_config, self.reasoning_parser
+        )
         if (
             self.max_model_len is not None
             and self.max_num_batched_tokens is not None
@@ -746,6 +758,15 @@ class EngineArgs:
             help="speculative decoding, as JSON (vLLM's shape): "
             '\'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}\' or '
             '\'{"method": "draft_model", "model": "DIR", "num_speculative_tokens": 4}\'',
+        )
+        group.add_argument(
+            "--reasoning-config",
+            default=None,
+            metavar="JSON",
+            help="where a think block starts and ends, for requests' thinking_token_budget, as "
+            'JSON (vLLM\'s shape): \'{"reasoning_start_str": "<think>", "reasoning_end_str": '
+            "\"</think>\"}'; empty strings take --reasoning-parser's tags (with that flag alone "
+            "they are its tags); reasoning_end_str is what a spent budget forces",
         )
         add_accepted_flags(parser)
         return parser

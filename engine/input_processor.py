@@ -129,13 +129,23 @@ class InputProcessor:
         vocab_size: the model's vocabulary size (tokens).
         max_model_len: prompt plus output limit (tokens).
         capacity_tokens: the whole KV cache (tokens); a longer prompt could never run.
+        thinking_budget: whether the engine knows its think markers (its reasoning config),
+            without which a ``thinking_token_budget`` is refused, as vLLM refuses it.
     """
 
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int, capacity_tokens: int):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        max_model_len: int,
+        capacity_tokens: int,
+        thinking_budget: bool = False,
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.capacity_tokens = capacity_tokens
+        self.thinking_budget = thinking_budget
 
     def process(
         self, prompt: PromptType, params: SamplingParams, cache_salt: str | None = None
@@ -147,11 +157,17 @@ class InputProcessor:
             ValueError: naming the problem: ``params`` not a ``SamplingParams`` or out of the
                 vocabulary (:func:`check_sampling_params`), an empty prompt, an unknown prompt
                 dict key, an empty ``cache_salt`` or one given twice, a prompt longer than
-                ``max_model_len`` or than the whole KV cache, token ids outside the vocabulary.
+                ``max_model_len`` or than the whole KV cache, token ids outside the vocabulary,
+                a ``thinking_token_budget`` on an engine without a reasoning config.
         """
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         check_sampling_params(params, self.vocab_size)
+        if params.thinking_token_budget is not None and not self.thinking_budget:
+            raise ValueError(
+                "thinking_token_budget needs the engine to know where a think block starts and "
+                "ends: start it with --reasoning-parser and/or --reasoning-config"
+            )
         if params.bad_words and params.bad_words_token_ids is None:
             params.bad_words_token_ids = bad_words_token_ids(self.tokenizer, params.bad_words)
         if isinstance(prompt, dict) and "cache_salt" in prompt:

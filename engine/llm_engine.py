@@ -42,6 +42,7 @@ from kvpilot.engine.scheduler_output import RequestDelta, SchedulerOutput
 from kvpilot.engine.spec_decode import proposers
 from kvpilot.engine.stats import EngineStats
 from kvpilot.engine.structured_output import StructuredOutputManager
+from kvpilot.engine.thinking_budget import ThinkingBudgetTracker
 
 logger = logging.getLogger("kvpilot.engine")
 
@@ -147,6 +148,15 @@ class LLMEngine:
             self.model_shape.vocab_size,
             self.eos_token_ids,
         )
+        # The think markers of thinking_token_budget (None: requests with a budget are refused).
+        thinking_token_ids = (
+            args.reasoning_config.thinking_token_ids(self.tokenizer)
+            if args.reasoning_config is not None
+            else None
+        )
+        self.thinking_budget = (
+            ThinkingBudgetTracker(thinking_token_ids) if thinking_token_ids is not None else None
+        )
         self.speculative_config = args.speculative_config
         self.draft_dir = (
             proposers.resolve_draft_model(
@@ -226,6 +236,7 @@ class LLMEngine:
             self.model_shape.vocab_size,
             self.scheduler_config.max_model_len,
             capacity,
+            thinking_budget=self.thinking_budget is not None,
         )
         self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
@@ -389,7 +400,13 @@ class LLMEngine:
                 ``logprobs`` or ``prompt_logprobs`` above the vocabulary size, a non-integer
                 ``priority`` or a non-zero one under ``fcfs``, an invalid
                 ``structured_outputs`` constraint, an adapter without ``enable_lora`` or that
-                cannot be loaded (``LoRAAdapterError``). Nothing else is touched.
+                cannot be loaded (``LoRAAdapterError``), a ``thinking_token_budget`` without a
+                reasoning config (``reasoning_parser`` / ``reasoning_config``). Nothing else is
+                touched.
+
+        A sequence with a ``thinking_token_budget`` has the end of its think block forced once
+        the budget is spent (``thinking_budget.py``); not one constrained by
+        ``structured_outputs``, which is the answer from its first token here.
         """
         params = params if params is not None else self.get_default_sampling_params()
         if not isinstance(request_id, str) or not request_id:
@@ -449,6 +466,9 @@ class LLMEngine:
         for seq in parent.sequences:
             if grammar is not None:
                 self.structured_output_manager.add_request(seq.request.request_id, grammar)
+            elif params.thinking_token_budget is not None:
+                # A constrained output is the answer from its first token (no think block).
+                self.thinking_budget.add_request(seq.request.request_id)
             self.scheduler.add_request(seq.request)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -518,7 +538,7 @@ class LLMEngine:
         for request_id in request_ids:
             seq_ids = self.output_processor.abort_request(request_id)
             self.scheduler.finish_requests(seq_ids, RequestStatus.FINISHED_ABORTED)
-            self.structured_output_manager.remove_requests(seq_ids)
+            self._forget(seq_ids)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.parents)
@@ -550,6 +570,8 @@ class LLMEngine:
                 self.executor.execute_model(scheduler_output)
             return []
         self.structured_output_manager.set_grammar_bitmask(scheduler_output)
+        if self.thinking_budget is not None:
+            self.thinking_budget.set_forced_tokens(scheduler_output)
         runner_output = self.executor.execute_model(scheduler_output)
         self.output_processor.add_prompt_logprobs(
             scheduler_output.scheduled, runner_output.prompt_logprobs
@@ -562,8 +584,15 @@ class LLMEngine:
             self.scheduler.stop_request(match.request, match.num_output_tokens, match.stop_reason)
         self._propose(scheduler_output, deltas)
         outputs, finished = self.output_processor.make_outputs(deltas)
-        self.structured_output_manager.remove_requests(finished)
+        self._forget(finished)
         return outputs
+
+    def _forget(self, seq_ids: list[str]) -> None:
+        """Drop the per-sequence state of finished or aborted sequences (grammars, thinking
+        budgets)."""
+        self.structured_output_manager.remove_requests(seq_ids)
+        if self.thinking_budget is not None:
+            self.thinking_budget.remove_requests(seq_ids)
 
     def _advance_grammars(self, deltas: list[RequestDelta]) -> None:
         """Move the constrained sequences' grammars over their new tokens; one whose grammar

@@ -28,6 +28,7 @@ from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.engine.spec_decode.rejection_sampler import RejectionSampler
 from kvpilot.engine.structured_output import apply_grammar_bitmask
+from kvpilot.engine.thinking_budget import forced_logits_rows
 from kvpilot.kernels.cpu import huge_pages
 
 if TYPE_CHECKING:
@@ -98,7 +99,8 @@ class ModelRunner:
         scored (``compute_prompt_logprobs``). Requests with draft tokens get logits at every
         draft position and after the last one, and the rejection sampler decides how many
         drafts they keep. Constrained requests (structured outputs) get their grammar's bitmask
-        applied before sampling.
+        applied before sampling; sequences whose thinking budget is spent get their forced
+        tokens (``scheduler_output.forced_token_ids``) after the logits processors.
         """
         self.sampler.remove_requests(scheduler_output.finished_request_ids)
         scheduled = scheduler_output.scheduled
@@ -124,10 +126,13 @@ class ModelRunner:
         requests = [scheduled[i].request for i in rows]
         ids = [r.request_id for r in requests]
         spec_token_ids = [scheduled[i].spec_token_ids for i in rows]
+        forced_token_ids = scheduler_output.forced_token_ids
         if not any(spec_token_ids):
             logits = self.model.compute_logits(hidden[last_token[rows]]).float()
-            _apply_grammar_bitmask(logits, scheduler_output, ids, [1] * len(ids))
-            out = self.sampler(logits, requests)
+            num_rows = [1] * len(ids)
+            _apply_grammar_bitmask(logits, scheduler_output, ids, num_rows)
+            forced = forced_logits_rows(forced_token_ids, ids, num_rows)
+            out = self.sampler(logits, requests, forced)
             token_ids = [[t] for t in out.token_ids]
             logprobs = [None if lp is None else [lp] for lp in out.logprobs]
         else:
@@ -139,10 +144,10 @@ class ModelRunner:
                 ]
             ).to(hidden.device)
             logits = self.model.compute_logits(hidden[scored]).float()
-            _apply_grammar_bitmask(
-                logits, scheduler_output, ids, [len(d) + 1 for d in spec_token_ids]
-            )
-            spec_out = self.rejection_sampler(logits, requests, spec_token_ids)
+            num_rows = [len(d) + 1 for d in spec_token_ids]
+            _apply_grammar_bitmask(logits, scheduler_output, ids, num_rows)
+            forced = forced_logits_rows(forced_token_ids, ids, num_rows)
+            spec_out = self.rejection_sampler(logits, requests, spec_token_ids, forced)
             token_ids, logprobs = spec_out.token_ids, spec_out.logprobs
         return ModelRunnerOutput(
             sampled_token_ids=dict(zip(ids, token_ids, strict=True)),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -10,6 +10,7 @@ import torch
 from kvpilot.engine.logits_processors import apply_logits_processors, compute_logprobs
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampling_params import SamplingParams
+from kvpilot.engine.thinking_budget import force_tokens
 from kvpilot.kernels.cpu import elementwise
 
 
@@ -52,8 +53,9 @@ class Sampler:
     """Samples one token per request, each row independent of the others in the batch.
 
     Order as in vLLM V1: logprobs of the raw logits, logits processors (min_tokens, logit_bias,
-    penalties), then greedy argmax for ``temperature == 0``; otherwise temperature, top-k, top-p
-    (nucleus, Holtzman et al. 2019), min-p, and a draw by the exponential race
+    penalties), the thinking budget's forced tokens, then greedy argmax for
+    ``temperature == 0``; otherwise temperature, top-k, top-p (nucleus, Holtzman et al. 2019),
+    min-p, and a draw by the exponential race
     (``argmax(probs / q)``, ``q ~ Exp(1)``, which picks token ``i`` with probability
     ``probs[i]``). A request with a ``seed`` draws its noise from its own ``torch.Generator``, so
     its tokens do not depend on what else shares the batch; the others share one generator
@@ -76,12 +78,19 @@ class Sampler:
         for request_id in request_ids:
             self.request_generators.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        forced: Sequence[tuple[int, int]] = (),
+    ) -> SamplerOutput:
         """Sample one token per row.
 
         Args:
             logits: ``[num_reqs, vocab_size]`` float32 model logits (modified in place).
             requests: one request per row.
+            forced: ``(row, token id)`` pairs: the rows whose thinking budget is spent get the
+                token forced after the logits processors (``thinking_budget.force_tokens``).
 
         Returns:
             The tokens and, for requests that asked, their logprobs.
@@ -96,6 +105,7 @@ class Sampler:
             [r.output_token_ids for r in requests],
             self.eos_token_ids,
         )
+        force_tokens(logits, forced)
         sampled = greedy_argmax(logits)
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         if random_rows:

@@ -115,6 +115,10 @@ class SamplingParams:
     # vLLM's: arguments for custom logits processors, carried with the request (kvpilot's own
     # processors read none of them).
     extra_args: dict[str, Any] | None = None
+    # vLLM's: the most tokens of a think block (tokens after the think start, the prompt's
+    # included); once spent, the engine forces the end-of-thinking tokens. None or -1: no limit.
+    # Needs the engine's reasoning config (``reasoning_parser`` / ``reasoning_config``).
+    thinking_token_budget: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -127,6 +131,7 @@ class SamplingParams:
             self.top_k = 0
         if self.seed == -1:  # vLLM's "no seed"
             self.seed = None
+        self.thinking_token_budget = check_thinking_token_budget(self.thinking_token_budget)
         self._check()
 
     def _check(self) -> None:
@@ -189,6 +194,23 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0)."""
         return self.temperature < _GREEDY_EPS
+
+
+def check_thinking_token_budget(value: Any) -> int | None:
+    """vLLM's ``thinking_token_budget`` rule: a non-negative integer (tokens), or -1 or None for
+    no limit (returned as None).
+
+    Raises:
+        ValueError: ``thinking_token_budget: must be an integer >= 0, or -1 for no limit, got
+            ...`` for anything else (a number below -1, a float, a bool, a string).
+    """
+    if value is None or (is_int(value) and value == -1):
+        return None
+    if not is_int(value) or value < 0:
+        raise ValueError(
+            f"thinking_token_budget: must be an integer >= 0, or -1 for no limit, got {value!r}"
+        )
+    return value
 
 
 def is_int(value: Any) -> bool:

@@ -52,6 +52,9 @@ class SchedulerOutput:
         grammar_bitmask: ``[len(structured_output_request_ids), ceil(vocab_size / 32)]`` int32
             on the CPU, bit ``j % 32`` of word ``j // 32`` set when token ``j`` is allowed next;
             None when no constrained request samples.
+        forced_token_ids: request id -> per logits row of the request this step (its drafts,
+            then the one after them) the token id forced there or None, for the sequences whose
+            thinking token budget is spent (``thinking_budget.py``); empty when none is.
     """
 
     scheduled: list[ScheduledRequest] = field(default_factory=list)
@@ -60,6 +63,7 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    forced_token_ids: dict[str, list[int | None]] = field(default_factory=dict)
 
     @property
     def is_empty(self) -> bool:

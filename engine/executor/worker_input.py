@@ -91,7 +91,8 @@ class WorkerInput:
         sample: per scheduled request, whether a token is due.
         spec_token_ids: draft tokens of the requests that have some (request id -> drafts).
         finished_request_ids: requests to forget (finished or aborted since the last step).
-        structured_output_request_ids, grammar_bitmask: as in ``SchedulerOutput``.
+        structured_output_request_ids, grammar_bitmask, forced_token_ids: as in
+            ``SchedulerOutput``.
     """
 
     scheduled_new_reqs: list[NewRequestData] = field(default_factory=list)
@@ -102,6 +103,7 @@ class WorkerInput:
     finished_request_ids: list[str] = field(default_factory=list)
     structured_output_request_ids: list[str] = field(default_factory=list)
     grammar_bitmask: torch.Tensor | None = None
+    forced_token_ids: dict[str, list[int | None]] = field(default_factory=dict)
 
 
 @dataclass
@@ -135,6 +137,7 @@ class WorkerInputEncoder:
             finished_request_ids=list(scheduler_output.finished_request_ids),
             structured_output_request_ids=list(scheduler_output.structured_output_request_ids),
             grammar_bitmask=scheduler_output.grammar_bitmask,
+            forced_token_ids=scheduler_output.forced_token_ids,
         )
         cached = message.scheduled_cached_reqs
         for scheduled in scheduler_output.scheduled:
@@ -260,4 +263,5 @@ class CachedRequestStates:
             finished_request_ids=list(message.finished_request_ids),
             structured_output_request_ids=list(message.structured_output_request_ids),
             grammar_bitmask=message.grammar_bitmask,
+            forced_token_ids=message.forced_token_ids,
         )

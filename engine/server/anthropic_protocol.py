@@ -6,7 +6,8 @@ text parts, ``tool_use`` blocks as the
 assistant's ``tool_calls``, ``tool_result`` blocks as ``tool`` messages, ``thinking`` blocks as the
 turn's ``reasoning``), ``max_tokens`` the output limit, ``stop_sequences`` the stop strings,
 ``tools`` chat's function tools (``input_schema`` their parameters), ``tool_choice`` chat's
-(``any`` is ``"required"``), ``thinking`` the template's ``enable_thinking``. Field names are
+(``any`` is ``"required"``), ``thinking`` the template's ``enable_thinking`` and, enabled, its
+``budget_tokens`` chat's ``thinking_token_budget`` (as vLLM maps it). Field names are
 Anthropic's (https://docs.anthropic.com/en/api/messages).
 """
 
@@ -17,6 +18,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from kvpilot.engine.sampling_params import is_int
 from kvpilot.engine.server.protocol import ChatCompletionRequest, OpenAIModel, _SamplingFields
 from kvpilot.engine.tokenization import BILLING_HEADER
 
@@ -29,6 +31,7 @@ CHAT_NAMES = {
     "stop": "stop_sequences",
     "reasoning_effort": "output_config.effort",
     "response_format": "output_config.format",
+    "thinking_token_budget": "thinking.budget_tokens",
 }
 """Chat completions' parameter names in errors -> the Messages API's."""
 ANTHROPIC_ERROR_TYPES = {
@@ -60,7 +63,9 @@ class MessagesRequest(_SamplingFields):
         tool_choice: ``{"type": "auto" | "any" | "tool" | "none"}`` (``tool`` with ``name``);
             ``disable_parallel_tool_use`` allows one call.
         thinking: ``{"type": "enabled", "budget_tokens"}`` or ``{"type": "disabled"}``: the
-            chat template's ``enable_thinking``.
+            chat template's ``enable_thinking``; ``budget_tokens`` (at least 1024, below
+            ``max_tokens``) bounds the think block, as chat's ``thinking_token_budget`` (a 400
+            on a server without a reasoning config, as vLLM answers it).
         output_config: ``{"format": {"type": "json_schema", "schema"}, "effort"}``: structured
             output, and the template's ``reasoning_effort``.
         metadata: accepted and unused.
@@ -94,6 +99,7 @@ class MessagesRequest(_SamplingFields):
             "max_completion_tokens": self.max_tokens,
             "stop": self.stop_sequences,
             "chat_template_kwargs": thinking_kwargs(self.thinking, self.chat_template_kwargs),
+            "thinking_token_budget": thinking_token_budget(self.thinking, self.max_tokens),
         }
         if self.output_config is not None:
             body |= output_settings(self.output_config)
@@ -111,7 +117,7 @@ class MessagesRequest(_SamplingFields):
 class CountTokensRequest(MessagesRequest):
     """``POST /v1/messages/count_tokens``: a messages request without ``max_tokens``."""
 
-    max_tokens: int = 1
+    max_tokens: int | None = None
 
 
 def is_prefill(messages: list[dict[str, Any]]) -> bool:
@@ -332,10 +338,31 @@ def thinking_kwargs(
         not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET
     ):
         raise ValueError(
-            f"thinking: budget_tokens must be an integer of at least {MIN_THINKING_BUDGET} "
-            "(accepted; kvpilot does not bound the thinking by it)"
+            f"thinking: budget_tokens must be an integer of at least {MIN_THINKING_BUDGET}"
         )
     return {"enable_thinking": kind != "disabled"} | dict(chat_template_kwargs or {})
+
+
+def thinking_token_budget(thinking: dict[str, Any] | None, max_tokens: int | None) -> int | None:
+    """Chat's ``thinking_token_budget`` (tokens) of ``thinking``, as vLLM maps it: an enabled
+    thinking's ``budget_tokens``; None otherwise (``thinking_kwargs`` checks its shape).
+
+    Args:
+        thinking: the request's ``thinking``.
+        max_tokens: the request's output limit (tokens); None for a ``count_tokens`` request.
+
+    Raises:
+        ValueError: ``thinking: budget_tokens ... must be less than max_tokens ...`` (vLLM's
+            rule: the answer needs room after the thinking).
+    """
+    if thinking is None or thinking.get("type") != "enabled":
+        return None
+    budget = thinking.get("budget_tokens")
+    if max_tokens is not None and is_int(budget) and budget >= max_tokens:
+        raise ValueError(
+            f"thinking: budget_tokens ({budget}) must be less than max_tokens ({max_tokens})"
+        )
+    return budget
 
 
 def stop_reason(finish_reason: str | None, stop: int | str | None, tool_used: bool) -> str | None:

@@ -280,7 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(REASONING_PARSERS),
         help="split chat replies into reasoning (message.reasoning, delta.reasoning) and "
         "content: 'deepseek_r1' or 'qwen3' (<think>...</think>, the reply starting inside the "
-        "block); tool calls are read from the content",
+        "block); tool calls are read from the content; its tags are the markers of requests' "
+        "thinking_token_budget unless --reasoning-config gives others",
     )
     EngineArgs.add_cli_args(parser)
 

@@ -18,11 +18,16 @@ import time
 import typing
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
 from kvpilot.engine.input_processor import check_cache_salt, check_sampling_params
 from kvpilot.engine.outputs import Logprob
-from kvpilot.engine.sampling_params import SamplingParams, StructuredOutputsParams, is_unicode
+from kvpilot.engine.sampling_params import (
+    SamplingParams,
+    StructuredOutputsParams,
+    check_thinking_token_budget,
+    is_unicode,
+)
 from kvpilot.engine.structured_output import check_json_schema
 from kvpilot.engine.tokenization import TEXT_PART_SEPARATOR, parse_chat_tools
 
@@ -304,9 +309,15 @@ class _SamplingFields(OpenAIModel):
             structured_outputs=self.structured_outputs_params(),
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
+            thinking_token_budget=self.requested_thinking_budget(),
         )
         check_sampling_params(params, vocab_size)
         return params
+
+    def requested_thinking_budget(self) -> int | None:
+        """``SamplingParams.thinking_token_budget``: None here; the APIs that take vLLM's
+        ``thinking_token_budget`` field (``_ThinkingBudgetFields``) return it."""
+        return None
 
     def num_prompt_logprobs(self) -> int | None:
         """Top logprobs to compute per prompt token (``SamplingParams.prompt_logprobs``), or
@@ -338,7 +349,26 @@ def _default(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
-class CompletionRequest(_SamplingFields):
+ThinkingTokenBudget = Annotated[int | None, BeforeValidator(check_thinking_token_budget)]
+"""An integer >= 0 (tokens), or -1 / null for no limit (read as None); anything else, floats
+and booleans included, is refused (vLLM's check)."""
+
+
+class _ThinkingBudgetFields(_SamplingFields):
+    """The sampling fields with vLLM's ``thinking_token_budget``: the most tokens the model may
+    think (tokens of its think block, the prompt's included), after which the engine forces
+    the block's end; -1 or null for no limit. vLLM takes it on chat completions and completions
+    only (Anthropic's ``thinking.budget_tokens`` is read into it; Responses has none). A value
+    other than an integer >= 0 or -1 is a 400 naming it; a budget on a server without a
+    reasoning config (``--reasoning-parser`` / ``--reasoning-config``) is a 400 too."""
+
+    thinking_token_budget: ThinkingTokenBudget = None
+
+    def requested_thinking_budget(self) -> int | None:
+        return self.thinking_token_budget
+
+
+class CompletionRequest(_ThinkingBudgetFields):
     """``POST /v1/completions``. ``prompt``: text, token ids, or a batch of either."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -498,7 +528,7 @@ class ChatMessage(OpenAIModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(_SamplingFields):
+class ChatCompletionRequest(_ThinkingBudgetFields):
     """``POST /v1/chat/completions``; the prompt is the model's chat template over ``messages``."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]

@@ -28,6 +28,7 @@ from kvpilot.engine.logits_processors import (
 )
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampler import Sampler, compute_probs, greedy_argmax
+from kvpilot.engine.thinking_budget import force_tokens
 
 
 @dataclass
@@ -64,7 +65,11 @@ class RejectionSampler:
         self.sampler = sampler
 
     def __call__(
-        self, logits: torch.Tensor, requests: list[Request], spec_token_ids: list[list[int]]
+        self,
+        logits: torch.Tensor,
+        requests: list[Request],
+        spec_token_ids: list[list[int]],
+        forced: Sequence[tuple[int, int]] = (),
     ) -> RejectionSamplerOutput:
         """Verify the drafts.
 
@@ -73,6 +78,9 @@ class RejectionSampler:
                 request by request (modified in place).
             requests: the requests, in row order.
             spec_token_ids: per request its drafts (possibly none).
+            forced: ``(row, token id)`` pairs forced after the logits processors (a spent
+                thinking budget, ``thinking_budget.force_tokens``): a draft there is accepted
+                only if it is that token, which is emitted otherwise.
 
         Returns:
             The emitted tokens and, for requests that asked, their logprobs (of the raw
@@ -93,6 +101,7 @@ class RejectionSampler:
             [outputs for _, outputs in rows],
             self.sampler.eos_token_ids,
         )
+        force_tokens(target, forced)
         vocab_size = target.shape[1]
         random_rows = [i for i, p in enumerate(params) if not p.greedy]
         exponential = torch.ones_like(target)

@@ -35,6 +35,15 @@ class ReasoningParser:
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.constrained = constrained
 
+    start_tag: str | None = None
+    """The text that opens the reasoning block, None where the parser has none; the default
+    ``reasoning_start_str`` of the engine's ``reasoning_config`` (vLLM's parser's
+    ``reasoning_start_str``), which the thinking token budget counts from."""
+    end_tag: str | None = None
+    """The text that closes the reasoning block, None where the parser has none; the default
+    ``reasoning_end_str`` (the tokens forced once a thinking budget is spent), and always the
+    end the budget watches for."""
+
     keeps_special_tokens = False
     """Whether the parser must see special tokens in the text (Qwen3's tags are special
     tokens; vLLM keeps them for its parser), as ``ToolParser.keeps_special_tokens``."""
