@@ -19,8 +19,8 @@
 //   that share a KV head (GQA), in a pass over the K blocks and one over the V blocks, the
 //   softmax between them in AVX-512. Decode
 //   attention reads each K/V row once for little arithmetic, so it is bound by memory: the rows of
-//   the block two ahead are prefetched while a block is read (the blocks are scattered, the
-//   hardware prefetcher cannot follow). Groups of 16 positions from a block's start (8 when the
+//   the block two ahead are prefetched into L2 while a block is read (the blocks are scattered,
+//   the hardware prefetcher cannot follow). Groups of 16 positions from a block's start (8 when the
 //   block size is a multiple of 8 but not of 16) go through AVX-512 intrinsics where the CPU has
 //   them (the dot products reduced together; the V sums in registers); positions after an
 //   unaligned window start and other CPUs take plain loops compiled
@@ -99,11 +99,16 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * two_n;
 }
 
-// Asks for the cache lines of `count` elements at `p` (a K or V row needed soon).
+// Asks for the cache lines of `count` elements at `p` (a K or V row needed soon) into L2, not
+// L1 (prefetcht1, locality 2), as every K/V prefetch here: a prefetch into L1 holds one of the
+// core's few L1 miss buffers until its line arrives from memory, and a block of rows two blocks
+// ahead is more lines than there are, so the loads waited behind the prefetches. On an AMD EPYC
+// (Zen 4) decode attention over a 205 MB cache took 7.0-8.0 ms a step on two threads with L2
+// prefetches against 13.6-14.5 ms with L1 ones (docs/benchmarks.md); the same bits.
 template <typename scalar_t>
 inline void prefetch_row(const scalar_t* p, int64_t count) {
   constexpr int64_t kPerLine = 64 / sizeof(scalar_t);
-  for (int64_t i = 0; i < count; i += kPerLine) __builtin_prefetch(p + i, 0, 3);
+  for (int64_t i = 0; i < count; i += kPerLine) __builtin_prefetch(p + i, 0, 2);
 }
 
 // Sizes of one call, in elements, and the positions per AVX-512 group: 16 where the CPU has
@@ -201,7 +206,7 @@ __attribute__((target("avx512f"))) void dot_positions(const float* __restrict q,
     const __m512 qc = _mm512_loadu_ps(q + c);
 #pragma GCC unroll 16
     for (int i = 0; i < N; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T1);
       acc[i] = _mm512_fmadd_ps(qc, load16(k + i * row_stride + c), acc[i]);
     }
   }
@@ -255,7 +260,7 @@ __attribute__((target("avx512f"))) void accumulate16(float* __restrict acc,
     __m512 a = _mm512_loadu_ps(acc + c);
 #pragma GCC unroll 16
     for (int i = 0; i < rows; ++i) {
-      _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(next + i * row_stride + c), _MM_HINT_T1);
       a = _mm512_fmadd_ps(_mm512_set1_ps(p[i]), load16(v + i * row_stride + c), a);
     }
     _mm512_storeu_ps(acc + c, a);
