@@ -171,7 +171,8 @@ class _ServedModelNames(argparse.Action):
 
 def name_flags(message: str, flags: Mapping[str, str]) -> str:
     """``message`` with each argument name of ``flags`` it holds as a whole word (``max_model_len``)
-    spelled as the flag a command-line user wrote (``--max-model-len``).
+    spelled as the flag a command-line user wrote (``--max-model-len``); a name in double quotes
+    (a JSON key, as in ``--reasoning-config``'s ``"reasoning_parser"``) is left as it is.
 
     Args:
         message: an error message that names arguments as Python does.
@@ -180,7 +181,9 @@ def name_flags(message: str, flags: Mapping[str, str]) -> str:
     if not flags:
         return message
     names = "|".join(re.escape(name) for name in sorted(flags, key=len, reverse=True))
-    return re.sub(rf"(?<![\w\-./])({names})(?![\w\-/]|\.\w)", lambda m: flags[m.group(1)], message)
+    return re.sub(
+        rf"(?<![\w\-./\"])({names})(?![\w\-/\"]|\.\w)", lambda m: flags[m.group(1)], message
+    )
 
 
 def kv_cache_dtype_bytes(kv_cache_dtype: str, model_dtype_bytes: int) -> int:

@@ -65,10 +65,12 @@ class ReasoningConfig:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
             if not isinstance(value, str):
-                raise ValueError(f"reasoning_config: {field.name} must be a string, got {value!r}")
+                raise ValueError(
+                    f'reasoning_config: "{field.name}" must be a string, got {value!r}'
+                )
         if self.reasoning_parser and self.reasoning_parser not in _parsers():
             raise ValueError(
-                f"reasoning_config: unknown reasoning_parser {self.reasoning_parser!r}; "
+                f'reasoning_config: unknown "reasoning_parser" {self.reasoning_parser!r}; '
                 f"supported: {', '.join(_parsers())}"
             )
 
@@ -94,8 +96,8 @@ class ReasoningConfig:
             unknown = sorted(set(value) - set(known))
             if unknown:
                 raise ValueError(
-                    f"reasoning_config: unknown key(s) {', '.join(map(str, unknown))}; "
-                    f"accepted: {', '.join(known)}"
+                    f"reasoning_config: unknown key(s) {', '.join(map(json.dumps, unknown))}; "
+                    f"accepted: {', '.join(map(json.dumps, known))}"
                 )
             value = cls(**value)
         if value is not None and not isinstance(value, ReasoningConfig):

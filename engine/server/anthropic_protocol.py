@@ -332,7 +332,9 @@ def thinking_kwargs(
         return chat_template_kwargs
     kind = thinking.get("type")
     if kind not in ("enabled", "adaptive", "disabled"):
-        raise ValueError(f"thinking: type must be 'enabled' or 'disabled', got {kind!r}")
+        raise ValueError(
+            f"thinking: type must be 'enabled', 'adaptive' or 'disabled', got {kind!r}"
+        )
     budget = thinking.get("budget_tokens")
     if kind == "enabled" and (
         not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET

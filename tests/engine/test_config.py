@@ -174,11 +174,11 @@ def test_a_bad_argument_of_the_python_api_is_named_as_the_field():
 def test_name_flags_rewrites_whole_argument_names_only():
     message = (
         "max_model_len 9 exceeds the model's max_position_embeddings; see generation_config.json"
-        " in /m/max_model_len; --max-model-len"
+        ' in /m/max_model_len; --max-model-len; a JSON key "max_model_len"'
     )
     assert name_flags(message, ENGINE_FLAGS) == (
         "--max-model-len 9 exceeds the model's max_position_embeddings; see "
-        "generation_config.json in /m/max_model_len; --max-model-len"
+        'generation_config.json in /m/max_model_len; --max-model-len; a JSON key "max_model_len"'
     )
 
 

@@ -260,8 +260,8 @@ def test_the_reasoning_config_defaults_to_the_parsers_tags(tokenizer):
         ('{"reasoning_start": "<think>"}', "unknown key"),
         ("[1]", "must be a JSON object"),
         ("{", "not valid JSON"),
-        ({"reasoning_end_str": 5}, "reasoning_end_str must be a string"),
-        ({"reasoning_parser": "nope"}, "unknown reasoning_parser 'nope'"),
+        ({"reasoning_end_str": 5}, '"reasoning_end_str" must be a string'),
+        ({"reasoning_parser": "nope"}, "unknown \"reasoning_parser\" 'nope'"),
     ],
 )
 def test_bad_reasoning_configs_are_refused_before_loading(value, message):
@@ -277,8 +277,13 @@ def test_the_cli_flag_parses_vllms_json():
     assert EngineArgs.from_cli_args(args).reasoning_config == ReasoningConfig(
         reasoning_start_str="<t>"
     )
-    with pytest.raises(ValueError, match="--reasoning-config: unknown key"):
+    # The JSON keys keep their names (not --reasoning-parser): they are what a user writes.
+    with pytest.raises(ValueError) as error:
         EngineArgs.from_cli_args(parser.parse_args(["--reasoning-config", '{"x": 1}']))
+    assert str(error.value) == (
+        '--reasoning-config: unknown key(s) "x"; accepted: "reasoning_parser", '
+        '"reasoning_start_str", "reasoning_end_str"'
+    )
 
 
 # The tracker's rules on made-up ids: start [1, 2], end [3, 4, 5].

@@ -233,7 +233,7 @@ def test_tool_use_then_its_result_continues_the_conversation(client, openai_clie
         ({"tools": [{"name": "f", "input_schema": {"type": "string"}}]}, "object"),
         ({"stop_sequences": [""]}, "stop_sequences"),
         ({"output_config": {"effort": "ultra"}}, "output_config"),
-        ({"thinking": {"type": "sometimes"}}, "thinking"),
+        ({"thinking": {"type": "sometimes"}}, "'enabled', 'adaptive' or 'disabled'"),
     ],
 )  # fmt: skip
 def test_bad_requests_are_anthropic_400s(client, body, words):
