@@ -335,32 +335,30 @@ def thinking_kwargs(
         raise ValueError(
             f"thinking: type must be 'enabled', 'adaptive' or 'disabled', got {kind!r}"
         )
-    budget = thinking.get("budget_tokens")
-    if kind == "enabled" and (
-        not isinstance(budget, int) or isinstance(budget, bool) or budget < MIN_THINKING_BUDGET
-    ):
-        raise ValueError(
-            f"thinking: budget_tokens must be an integer of at least {MIN_THINKING_BUDGET}"
-        )
     return {"enable_thinking": kind != "disabled"} | dict(chat_template_kwargs or {})
 
 
 def thinking_token_budget(thinking: dict[str, Any] | None, max_tokens: int | None) -> int | None:
     """Chat's ``thinking_token_budget`` (tokens) of ``thinking``, as vLLM maps it: an enabled
-    thinking's ``budget_tokens``; None otherwise (``thinking_kwargs`` checks its shape).
+    thinking's ``budget_tokens``; None otherwise (``thinking_kwargs`` checks the type).
 
     Args:
         thinking: the request's ``thinking``.
         max_tokens: the request's output limit (tokens); None for a ``count_tokens`` request.
 
     Raises:
-        ValueError: ``thinking: budget_tokens ... must be less than max_tokens ...`` (vLLM's
-            rule: the answer needs room after the thinking).
+        ValueError: ``thinking: budget_tokens must be an integer of at least 1024``
+            (Anthropic's least), ``thinking: budget_tokens ... must be less than max_tokens
+            ...`` (vLLM's rule: the answer needs room after the thinking).
     """
     if thinking is None or thinking.get("type") != "enabled":
         return None
     budget = thinking.get("budget_tokens")
-    if max_tokens is not None and is_int(budget) and budget >= max_tokens:
+    if not is_int(budget) or budget < MIN_THINKING_BUDGET:
+        raise ValueError(
+            f"thinking: budget_tokens must be an integer of at least {MIN_THINKING_BUDGET}"
+        )
+    if max_tokens is not None and budget >= max_tokens:
         raise ValueError(
             f"thinking: budget_tokens ({budget}) must be less than max_tokens ({max_tokens})"
         )
