@@ -211,10 +211,30 @@ class ModelShape:
             ValueError: a required key is missing or a size is not a positive integer (the
                 message names the key).
             UnsupportedModelError: ``num_experts`` or ``n_routed_experts`` without
-                ``moe_intermediate_size``: an MoE layout not modelled here.
+                ``moe_intermediate_size``: an MoE layout not modelled here; or a config that
+                cannot be sized (as for ValueError) of an architecture the engine does not
+                implement (the message names it and what is supported).
         """
         if not isinstance(config, dict):
             raise ValueError(f"model config must be a JSON object, got {type(config).__name__}")
+        try:
+            return cls._read_hf_config(config)
+        except UnsupportedModelError:
+            raise
+        except ValueError as exc:
+            # A config kvpilot cannot size is, first of all, often a model it does not run (GPT-2's
+            # n_layer, Whisper's encoder_layers): say that, not which Llama key is missing.
+            text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+            architectures = _architectures(config) or _architectures(text)
+            model_type = str(config.get("model_type") or text.get("model_type") or "")
+            error = (architectures or model_type) and _architecture_error(architectures, model_type)
+            if not error:
+                raise
+            raise UnsupportedModelError(error) from exc
+
+    @classmethod
+    def _read_hf_config(cls, config: dict[str, Any]) -> ModelShape:
+        """:meth:`from_hf_config` for a dict, its architecture not checked."""
         text = config
         if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
             text = {**config["text_config"], "architectures": config.get("architectures")}
@@ -259,7 +279,7 @@ class ModelShape:
                 parsed, error = None, str(exc)
         method = quantization.get("quant_method") if quantization else None
         method = None if method is None else str(method)
-        architectures = config.get("architectures") or text.get("architectures") or ()
+        architectures = _architectures(config) or _architectures(text)
         max_position_embeddings = _positive_int(text, "max_position_embeddings")
         return cls(
             num_layers=num_layers,
@@ -277,7 +297,7 @@ class ModelShape:
             ),
             max_position_embeddings=max_position_embeddings,
             derived_max_model_len=_derived_max_model_len(text, max_position_embeddings),
-            architectures=tuple(str(a) for a in architectures),
+            architectures=architectures,
             model_type=model_type,
             **_moe(text, model_type, num_layers),
             kv_lora_rank=mla.get("kv_lora_rank", 0),
@@ -321,17 +341,7 @@ class ModelShape:
         quantization method and what is supported), or None if it can."""
         if self.quantization_error is not None:
             return self.quantization_error
-        if self.architectures:
-            # The engine builds the first listed architecture, as transformers does.
-            supported = self.architectures[0] in SUPPORTED_ARCHITECTURES
-        else:
-            supported = self.model_type in SUPPORTED_MODEL_TYPES
-        if supported:
-            return None
-        return (
-            f"{('/'.join(self.architectures) or self.model_type)!r} is not implemented by the "
-            f"kvpilot engine; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
-        )
+        return _architecture_error(self.architectures, self.model_type)
 
     def quantized_as(self, method: str | None) -> ModelShape:
         """This model as ``--quantization method`` loads it (vLLM's rule).
@@ -703,6 +713,32 @@ def _check_quantized_shards(spec: ModelShape, quantization: WeightQuantization, 
                     f"{what} per rank at tensor_parallel_size {tp}, not a multiple of "
                     f"{multiple}"
                 )
+
+
+def _architectures(config: dict[str, Any]) -> tuple[str, ...]:
+    """``config["architectures"]`` as a tuple of names (one name alone taken as a list of one;
+    anything else, or none, as an empty tuple)."""
+    value = config.get("architectures")
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, (list, tuple)):
+        return tuple(str(a) for a in value if a)
+    return ()
+
+
+def _architecture_error(architectures: tuple[str, ...], model_type: str) -> str | None:
+    """Why the engine cannot build a model of these ``architectures`` (its first, as
+    transformers builds it) or, without any, this ``model_type``; None if it can."""
+    if architectures:
+        supported = architectures[0] in SUPPORTED_ARCHITECTURES
+    else:
+        supported = model_type in SUPPORTED_MODEL_TYPES
+    if supported:
+        return None
+    return (
+        f"{('/'.join(architectures) or model_type)!r} is not implemented by the kvpilot "
+        f"engine; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+    )
 
 
 def _moe(text: dict[str, Any], model_type: str, num_layers: int) -> dict[str, Any]:

@@ -18,8 +18,9 @@ GGUF metadata is read with the ``gguf`` package and mapped onto config.json fiel
 has neither). Every function here is safe to call from several threads at once (kopf runs
 handlers in a thread pool).
 
-Failures raise ``PlanError`` with reason ``ConfigUnavailable`` (cannot read) or
-``InvalidModelConfig`` (read, but not a usable config), which the handlers write as
+Failures raise ``PlanError`` with reason ``ConfigUnavailable`` (cannot read),
+``UnsupportedArchitecture`` (a model the engine does not implement, named before any size it
+lacks) or ``InvalidModelConfig`` (read, but not a usable config), which the handlers write as
 ``Sized=False``.
 """
 
@@ -95,7 +96,8 @@ def load_model_shape(source: ModelSource, *, token: str | None = None) -> ModelS
 
     Raises:
         PlanError: ``ConfigUnavailable``; ``InvalidModelConfig`` for a config missing sizes;
-            ``UnsupportedArchitecture`` for layouts ``ModelShape`` refuses (an unknown MoE).
+            ``UnsupportedArchitecture`` for layouts ``ModelShape`` refuses (an unknown MoE) and
+            for a config it cannot size of an architecture the engine lacks (GPT-2's).
     """
     config = read_model_config(source, token=token)
     try:

@@ -14,6 +14,7 @@ import gguf
 import numpy as np
 import pytest
 from huggingface_hub import constants
+from transformers import GPT2Config, WhisperConfig
 
 from kvpilot.engine.model_loader.resolve import DEFAULT_GGUF_NAME, DEFAULT_MODEL_PACKAGE
 from kvpilot.engine.model_shape import ModelShape
@@ -82,6 +83,34 @@ def test_unusable_configs(config, reason):
     with pytest.raises(PlanError) as caught:
         load_model_shape(source({"config": config}))
     assert caught.value.reason == reason
+
+
+@pytest.mark.parametrize(
+    ("config", "named"),
+    [
+        # transformers' defaults are these models' public configs (gpt2, whisper-tiny's layout).
+        ({**GPT2Config().to_dict(), "architectures": ["GPT2LMHeadModel"]}, "'GPT2LMHeadModel'"),
+        (
+            {**WhisperConfig().to_dict(), "architectures": ["WhisperForConditionalGeneration"]},
+            "'WhisperForConditionalGeneration'",
+        ),
+        ({"model_type": "t5", "num_layers": 6}, "'t5'"),
+        ({"architectures": "BertModel"}, "'BertModel'"),
+    ],
+)
+def test_a_config_of_an_architecture_the_engine_lacks_says_so(config, named):
+    """Not "missing 'num_hidden_layers'": the architecture is what is wrong."""
+    with pytest.raises(PlanError) as caught:
+        load_model_shape(source({"config": config}))
+    assert caught.value.reason == "UnsupportedArchitecture"
+    assert caught.value.message.startswith(f"{named} is not implemented by the kvpilot engine")
+    assert "LlamaForCausalLM" in caught.value.message
+    with pytest.raises(PlanError) as caught:
+        load_model_shape(source({"config": {"hidden_size": 8}}))
+    assert (caught.value.reason, caught.value.message) == (
+        "InvalidModelConfig",
+        "spec.model.config: model config is missing 'num_hidden_layers'",
+    )
 
 
 def test_builtin_default_reads_the_gguf_metadata():
@@ -192,7 +221,9 @@ def test_gguf_moe_and_rope_scaling(tmp_path):
     without_width = _write_gguf(tmp_path / "moe.gguf", "qwen2moe", tied=True, expert_count=4)
     with pytest.raises(PlanError) as caught:
         load_model_shape(source({"source": f"file://{without_width}"}))
-    assert caught.value.reason == "InvalidModelConfig"
+    # Not sizable either, but what is wrong first is the architecture.
+    assert caught.value.reason == "UnsupportedArchitecture"
+    assert "'qwen2_moe' is not implemented" in caught.value.message
 
 
 def test_unreadable_gguf_is_unavailable(tmp_path):
