@@ -54,6 +54,9 @@ TOKENIZER_MODES = ("auto", "hf")
 # .gguf file to them; safetensors and gguf insist on one of the two; dummy fills the weights with
 # random values (no weights read or downloaded).
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
+# vLLM's --lora-dtype values (the LoRA weights' dtype; auto: the model's), and float32, which
+# vLLM 0.32 refuses but which is the model dtype on the CPU.
+LORA_DTYPES = ("auto", "float16", "bfloat16", "float32")
 # vLLM's --scheduling-policy: fcfs (arrival order), or priority (a request's ``priority``, lower
 # first, then arrival; preemption takes the lowest-priority running request).
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -263,7 +266,9 @@ class EngineArgs:
     ends, for requests with a ``thinking_token_budget``; validation leaves a ``ReasoningConfig``
     or None in ``reasoning_config``. ``hf_token`` (a token, or True for the one
     ``huggingface-cli login`` stored), ``tokenizer_revision`` and ``ignore_patterns`` (globs of
-    repository files not to download) apply to Hub downloads.
+    repository files not to download) apply to Hub downloads. ``max_cpu_loras`` (None, or 0 or
+    less: ``max_loras``) bounds the LoRA adapters kept in host memory and ``lora_dtype`` is
+    their weights' dtype (``auto``: the model's), as vLLM's ``LoRAConfig``.
 
     Raises:
         ValueError: from ``validate()`` (called by ``__post_init__``), naming the argument.
@@ -298,6 +303,8 @@ class EngineArgs:
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_dtype: str = "auto"
     lora_modules: list[str] | None = None
     speculative_config: SpeculativeConfig | dict[str, Any] | str | None = None
     reasoning_parser: str | None = None
@@ -422,6 +429,21 @@ class EngineArgs:
             )
         positive_int("max_loras", optional=False)
         positive_int("max_lora_rank", optional=False)
+        if self.lora_dtype not in LORA_DTYPES:
+            bad("lora_dtype", f"must be one of {', '.join(LORA_DTYPES)}")
+        # vLLM's LoRAConfig rule: 0 or less (or None) is the default, max_loras; below
+        # max_loras is refused, with LoRA on only (vLLM builds no LoRA config without it).
+        if self.max_cpu_loras is not None:
+            if isinstance(self.max_cpu_loras, bool) or not isinstance(self.max_cpu_loras, int):
+                bad("max_cpu_loras", "must be an integer (0 or less: max_loras)")
+            if self.max_cpu_loras <= 0:
+                self.max_cpu_loras = None
+            elif self.enable_lora and self.max_cpu_loras < self.max_loras:
+                bad(
+                    "max_cpu_loras",
+                    f"({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})",
+                    show_value=False,
+                )
         if not isinstance(self.enable_expert_parallel, bool):
             bad("enable_expert_parallel", "must be a boolean")
         for name in ("enable_lora", "trust_remote_code", "enforce_eager"):
@@ -747,6 +769,20 @@ class EngineArgs:
         )
         group.add_argument(
             "--max-lora-rank", type=int, default=16, help="largest LoRA adapter rank accepted"
+        )
+        group.add_argument(
+            "--max-cpu-loras",
+            type=int,
+            default=None,
+            help="LoRA adapters whose weights stay in host memory, at least --max-loras "
+            "(default, and 0 or less: --max-loras); beyond it the least recently used one that "
+            "no unfinished request uses is dropped, and read again from its path when needed",
+        )
+        group.add_argument(
+            "--lora-dtype",
+            default="auto",
+            choices=LORA_DTYPES,
+            help="dtype of the LoRA weights (auto: the model's --dtype)",
         )
         group.add_argument(
             "--lora-modules",

@@ -200,6 +200,8 @@ class LLMEngine:
             self.executor.initialize_cache(self.cache_config.num_blocks)
             # In-process runner (None under tensor parallelism: each rank's is in its process).
             self.model_runner = getattr(self.executor, "model_runner", None)
+            # Before the LoRA manager, which asks it which adapters unfinished requests use.
+            self.output_processor = OutputProcessor(self.tokenizer)
             self.lora_manager = self._lora_manager()
             self.proposer = (
                 proposers.build_proposer(
@@ -238,7 +240,6 @@ class LLMEngine:
             capacity,
             thinking_budget=self.thinking_budget is not None,
         )
-        self.output_processor = OutputProcessor(self.tokenizer)
         logger.info(
             "KV cache size: %d tokens (%d blocks of %d)",
             capacity,
@@ -280,7 +281,16 @@ class LLMEngine:
         from kvpilot.engine.lora.manager import LoRAManager
 
         runner = self.model_runner
-        manager = LoRAManager(runner.model, self.args.max_loras, self.args.max_lora_rank)
+        args = self.args
+        manager = LoRAManager(
+            runner.model,
+            args.max_loras,
+            args.max_lora_rank,
+            max_cpu_loras=args.max_cpu_loras,
+            # --lora-dtype auto: the model's dtype.
+            lora_dtype=None if args.lora_dtype == "auto" else getattr(torch, args.lora_dtype),
+            in_use=self.output_processor.lora_names_in_use,
+        )
         for lora_id, module in enumerate(parse_lora_modules(self.args.lora_modules), start=1):
             manager.add_adapter(LoRARequest(module.name, lora_id, module.path))
         runner.lora_manager = manager

@@ -50,8 +50,9 @@ class LoRAWeights:
     """The low-rank pair of one projection (one stacked shard of it, for q/k/v and gate/up).
 
     Attributes:
-        lora_a: ``[rank, in_features]`` float32 (whole, unsharded layer).
-        lora_b: ``[out_features, rank]`` float32, already multiplied by ``scaling``.
+        lora_a: ``[rank, in_features]`` in the adapter's dtype (float32 unless ``load_adapter``
+            was given another; whole, unsharded layer).
+        lora_b: ``[out_features, rank]``, the same dtype, already multiplied by ``scaling``.
         scaling: ``lora_alpha / rank`` (or ``/ sqrt(rank)`` with rsLoRA).
     """
 
@@ -102,7 +103,10 @@ class LoRAAdapter:
 
 
 def load_adapter(
-    name: str, path: str | pathlib.Path, stacked_params_mapping: StackedMapping
+    name: str,
+    path: str | pathlib.Path,
+    stacked_params_mapping: StackedMapping,
+    dtype: torch.dtype = torch.float32,
 ) -> LoRAAdapter:
     """Read a PEFT LoRA adapter folder.
 
@@ -112,9 +116,11 @@ def load_adapter(
             Hugging Face Hub id of one.
         stacked_params_mapping: the model's ``(stacked, part, shard id)`` table, e.g.
             ``LlamaForCausalLM.stacked_params_mapping``.
+        dtype: the weights' dtype (vLLM's ``--lora-dtype``); the scaling is folded into ``B``
+            in float32, then rounded once to it.
 
     Returns:
-        The adapter, with float32 weights on the CPU and the scaling folded into ``B``.
+        The adapter, with ``dtype`` weights on the CPU and the scaling folded into ``B``.
 
     Raises:
         LoRAAdapterError: a missing folder or file; a config that is not LoRA or uses DoRA,
@@ -145,8 +151,8 @@ def load_adapter(
     for module, (lora_a, lora_b) in sorted(pairs.items()):
         scaling = _scaling(config, module, lora_a.shape[0])
         weights[_our_module(module, mapping)] = LoRAWeights(
-            lora_a=lora_a.float().contiguous(),
-            lora_b=(lora_b.float() * scaling).contiguous(),
+            lora_a=lora_a.to(dtype).contiguous(),
+            lora_b=(lora_b.float() * scaling).to(dtype).contiguous(),
             scaling=scaling,
         )
     if not weights:

@@ -92,6 +92,9 @@ class LinearWithLoRA(nn.Module):
         max_loras: slots.
         max_lora_rank: rank held per part and slot; smaller adapters are zero-padded.
         mapping: the model's shared token-to-slot mapping.
+        dtype: the slots' dtype (vLLM's ``--lora-dtype``); None: the base weight's. Another
+            dtype than the activations' is computed in the slots' dtype and added back in the
+            activations'.
 
     Attributes are forwarded to ``base_layer`` (``split``, ``num_heads``...), so the model code
     that calls its projections is unchanged.
@@ -104,6 +107,7 @@ class LinearWithLoRA(nn.Module):
         max_loras: int,
         max_lora_rank: int,
         mapping: LoRABatchMapping,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(base_layer.quant_method, UnquantizedLinearMethod):
@@ -118,7 +122,7 @@ class LinearWithLoRA(nn.Module):
         weight = base_layer.weight
         width = len(shard_ids) * max_lora_rank
         in_features, out_features = weight.shape[1], weight.shape[0]
-        kwargs = {"dtype": weight.dtype, "device": weight.device}
+        kwargs = {"dtype": dtype or weight.dtype, "device": weight.device}
         self.register_buffer(
             "lora_a", torch.zeros(max_loras, width, in_features, **kwargs), persistent=False
         )
@@ -190,8 +194,16 @@ class LinearWithLoRA(nn.Module):
         if mapping.padded is not None:
             add_lora_delta(x2, out2, self.lora_a, self.lora_b, mapping.padded)
             return
-        shrunk = lora_shrink(x2, self.lora_a, mapping.token_slots, mapping.segments)
-        lora_expand(shrunk, self.lora_b, mapping.token_slots, out2, mapping.segments)
+        # The kernels take x in the slots' dtype and add into a tensor of it: with another
+        # --lora-dtype than the model's, the delta goes through a buffer of that dtype.
+        lora_dtype = self.lora_a.dtype
+        shrunk = lora_shrink(x2.to(lora_dtype), self.lora_a, mapping.token_slots, mapping.segments)
+        if out2.dtype == lora_dtype:
+            lora_expand(shrunk, self.lora_b, mapping.token_slots, out2, mapping.segments)
+            return
+        delta = out2.new_zeros(out2.shape, dtype=lora_dtype)
+        lora_expand(shrunk, self.lora_b, mapping.token_slots, delta, mapping.segments)
+        out2.add_(delta)
 
     def _output_slice(self, shard_id: ShardId) -> tuple[int, int]:
         """``(first row, rows)`` of one stacked part in this projection's output."""

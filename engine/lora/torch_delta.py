@@ -77,18 +77,20 @@ def add_lora_delta(
 ) -> None:
     """``out[t] += x[t] @ lora_a[s]^T @ lora_b[s]^T`` in place for every token ``t`` of slot ``s``.
 
-    Computed in ``x``'s dtype (float32 accumulation inside the matmuls); base-model rows of
-    ``out`` are not touched.
+    Computed in the weights' dtype (float32 accumulation inside the matmuls; ``x`` is cast to
+    it, the delta back to ``out``'s); base-model rows of ``out`` are not touched.
 
     Args:
         x: ``[num_tokens, in_features]``.
-        out: ``[num_tokens, out_features]``, ``x``'s dtype.
+        out: ``[num_tokens, out_features]``.
         lora_a: ``[num_slots, rank, in_features]``.
-        lora_b: ``[num_slots, out_features, rank]``.
+        lora_b: ``[num_slots, out_features, rank]``, ``lora_a``'s dtype.
         batch: the pass's layout (:func:`padded_batch`).
     """
     if batch.slots is not None:
         lora_a, lora_b = lora_a.index_select(0, batch.slots), lora_b.index_select(0, batch.slots)
     xs = x.index_select(0, batch.gather_index).view(batch.num_active, batch.max_tokens, -1)
+    xs = xs.to(lora_a.dtype)
     delta = torch.bmm(torch.bmm(xs, lora_a.transpose(1, 2)), lora_b.transpose(1, 2))
-    out.index_add_(0, batch.rows, delta.view(-1, delta.shape[-1]).index_select(0, batch.valid))
+    delta = delta.view(-1, delta.shape[-1]).index_select(0, batch.valid)
+    out.index_add_(0, batch.rows, delta.to(out.dtype))

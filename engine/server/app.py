@@ -1,6 +1,6 @@
 """The FastAPI application: OpenAI routes (completions, chat completions, responses),
 Anthropic's ``/v1/messages``, ``/health``, ``/metrics``, ``/version``, ``/kv_events``,
-vLLM's ``/tokenize`` and ``/detokenize``.
+vLLM's ``/tokenize``, ``/detokenize`` and ``/load``.
 
 The model loads in the background after the server starts listening, so ``/health`` answers
 503 while it loads (a Kubernetes readiness probe holds traffic back) and 200 once requests can
@@ -60,6 +60,7 @@ from kvpilot.engine.server.protocol import (
 from kvpilot.engine.server.reasoning_parsers import REASONING_PARSERS
 from kvpilot.engine.server.request_id_header import RequestIdHeaderMiddleware
 from kvpilot.engine.server.responses_protocol import ResponsesRequest, ResponsesResponse
+from kvpilot.engine.server.server_load import ServerLoad
 from kvpilot.engine.server.serving_chat import (
     OpenAIServingChat,
     check_default_chat_template_kwargs,
@@ -130,6 +131,9 @@ class ServerConfig:
             ``MAX_STORED_RESPONSES``), for ``previous_response_id`` and
             ``GET /v1/responses/{id}``; off: a request's ``store`` is ignored (vLLM's
             ``VLLM_ENABLE_RESPONSES_API_STORE``).
+        enable_server_load_tracking: count the requests in flight on the routes that run the
+            model, for ``GET /load`` (vLLM's ``--enable-server-load-tracking``;
+            ``server_load.py``).
 
     Raises:
         ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, an unknown
@@ -162,6 +166,7 @@ class ServerConfig:
     default_chat_template_kwargs: dict[str, Any] | None = None
     exclude_tools_when_tool_choice_none: bool = False
     enable_responses_store: bool = False
+    enable_server_load_tracking: bool = False
 
     def __post_init__(self) -> None:
         if self.log_outputs and not self.log_requests:
@@ -311,6 +316,12 @@ def create_app(
             ) from None
         return Response(status_code=200)
 
+    server_load = ServerLoad(config.enable_server_load_tracking)
+
+    @app.get("/load")
+    async def load_metrics() -> dict[str, int]:
+        return {"server_load": server_load.in_flight}  # vLLM's /load, 0 without the flag
+
     @app.get("/version")
     async def version() -> dict[str, str]:
         return {"version": __version__}
@@ -364,18 +375,21 @@ def create_app(
         return PlainTextResponse(await ready_state().models.unload_lora_adapter(body))
 
     @v1.post("/completions")
+    @server_load.track
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         serving = ready_state().completion
         body = _from_headers(body, raw)
         return await _respond(raw, serving.create_completion(body, now()))
 
     @v1.post("/chat/completions")
+    @server_load.track
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         serving = ready_state().chat
         body = _from_headers(body, raw)
         return await _respond(raw, serving.create_chat_completion(body, now()))
 
     @v1.post("/messages")
+    @server_load.track
     async def messages(raw: Request) -> Response:
         try:
             kind = raw.headers.get("content-type")
@@ -387,6 +401,7 @@ def create_app(
             return anthropic_error(exc)
 
     @v1.post("/messages/count_tokens")
+    @server_load.track
     async def count_message_tokens(raw: Request) -> Response:
         try:
             kind = raw.headers.get("content-type")
@@ -396,12 +411,14 @@ def create_app(
             return anthropic_error(exc)
 
     @v1.post("/responses")
+    @server_load.track
     async def responses(body: ResponsesRequest, raw: Request) -> Response:
         serving = ready_state().responses
         body = _from_headers(body, raw)
         return await _respond(raw, serving.create_response(body, now()))
 
     @v1.get("/responses/{response_id}")
+    @server_load.track
     async def retrieve_response(response_id: str) -> ResponsesResponse:
         return ready_state().responses.retrieve_stored(response_id).response
 
@@ -410,6 +427,7 @@ def create_app(
         return ready_state().responses.delete(response_id)
 
     @v1.post("/responses/{response_id}/cancel")
+    @server_load.track
     async def cancel_response(response_id: str) -> ResponsesResponse:
         return ready_state().responses.cancel(response_id)
 

@@ -184,6 +184,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "numbers are on /metrics)",
     )
     server.add_argument(
+        "--enable-server-load-tracking",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="count the requests in flight on the routes that run the model (completions, "
+        'chat, responses, messages), read back as GET /load: {"server_load": N} (0 '
+        "without this flag, as vLLM)",
+    )
+    server.add_argument(
         "--max-waiting-requests",
         type=int,
         default=None,
@@ -414,6 +422,7 @@ def _configure(args: argparse.Namespace) -> tuple[EngineArgs, ServerConfig]:
         response_role=args.response_role,
         return_tokens_as_token_ids=args.return_tokens_as_token_ids,
         request_id_headers=args.enable_request_id_headers,
+        enable_server_load_tracking=args.enable_server_load_tracking,
     )
     return engine_args, config
 

@@ -133,9 +133,9 @@ def paged_forward(model, manager, batch: list[tuple[str | None, list[int]]]) -> 
         return model.compute_logits(hidden)
 
 
-def make_manager(base_dir, adapter_dirs, max_loras=4, max_lora_rank=16):
+def make_manager(base_dir, adapter_dirs, max_loras=4, max_lora_rank=16, **kwargs):
     model = load_model(base_dir, dtype=torch.float32, device="cpu")
-    manager = LoRAManager(model, max_loras=max_loras, max_lora_rank=max_lora_rank)
+    manager = LoRAManager(model, max_loras=max_loras, max_lora_rank=max_lora_rank, **kwargs)
     for i, (name, folder) in enumerate(adapter_dirs.items(), start=1):
         manager.add_adapter(LoRARequest(name, i, str(folder)))
     return model, manager
@@ -149,14 +149,14 @@ PROMPTS = [
 ]
 
 
-def check_mixed_batch(model, manager, base_dir, adapter_dirs, names) -> None:
+def check_mixed_batch(model, manager, base_dir, adapter_dirs, names, atol=ATOL) -> None:
     batch = list(zip(names, PROMPTS, strict=True))
     logits = paged_forward(model, manager, batch)
     start = 0
     for name, tokens in batch:
         want = peft_logits(base_dir, adapter_dirs.get(name), tokens)
         got = logits[start : start + len(tokens)]
-        torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got, want, atol=atol, rtol=0)
         start += len(tokens)
 
 
@@ -239,6 +239,30 @@ def test_torch_delta_matches_reference(slots: list[int]) -> None:
     assert torch.equal(got[base], out[base])
 
 
+def test_torch_delta_in_another_dtype_than_the_activations() -> None:
+    # bfloat16 weights (--lora-dtype) on float32 activations: computed in bfloat16, added in
+    # float32.
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 24, generator=g)
+    lora_a = torch.randn(2, 8, 24, generator=g).bfloat16()
+    lora_b = torch.randn(2, 40, 8, generator=g).bfloat16()
+    out = torch.randn(5, 40, generator=g)
+    token_slots = torch.tensor([1, -1, 0, 1, 1], dtype=torch.int32)
+    want = out.clone()
+    rounded_x = x.bfloat16().float()
+    lora_reference.lora_expand(
+        lora_reference.lora_shrink(rounded_x, lora_a.float(), token_slots),
+        lora_b.float(),
+        token_slots,
+        want,
+    )
+    got = out.clone()
+    add_lora_delta(x, got, lora_a, lora_b, padded_batch(lora_segments(token_slots, 2)))
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, atol=0.25, rtol=2e-2)  # bfloat16's 8 mantissa bits
+    assert torch.equal(got[1], out[1])
+
+
 def test_adapter_reads_peft_names_and_scaling(adapter_dirs) -> None:
     from kvpilot.engine.models.llama import LlamaForCausalLM
 
@@ -316,6 +340,94 @@ def test_bad_adapters_are_refused_and_change_nothing(
     assert manager.add_adapter(LoRARequest("qv-rslora", 1, str(adapter_dirs["qv-rslora"]))) is first
 
 
+# --- Host copies (--max-cpu-loras) and the LoRA weights' dtype (--lora-dtype), vLLM's. ---
+
+
+def test_max_cpu_loras_keeps_the_most_recently_used_host_copies(base_dir, adapter_dirs) -> None:
+    # One slot and two host copies for three adapters; each registration or batch makes its
+    # adapter the most recently used (vLLM's LRU cache of registered adapters).
+    model, manager = make_manager(base_dir, adapter_dirs, max_loras=1, max_cpu_loras=2)
+    assert list(manager.requests) == ["all-linear", "qv-rslora", "mlp-patterns"]
+    assert list(manager.adapters) == ["qv-rslora", "mlp-patterns"]  # all-linear was dropped
+    # A dropped adapter still runs: read again from its path, with PEFT's results.
+    names = ["all-linear", None, "all-linear", None]
+    check_mixed_batch(model, manager, base_dir, adapter_dirs, names)
+    assert list(manager.adapters) == ["mlp-patterns", "all-linear"]  # qv-rslora was dropped
+    manager.set_batch(["mlp-patterns"], [1])
+    assert list(manager.adapters) == ["all-linear", "mlp-patterns"]
+    assert manager.resident == ["mlp-patterns"]
+    # Registering a dropped adapter again (same name and path) reads it back.
+    manager.add_adapter(LoRARequest("qv-rslora", 2, str(adapter_dirs["qv-rslora"])))
+    assert list(manager.adapters) == ["mlp-patterns", "qv-rslora"]  # all-linear was dropped
+    check_mixed_batch(model, manager, base_dir, adapter_dirs, [None, "qv-rslora", None, None])
+    assert manager.remove_adapter("all-linear")  # registered, though its copy was dropped
+    assert list(manager.requests) == ["qv-rslora", "mlp-patterns"]
+
+
+def test_adapters_of_running_requests_keep_their_host_copies(base_dir, adapter_dirs) -> None:
+    model, manager = make_manager(base_dir, adapter_dirs, max_loras=2)
+    assert manager.max_cpu_loras == 2  # vLLM's default: max_loras
+    assert list(manager.adapters) == ["qv-rslora", "mlp-patterns"]
+    # all-linear is read again; the least recently used copy, qv-rslora's, is kept for its
+    # running requests, so mlp-patterns' goes.
+    manager.set_batch(["all-linear"], [1], in_use={"qv-rslora"})
+    assert list(manager.adapters) == ["qv-rslora", "all-linear"]
+
+
+def test_a_dropped_adapter_whose_files_changed_is_refused(base_dir, adapter_dirs, tmp_path):
+    folder = _copy_adapter(adapter_dirs["qv-rslora"], tmp_path / "qv")
+    model = load_model(base_dir, dtype=torch.float32, device="cpu")
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=16)
+    manager.add_adapter(LoRARequest("qv", 1, str(folder)))
+    manager.add_adapter(LoRARequest("all", 2, str(adapter_dirs["all-linear"])))
+    assert list(manager.adapters) == ["all"]
+    config = json.loads((folder / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 99}))
+    # Its prefix-cache blocks are keyed by the registered files' digest: never other weights.
+    for attempt in (
+        lambda: manager.set_batch(["qv"], [1]),
+        lambda: manager.add_adapter(LoRARequest("qv", 1, str(folder))),
+    ):
+        with pytest.raises(LoRAAdapterError, match="'qv': the files in .* changed since"):
+            attempt()
+    assert list(manager.adapters) == ["all"]
+
+
+def test_max_cpu_loras_below_max_loras_is_refused(base_dir) -> None:
+    model = load_model(base_dir, dtype=torch.float32, device="cpu")
+    with pytest.raises(ValueError, match=r"^max_cpu_loras \(1\) must be >= max_loras \(2\)$"):
+        LoRAManager(model, max_loras=2, max_lora_rank=8, max_cpu_loras=1)
+
+
+def test_lora_dtype_is_the_dtype_of_host_copies_and_slots(base_dir, adapter_dirs) -> None:
+    model, manager = make_manager(base_dir, adapter_dirs, lora_dtype=torch.bfloat16)
+    assert manager.lora_dtype == torch.bfloat16
+    for adapter in manager.adapters.values():
+        for weights in adapter.weights.values():
+            assert weights.lora_a.dtype == weights.lora_b.dtype == torch.bfloat16
+    for layer in manager.layers.values():
+        assert layer.lora_a.dtype == layer.lora_b.dtype == torch.bfloat16
+        assert layer.base_layer.weight.dtype == torch.float32  # the model keeps its dtype
+    # PEFT's float32 logits to bfloat16 rounding (each adapter moves them by about 1).
+    names = ["qv-rslora", None, "all-linear", "mlp-patterns"]
+    check_mixed_batch(model, manager, base_dir, adapter_dirs, names, atol=0.05)
+    _, auto = make_manager(base_dir, {"qv-rslora": adapter_dirs["qv-rslora"]})
+    weights = next(iter(auto.adapters["qv-rslora"].weights.values()))
+    assert auto.lora_dtype == weights.lora_a.dtype == torch.float32  # auto: the model's
+
+
+def test_the_engine_takes_max_cpu_loras_and_lora_dtype(base_dir, adapter_dirs) -> None:
+    llm = lora_llm(base_dir, adapter_dirs, max_loras=1, max_cpu_loras=3, lora_dtype="bfloat16")
+    manager = llm.llm_engine.lora_manager
+    assert (manager.max_cpu_loras, manager.lora_dtype) == (3, torch.bfloat16)
+    assert list(manager.adapters) == list(adapter_dirs)  # room for all three
+    (tokens,) = generate_ids(llm, [PROMPTS[0]], lora_requests(llm, ["all-linear"]))
+    assert len(tokens) == NEW_TOKENS
+    defaults = lora_llm(base_dir, adapter_dirs, max_loras=1).llm_engine.lora_manager
+    assert (defaults.max_cpu_loras, defaults.lora_dtype) == (1, torch.float32)
+    assert list(defaults.adapters) == ["mlp-patterns"]
+
+
 # --- The whole engine: LLM.generate with adapters, eviction, prefix caching. ---
 
 NEW_TOKENS = 6
@@ -353,6 +465,28 @@ def generate_ids(llm: LLM, prompts, loras, max_tokens: int = NEW_TOKENS) -> list
         [{"prompt_token_ids": p} for p in prompts], greedy(max_tokens), False, lora_request=loras
     )
     return [o.outputs[0].token_ids for o in outputs]
+
+
+def test_an_admitted_request_keeps_its_adapters_host_copy(base_dir, adapter_dirs, tmp_path):
+    # One host copy (max_cpu_loras = max_loras = 1) and two adapters in flight: the first
+    # request's copy, read again at its admission, is kept while it is unfinished, so its
+    # folder deleted afterwards cannot fail a step (it would be read again there otherwise).
+    folder = _copy_adapter(adapter_dirs["qv-rslora"], tmp_path / "qv")
+    llm = lora_llm(base_dir, {"qv": folder, "all": adapter_dirs["all-linear"]}, max_loras=1)
+    engine, manager = llm.llm_engine, llm.llm_engine.lora_manager
+    assert list(manager.adapters) == ["all"]
+    qv, all_linear = lora_requests(llm, ["qv", "all"])
+    engine.add_request("a", {"prompt_token_ids": PROMPTS[0]}, greedy(), lora_request=qv)
+    engine.add_request("b", {"prompt_token_ids": PROMPTS[1]}, greedy(), lora_request=all_linear)
+    assert list(manager.adapters) == ["qv", "all"]  # over its bound while both are in use
+    shutil.rmtree(folder)
+    tokens = {}
+    while engine.has_unfinished_requests():
+        tokens |= {o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished}
+    assert tokens == {
+        "a": reference_greedy(base_dir, adapter_dirs["qv-rslora"], PROMPTS[0], NEW_TOKENS),
+        "b": reference_greedy(base_dir, adapter_dirs["all-linear"], PROMPTS[1], NEW_TOKENS),
+    }
 
 
 def test_greedy_per_adapter_matches_peft_with_eviction(base_dir, adapter_dirs) -> None:
@@ -459,15 +593,21 @@ def test_lora_engine_args_and_flags() -> None:
     parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
     cli = parser.parse_args(
         ["--enable-lora", "--max-loras", "3", "--max-lora-rank", "64", "--lora-modules",
-         "a=/adapters/a", '{"name": "b", "path": "org/b"}']
+         "a=/adapters/a", '{"name": "b", "path": "org/b"}', "--max-cpu-loras", "8",
+         "--lora-dtype", "float16"]
     )  # fmt: skip
     args = EngineArgs.from_cli_args(cli)
     assert (args.enable_lora, args.max_loras, args.max_lora_rank) == (True, 3, 64)
+    assert (args.max_cpu_loras, args.lora_dtype) == (8, "float16")
     assert [(m.name, m.path) for m in parse_lora_modules(args.lora_modules)] == [
         ("a", "/adapters/a"),
         ("b", "org/b"),
     ]
     assert EngineArgs().enable_lora is False
+    assert (EngineArgs().max_cpu_loras, EngineArgs().lora_dtype) == (None, "auto")
+    # As vLLM: 0 or less is the default (max_loras); no rule without LoRA (no LoRA config).
+    assert EngineArgs(enable_lora=True, max_cpu_loras=-1).max_cpu_loras is None
+    assert EngineArgs(max_loras=2, max_cpu_loras=1).max_cpu_loras == 1
     for kwargs, message in [
         ({"enable_lora": True, "max_loras": 0}, "max_loras must be a positive integer"),
         ({"enable_lora": True, "max_lora_rank": -1}, "max_lora_rank must be a positive"),
@@ -475,6 +615,12 @@ def test_lora_engine_args_and_flags() -> None:
         ({"enable_lora": True, "lora_modules": ["a=/x", "a=/y"]}, "names the adapter 'a' twice"),
         ({"enable_lora": True, "lora_modules": "a=/x"}, "must be a list of name=path"),
         ({"enable_lora": True, "tensor_parallel_size": 2}, "not supported with tensor_parallel"),
+        (
+            {"enable_lora": True, "max_loras": 2, "max_cpu_loras": 1},
+            r"^max_cpu_loras \(1\) must be >= max_loras \(2\)$",
+        ),
+        ({"max_cpu_loras": "4"}, "max_cpu_loras must be an integer .*, got '4'"),
+        ({"lora_dtype": "int8"}, "lora_dtype must be one of auto, float16, bfloat16, float32"),
     ]:
         with pytest.raises(ValueError, match=message):
             EngineArgs(**kwargs)

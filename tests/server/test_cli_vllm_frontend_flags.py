@@ -28,6 +28,7 @@ FLAGS = (
     "--chat-template-content-format",
     "--api-server-count",
     "--log-config-file",
+    "--enable-server-load-tracking",
 )
 
 
@@ -175,6 +176,38 @@ def test_a_log_config_that_dictconfig_refuses_stops_serve_before_anything_loads(
         "configure handler 'h'"
     )
     assert result.stderr.count("\n") == 1
+
+
+def test_server_load_tracking_is_off_by_default_and_takes_its_no_form():
+    assert cli._configure(parse("--enable-server-load-tracking"))[1].enable_server_load_tracking
+    assert not cli._configure(parse())[1].enable_server_load_tracking
+    args = parse("--enable-server-load-tracking", "--no-enable-server-load-tracking")
+    assert not cli._configure(args)[1].enable_server_load_tracking
+
+
+def test_lora_cache_and_dtype_flags_reach_the_engine_args():
+    engine_args, _ = cli._configure(
+        parse("--enable-lora", "--max-loras", "2", "--max-cpu-loras", "5", "--lora-dtype",
+              "bfloat16")
+    )  # fmt: skip
+    assert (engine_args.max_cpu_loras, engine_args.lora_dtype) == (5, "bfloat16")
+    defaults, _ = cli._configure(parse("--enable-lora", "--max-cpu-loras", "0"))
+    assert (defaults.max_cpu_loras, defaults.lora_dtype) == (None, "auto")  # vLLM: max_loras
+
+
+def test_lora_cache_below_max_loras_and_unknown_lora_dtypes_are_refused(capsys):
+    # vLLM's rule and wording, the fields spelled as flags.
+    assert refused(capsys, "--enable-lora", "--max-loras", "3", "--max-cpu-loras", "2") == (
+        "--max-cpu-loras (2) must be >= --max-loras (3)"
+    )
+    err = argparse_error(capsys, "--lora-dtype", "int8")
+    assert (
+        "argument --lora-dtype: invalid choice: 'int8' (choose from 'auto', 'float16', "
+        "'bfloat16', 'float32')" in err
+    )
+    assert "argument --max-cpu-loras: invalid int value: 'x'" in argparse_error(
+        capsys, "--max-cpu-loras", "x"
+    )
 
 
 def test_the_operator_manages_none_of_these_flags():
