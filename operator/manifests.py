@@ -59,7 +59,8 @@ STARTUP_FAILURE_THRESHOLD = 360
 # as a failure while the kubelet still waits for it.
 PROGRESS_DEADLINE_SECONDS = STARTUP_PERIOD_SECONDS * STARTUP_FAILURE_THRESHOLD + 600
 # Adapters resident in the engine at once (--max-loras): each slot holds one adapter's weights
-# on the device; more adapters than slots are swapped in least-recently-used order. The LoRA
+# on the device; more adapters than slots are swapped in least-recently-used order, from host
+# copies of them all (--max-cpu-loras: the number of adapters). The LoRA
 # flags are not reserved: engine.extraArgs (which come last) may override them, e.g.
 # --max-lora-rank for adapters above the engine's default rank 16.
 MAX_RESIDENT_ADAPTERS = 8
@@ -137,7 +138,8 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
     sizes itself as the planner did. ``--kv-cache-dtype`` is passed when it is not ``auto``
     (the spec's, or the tuner's), ``--quantization`` when the spec forces one (else the engine
     reads the checkpoint's ``quantization_config``, as vLLM does). ``spec.adapters`` become
-    ``--enable-lora --max-loras N --lora-modules name=path ...``. ``engine.extraArgs`` come last.
+    ``--enable-lora --max-loras N --max-cpu-loras M --lora-modules name=path ...`` (M adapters,
+    N of them resident at most). ``engine.extraArgs`` come last.
     """
     args = ["serve"]
     model = model_argument(spec)
@@ -186,6 +188,10 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
             "--enable-lora",
             "--max-loras",
             str(min(len(spec.adapters), MAX_RESIDENT_ADAPTERS)),
+            # Every listed adapter's weights stay in host memory (vLLM's default keeps only
+            # --max-loras of them and reads the others from disk again when needed).
+            "--max-cpu-loras",
+            str(len(spec.adapters)),
         ]
         args += ["--lora-modules", *(f"{a.name}={adapter_argument(a)}" for a in spec.adapters)]
     return args + list(engine.extra_args)

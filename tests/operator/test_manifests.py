@@ -409,7 +409,7 @@ def test_adapters_render_lora_modules_and_mount_their_claims():
     engine = container(objects)
     args = engine["args"]
     assert "--enable-lora" in args
-    assert flag(args, "--max-loras") == "4"
+    assert flag(args, "--max-loras") == flag(args, "--max-cpu-loras") == "4"
     start = args.index("--lora-modules") + 1
     assert args[start:] == [
         "sql=org/sql-lora",
@@ -433,6 +433,7 @@ def test_many_adapters_share_the_resident_slots():
     adapters = [{"name": f"a{i}", "source": f"hf://org/a{i}"} for i in range(10)]
     args = container(render({**CPU_SPEC, "adapters": adapters}, "SmolLM2-135M-Instruct")[2])["args"]
     assert flag(args, "--max-loras") == str(manifests.MAX_RESIDENT_ADAPTERS) == "8"
+    assert flag(args, "--max-cpu-loras") == "10"  # host copies of them all
     assert len(args) - args.index("--lora-modules") - 1 == 10
     assert "--enable-lora" not in container(render(CPU_SPEC, "SmolLM2-135M-Instruct")[2])["args"]
 
