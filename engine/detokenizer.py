@@ -77,8 +77,9 @@ class IncrementalDetokenizer:
 
         Returns:
             The element of ``params.stop`` that now appears in the output text (the one that
-            starts earliest), or None. Stop strings completed while fewer than
-            ``params.min_tokens`` tokens exist are ignored (vLLM). After a match the text is final: generation must stop
+            starts earliest), or None. A stop string counts only when a token after the first
+            ``params.min_tokens`` completes it, as vLLM counts them. After a match the text is
+            final: generation must stop
             with ``finish_reason="stop"`` and ``stop_reason`` set to the returned string.
 
         Raises:
@@ -103,8 +104,8 @@ class IncrementalDetokenizer:
             self._read_offset = len(self._token_ids)
         if not self._params.stop:
             return None
-        if len(self._token_ids) - self._num_prompt_tokens < self._params.min_tokens:
-            # As in vLLM, stop strings completed before min_tokens outputs do not count.
+        if len(self._token_ids) - self._num_prompt_tokens <= self._params.min_tokens:
+            # As in vLLM, stop strings completed by the first min_tokens outputs do not count.
             self._checked_len = len(self._visible_text())
             return None
         return self._check_stop()

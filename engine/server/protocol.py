@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_validator
 
+from kvpilot import __version__
 from kvpilot.engine.input_processor import check_cache_salt, check_sampling_params
 from kvpilot.engine.outputs import Logprob
 from kvpilot.engine.sampling_params import (
@@ -31,6 +32,9 @@ from kvpilot.engine.sampling_params import (
 from kvpilot.engine.structured_output import check_json_schema
 from kvpilot.engine.tokenization import TEXT_PART_SEPARATOR, parse_chat_tools
 
+# OpenAI's ``system_fingerprint`` of completions, chat completions and their chunks (the
+# backend that answered; vLLM's reads ``vllm-<version>-<config hash>``). Clients log it.
+SYSTEM_FINGERPRINT = f"kvpilot-{__version__}"
 # vLLM's default --max-logprobs: the most top logprobs one request may ask for.
 MAX_LOGPROBS = 20
 # Seeds are 64-bit signed integers (torch.Generator's range, as vLLM bounds them).
@@ -727,6 +731,7 @@ class CompletionResponse(OpenAIModel):
     object: str = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
 
@@ -769,6 +774,7 @@ class ChatCompletionResponse(OpenAIModel):
     object: str = "chat.completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[ChatCompletionChoice]
     usage: UsageInfo | None = None
     # vLLM's: the prompt's (one for all choices), not in a choice as completions have it.
@@ -800,6 +806,7 @@ class ChatCompletionStreamResponse(OpenAIModel):
     object: str = "chat.completion.chunk"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
+    system_fingerprint: str | None = SYSTEM_FINGERPRINT
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
     prompt_token_ids: list[int] | None = None  # with return_token_ids: on the first chunks

@@ -233,8 +233,9 @@ def test_stop_strings_before_min_tokens_are_ignored(tokenizer, prompt_ids):
     output_ids = tokenizer.encode("ab ab ab ab")
     assert [tokenizer.decode([t]) for t in output_ids] == ["ab", " ab", " ab", " ab"]
     final, _, stop, consumed = stream(tokenizer, prompt_ids, output_ids, stop=["ab"], min_tokens=2)
-    # The first "ab" came with output token 1 of at least 2: ignored. The second one stops.
-    assert (final, stop, consumed) == ("ab ", "ab", 2)
+    # As in vLLM, the "ab"s completed by output tokens 1 and 2 (of at least 2) are ignored: the
+    # third one stops.
+    assert (final, stop, consumed) == ("ab ab ", "ab", 3)
 
 
 def test_logprob_texts_of_a_split_character_join_into_the_text(tokenizer):

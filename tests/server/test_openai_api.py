@@ -9,6 +9,7 @@ import openai
 import pytest
 import torch
 
+import kvpilot
 from kvpilot.engine import LLM, SamplingParams
 from kvpilot.engine.config import CPU_BLOCK_SIZE
 from kvpilot.engine.model_loader import DEFAULT_MODEL_NAME as MODEL
@@ -166,6 +167,19 @@ def test_streamed_chat_equals_non_streamed(client):
     assert chunks[-1].usage == full.usage
 
 
+def test_system_fingerprint_on_every_completion_and_chunk(client):
+    # OpenAI's field (vLLM's reads "vllm-<version>-<hash>"): the backend that answered.
+    fingerprint = f"kvpilot-{kvpilot.__version__}"
+    completion = dict(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=2, temperature=0)
+    assert client.completions.create(**completion).system_fingerprint == fingerprint
+    assert client.chat.completions.create(**chat).system_fingerprint == fingerprint
+    options = {"include_usage": True}
+    _, _, chunks = stream_completion(client, stream_options=options, **completion)
+    _, _, chat_chunks = stream_chat(client, stream_options=options, **chat)
+    assert {chunk.system_fingerprint for chunk in chunks + chat_chunks} == {fingerprint}
+
+
 def test_continuous_usage_stats_put_the_usage_so_far_on_every_chunk(client):
     options = {"include_usage": True, "continuous_usage_stats": True}
     kwargs = dict(model=MODEL, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
@@ -250,6 +264,22 @@ def test_stop_string_split_across_tokens_is_not_emitted(client, offline):
         extra_body={"include_stop_str_in_output": True}, **kwargs
     ).choices[0]
     assert included.text == expected + stop
+
+
+def test_stop_string_counts_only_after_min_tokens_as_in_vllm(client):
+    # Greedy " 6, 7, 8, 9, ..." is " ", "6", ",", " ", "7", ... (one token each). The "," of
+    # output token 6 is within min_tokens=6 and ignored; the next one, token 9, stops: vLLM
+    # 0.32 answers " 6, 7, 8" with 9 completion tokens on this request.
+    kwargs = dict(model=MODEL, prompt="1, 2, 3, 4, 5,", max_tokens=10, temperature=0, stop=[","])
+    response = client.completions.create(extra_body={"min_tokens": 6}, **kwargs)
+    [choice] = response.choices
+    assert (choice.text, choice.finish_reason) == (" 6, 7, 8", "stop")
+    assert choice.model_extra["stop_reason"] == ","
+    assert response.usage.completion_tokens == 9
+    texts, reasons, _ = stream_completion(client, extra_body={"min_tokens": 6}, **kwargs)
+    assert texts == {0: " 6, 7, 8"} and reasons == {0: "stop"}
+    # Without min_tokens the first "," stops.
+    assert client.completions.create(**kwargs).choices[0].text == " 6"
 
 
 def test_completion_logprobs_match_offline_llm(client, offline):
