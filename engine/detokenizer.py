@@ -141,11 +141,12 @@ class IncrementalDetokenizer:
 
     def _check_stop(self) -> str | None:
         visible = self._visible_text()
-        start = max(self._checked_len - self._max_stop_len + 1, 0)
-        self._checked_len = len(visible)
+        checked, self._checked_len = self._checked_len, len(visible)
         best: tuple[int, int, str] | None = None  # (position, -length, stop string)
         for stop in self._params.stop:
-            pos = visible.find(stop, start)
+            # Only occurrences that end in the new text: one that ended in the text already
+            # searched, or before min_tokens outputs, does not count (vLLM's window, per string).
+            pos = visible.find(stop, max(checked - len(stop) + 1, 0))
             if pos != -1 and (best is None or (pos, -len(stop)) < best[:2]):
                 best = (pos, -len(stop), stop)
         if best is None:

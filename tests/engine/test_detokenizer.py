@@ -238,6 +238,22 @@ def test_stop_strings_before_min_tokens_are_ignored(tokenizer, prompt_ids):
     assert (final, stop, consumed) == ("ab ab ", "ab", 3)
 
 
+def test_a_short_stop_string_before_min_tokens_stays_ignored_beside_a_long_one(
+    tokenizer, prompt_ids
+):
+    # "." ends within the first min_tokens outputs; "\n\nThe", which is longer, is searched
+    # back over it later, but "." must not be found there (vLLM searches each string's own
+    # window): "\n\nThe" stops, with " Paris." kept.
+    output_ids = tokenizer.encode(" Paris.\n\nThe end")
+    pieces = [tokenizer.decode([t]) for t in output_ids]
+    assert pieces[:5] == [" Paris", ".", "\n", "\n", "The"]
+    for stops in ([".", "\n\nThe"], ["\n\nThe", "."]):
+        final, _, stop, consumed = stream(
+            tokenizer, prompt_ids, output_ids, stop=stops, min_tokens=3
+        )
+        assert (final, stop, consumed) == (" Paris.", "\n\nThe", 5)
+
+
 def test_logprob_texts_of_a_split_character_join_into_the_text(tokenizer):
     # vLLM's logprobs: "" for the tokens that hold the first bytes of a character, the whole
     # character on the token that completes it; so the entries join into the text and their

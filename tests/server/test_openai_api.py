@@ -280,6 +280,13 @@ def test_stop_string_counts_only_after_min_tokens_as_in_vllm(client):
     assert texts == {0: " 6, 7, 8"} and reasons == {0: "stop"}
     # Without min_tokens the first "," stops.
     assert client.completions.create(**kwargs).choices[0].text == " 6"
+    # Greedy " Paris", ".", "\n", "\n", "The": the "." is within min_tokens=3 and stays
+    # ignored beside a longer stop string; vLLM 0.32 answers " Paris." stopped by "\n\nThe".
+    kwargs = dict(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0, stop=[".", "\n\nThe"])
+    [choice] = client.completions.create(extra_body={"min_tokens": 3}, **kwargs).choices
+    assert (choice.text, choice.model_extra["stop_reason"]) == (" Paris.", "\n\nThe")
+    texts, reasons, _ = stream_completion(client, extra_body={"min_tokens": 3}, **kwargs)
+    assert texts == {0: " Paris."} and reasons == {0: "stop"}
 
 
 def test_completion_logprobs_match_offline_llm(client, offline):
