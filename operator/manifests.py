@@ -31,6 +31,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
+from kvpilot.argv import dash_flag_names
 from kvpilot.operator.gpus import PRODUCT_LABEL
 from kvpilot.operator.planner import Plan
 from kvpilot.operator.spec import Adapter, LLMDeploymentSpec
@@ -184,17 +185,20 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
     if engine.speculative_config is not None:
         args += ["--speculative-config", json.dumps(engine.speculative_config, sort_keys=True)]
     if spec.adapters:
-        args += [
-            "--enable-lora",
-            "--max-loras",
-            str(min(len(spec.adapters), MAX_RESIDENT_ADAPTERS)),
-            # Every listed adapter's weights stay in host memory (vLLM's default keeps only
-            # --max-loras of them and reads the others from disk again when needed).
-            "--max-cpu-loras",
-            str(len(spec.adapters)),
-        ]
+        args += ["--enable-lora", "--max-loras", str(min(len(spec.adapters), MAX_RESIDENT_ADAPTERS))]
+        # Every listed adapter's weights stay in host memory (vLLM's default keeps --max-loras
+        # of them and reads the others from disk again), unless extraArgs size the slots or the
+        # host copies themselves: the engine refuses fewer host copies than slots.
+        if not _sets_flag(engine.extra_args, ("--max-loras", "--max-cpu-loras")):
+            args += ["--max-cpu-loras", str(len(spec.adapters))]
         args += ["--lora-modules", *(f"{a.name}={adapter_argument(a)}" for a in spec.adapters)]
     return args + list(engine.extra_args)
+
+
+def _sets_flag(args: tuple[str, ...], flags: tuple[str, ...]) -> bool:
+    """Whether ``args`` set one of the long ``flags`` (dashes or underscores, ``=value`` or
+    not)."""
+    return any(arg.split("=", 1)[0] in flags for arg in dash_flag_names(args))
 
 
 def tuned(plan: Plan, settings: EngineSettings | None) -> Plan:

@@ -438,6 +438,25 @@ def test_many_adapters_share_the_resident_slots():
     assert "--enable-lora" not in container(render(CPU_SPEC, "SmolLM2-135M-Instruct")[2])["args"]
 
 
+@pytest.mark.parametrize(
+    ("extra", "slots", "host_copies"),
+    [
+        ([], 2, 2),
+        (["--max-loras", "4"], 4, 4),  # the engine's default: as many host copies as slots
+        (["--max-loras=4", "--max-cpu-loras", "6"], 4, 6),
+        (["--max-cpu-loras=5"], 2, 5),
+    ],
+)
+def test_extra_args_may_size_the_lora_slots_and_host_copies(extra, slots, host_copies):
+    """The operator's --max-cpu-loras (every adapter) is left out when extraArgs set either
+    LoRA size, which the engine would otherwise refuse (fewer host copies than slots)."""
+    adapters = [{"name": "sql", "source": "hf://org/sql"}, {"name": "chat", "source": "hf://o/c"}]
+    spec_dict = {**CPU_SPEC, "adapters": adapters, "engine": {"extraArgs": extra}}
+    args = container(render(spec_dict, "SmolLM2-135M-Instruct")[2])["args"]
+    engine = engine_args_accepted(args)
+    assert (engine.max_loras, engine.max_cpu_loras or engine.max_loras) == (slots, host_copies)
+
+
 def engine_args_accepted(args: list[str]):
     """``kvpilot serve ARGS`` as the engine's own parser and EngineArgs validation see them."""
     import argparse
