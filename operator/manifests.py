@@ -185,7 +185,11 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
     if engine.speculative_config is not None:
         args += ["--speculative-config", json.dumps(engine.speculative_config, sort_keys=True)]
     if spec.adapters:
-        args += ["--enable-lora", "--max-loras", str(min(len(spec.adapters), MAX_RESIDENT_ADAPTERS))]
+        args += [
+            "--enable-lora",
+            "--max-loras",
+            str(min(len(spec.adapters), MAX_RESIDENT_ADAPTERS)),
+        ]
         # Every listed adapter's weights stay in host memory (vLLM's default keeps --max-loras
         # of them and reads the others from disk again), unless extraArgs size the slots or the
         # host copies themselves: the engine refuses fewer host copies than slots.
