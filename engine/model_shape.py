@@ -68,10 +68,20 @@ DENSE_ARCHITECTURES: frozenset[str] = frozenset(
 MOE_ARCHITECTURES: frozenset[str] = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM"})
 SUPPORTED_ARCHITECTURES: frozenset[str] = DENSE_ARCHITECTURES | MOE_ARCHITECTURES
 # The same family by ``model_type``, for configs without ``architectures`` (those transformers
-# builds from GGUF metadata, as for the built-in default model).
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(
-    {"llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma", "mixtral", "qwen3_moe"}
-)
+# builds from GGUF metadata, as for the built-in default model; hand-written ones): the
+# architecture the engine builds for each.
+MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma": "GemmaForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+}
+SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(MODEL_TYPE_ARCHITECTURES)
 # Model types whose config classes tie the LM head to the embeddings unless config.json says
 # otherwise (Gemma's configs leave it out); the others default to untied.
 _TIED_BY_DEFAULT_MODEL_TYPES = ("gemma",)
@@ -735,9 +745,14 @@ def _architecture_error(architectures: tuple[str, ...], model_type: str) -> str 
         supported = model_type in SUPPORTED_MODEL_TYPES
     if supported:
         return None
+    named = (
+        repr("/".join(architectures) or model_type)
+        if architectures or model_type
+        else "a config with neither 'architectures' nor 'model_type'"
+    )
     return (
-        f"{('/'.join(architectures) or model_type)!r} is not implemented by the kvpilot "
-        f"engine; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
+        f"{named} is not implemented by the kvpilot engine; supported: "
+        f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
     )
 
 

@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {_in_flags(exc.field)}: {_in_flags(exc.message)}", file=sys.stderr)
         return 2
     except PlanError as exc:
-        print(f"cannot plan: {exc.reason}: {exc.message}", file=sys.stderr)
+        print(f"cannot plan: {exc.reason}: {_in_flags(exc.message)}", file=sys.stderr)
         return 1
     if args.json:
         print(json.dumps(plan.to_status(), indent=2))
@@ -170,9 +170,12 @@ def _model_dict(model: str | None) -> dict:
     path = pathlib.Path(model.removeprefix("file://")).expanduser()
     if path.is_file() and path.suffix == ".json":
         try:
-            return {"config": json.loads(path.read_text())}
+            config = json.loads(path.read_text())
         except ValueError as exc:
             raise SpecError("model", f"{model} is not JSON: {exc}") from exc
+        if config is None:  # not "no config": that would plan the built-in model
+            raise SpecError("model", f"{model}: must be an object, got null")
+        return {"config": config}
     if path.is_dir() and not (path / "config.json").is_file():
         raise SpecError("model", f"no config.json in {model}")
     if path.exists():

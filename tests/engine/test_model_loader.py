@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import types
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from kvpilot.engine.model_loader import (
     resolve_model,
 )
 from kvpilot.engine.model_loader.resolve import DEFAULT_GGUF_NAME, DEFAULT_MODEL_PACKAGE
+from kvpilot.engine.models import get_model_class
 
 CPU = torch.device("cpu")
 
@@ -148,6 +150,23 @@ def test_unsupported_architecture_is_refused_by_name(tiny_model_dir, tmp_path):
     )
     with pytest.raises(ValueError, match="unsupported model architecture 'FalconForCausalLM'"):
         load_model(folder, torch.float32, CPU)
+
+
+@pytest.mark.parametrize("architectures", ["LlamaForCausalLM", None, []])
+def test_a_config_without_a_list_of_architectures_still_builds(
+    tiny_model_dir, tmp_path, architectures
+):
+    # The planner sizes these (one name as a list of one; none, by model_type "llama"), so the
+    # engine builds them too: the same model as the config with ["LlamaForCausalLM"].
+    folder = copy_model(tiny_model_dir("llama"), tmp_path / "m", {"architectures": architectures})
+    model = load_model(folder, torch.float32, CPU)
+    reference = load_model(tiny_model_dir("llama"), torch.float32, CPU)
+    assert type(model) is type(reference)
+    got, want = model.state_dict(), reference.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    falcon = types.SimpleNamespace(architectures=None, model_type="falcon")
+    with pytest.raises(ValueError, match="no 'architectures' entry \\(and model_type 'falcon'"):
+        get_model_class(falcon)
 
 
 def test_weights_that_do_not_fit_are_named(tiny_model_dir, tmp_path):

@@ -443,6 +443,24 @@ def test_plan_cli_refuses_a_claim_and_a_file_that_is_not_json(tmp_path, capsys):
     broken.write_text("{not json")
     assert run_plan_cli(str(broken), "--gpu", "L4") == 2
     assert f"error: model: {broken} is not JSON: " in capsys.readouterr().err
+    # null is not "no config" (which would plan the built-in model).
+    broken.write_text("null")
+    assert run_plan_cli(str(broken), "--gpu", "L4") == 2
+    assert f"error: model: {broken}: must be an object, got null" in capsys.readouterr().err
+    # A config's own problems name the model argument, not the spec's field path.
+    broken.write_text('{"hidden_size": 8}')
+    assert run_plan_cli(str(broken), "--gpu", "L4") == 1
+    assert capsys.readouterr().err == (
+        "cannot plan: InvalidModelConfig: model: model config is missing 'num_hidden_layers'\n"
+    )
+    llama = json.loads((CONFIGS / "Meta-Llama-3-8B.json").read_text())
+    nameless = {**llama, "architectures": None, "model_type": None}
+    broken.write_text(json.dumps(nameless))
+    assert run_plan_cli(str(broken), "--gpu", "L4") == 1
+    assert (
+        "UnsupportedArchitecture: a config with neither 'architectures' nor 'model_type' is not "
+        "implemented by the kvpilot engine; supported: " in capsys.readouterr().err
+    )
 
 
 def test_plan_cli_table_on_cpu_speaks_per_replica(capsys):
