@@ -14,10 +14,22 @@ reasons are compared by value everywhere; texts and token ids of greedy cases on
 should run float32 on CPU, so greedy texts should match; a mismatch can still be a legitimate
 numeric tie. A last row checks, per server, that a seeded sampled request repeats its text.
 
-Start both servers on the same model folder (see ``serve_side_by_side.sh``), then:
+Start both servers on the same model folder, with the same ``--served-model-name`` (the
+``--model`` given here), and wait until each answers a completion (vLLM compiles for a few
+minutes first):
 
+    VLLM_PY=$(benchmarks/peers/install-vllm.sh | tail -1)
+    MODEL=$(.venv/bin/python -c \
+        "from kvpilot.engine.model_loader import resolve_model; print(resolve_model(None))")
+    OMP_NUM_THREADS=1 VLLM_CPU_KVCACHE_SPACE=2 "$VLLM_PY" -I benchmarks/peers/vllm_cli.py \
+        serve "$MODEL" --served-model-name smollm2 --dtype float32 --max-model-len 2048 \
+        --host 127.0.0.1 --port 8100 &
+    .venv/bin/kvpilot serve --model "$MODEL" --served-model-name smollm2 \
+        --max-model-len 2048 --host 127.0.0.1 --port 8101 &
     .venv/bin/python benchmarks/peers/api_diff.py \
         --kvpilot http://127.0.0.1:8101 --vllm http://127.0.0.1:8100 --model smollm2
+
+A full run takes about 8 minutes on 2 cores.
 
 ``--only A,B`` runs the cases whose name contains A or B; ``--json FILE`` writes every case's
 raw answers (both servers) for a closer look. Loopback only: nothing here reaches elsewhere.
@@ -1018,12 +1030,18 @@ def reproducible(http: httpx.Client, model: str) -> bool:
     return texts[0] == texts[1]
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The docstring as written (how to start both servers), and every option's default."""
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the corpus against both servers and print the differences; returns 0."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     parser.add_argument("--kvpilot", default="http://127.0.0.1:8101", help="kvpilot's base URL")
     parser.add_argument("--vllm", default="http://127.0.0.1:8100", help="vLLM's base URL")
-    parser.add_argument("--model", default="smollm2", help="the served model name (both)")
+    parser.add_argument(
+        "--model", default="smollm2", help="the --served-model-name both servers were given"
+    )
     parser.add_argument("--api-key", default="EMPTY", help="sent as the bearer key to both")
     parser.add_argument(
         "--only",
@@ -1046,10 +1064,24 @@ def main(argv: list[str] | None = None) -> int:
         )
         for name, url in servers.items()
     }
+    for name, http in https.items():
+        try:
+            ready = http.post(
+                "/v1/completions", json={"model": args.model, "prompt": "Hi", "max_tokens": 1}
+            )
+        except httpx.HTTPError as exc:
+            parser.error(f"{name} at {servers[name]} does not answer ({exc}); is it started?")
+        if ready.status_code != 200:
+            parser.error(
+                f"{name} at {servers[name]} answers a completion of model {args.model!r} with "
+                f"{ready.status_code}: {ready.text[:200]}"
+            )
     tokenized = https["vllm"].post("/tokenize", json={"model": args.model, "prompt": PROMPT})
     prompt_ids = tokenized.json()["tokens"]
     only = args.only.split(",")
     cases = [c for c in corpus(prompt_ids, eos_id=2) if any(o in c.name for o in only)]
+    if not cases:
+        parser.error(f"--only {args.only!r} matches no case")
     names = [c.name for c in cases]
     assert len(names) == len(set(names)), "case names must be unique"
 
