@@ -234,9 +234,9 @@ class ModelShape:
         except ValueError as exc:
             # A config kvpilot cannot size is, first of all, often a model it does not run (GPT-2's
             # n_layer, Whisper's encoder_layers): say that, not which Llama key is missing.
-            text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
+            text = _text_config(config)
             architectures = _architectures(config) or _architectures(text)
-            model_type = str(config.get("model_type") or text.get("model_type") or "")
+            model_type = str(text.get("model_type") or config.get("model_type") or "")
             error = (architectures or model_type) and _architecture_error(architectures, model_type)
             if not error:
                 raise
@@ -245,9 +245,7 @@ class ModelShape:
     @classmethod
     def _read_hf_config(cls, config: dict[str, Any]) -> ModelShape:
         """:meth:`from_hf_config` for a dict, its architecture not checked."""
-        text = config
-        if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
-            text = {**config["text_config"], "architectures": config.get("architectures")}
+        text = _text_config(config)
         model_type = str(text.get("model_type") or config.get("model_type") or "")
         num_layers = _positive_int(text, "num_hidden_layers")
         hidden_size = _positive_int(text, "hidden_size")
@@ -723,6 +721,14 @@ def _check_quantized_shards(spec: ModelShape, quantization: WeightQuantization, 
                     f"{what} per rank at tensor_parallel_size {tp}, not a multiple of "
                     f"{multiple}"
                 )
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The part of ``config`` that describes the language model: ``text_config`` (multimodal
+    configs) when the top level has no ``num_hidden_layers``, else ``config`` itself."""
+    if "num_hidden_layers" not in config and isinstance(config.get("text_config"), dict):
+        return config["text_config"]
+    return config
 
 
 def _architectures(config: dict[str, Any]) -> tuple[str, ...]:
