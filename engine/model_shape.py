@@ -67,9 +67,9 @@ DENSE_ARCHITECTURES: frozenset[str] = frozenset(
 )
 MOE_ARCHITECTURES: frozenset[str] = frozenset({"MixtralForCausalLM", "Qwen3MoeForCausalLM"})
 SUPPORTED_ARCHITECTURES: frozenset[str] = DENSE_ARCHITECTURES | MOE_ARCHITECTURES
-# The same family by ``model_type``, for configs without ``architectures`` (those transformers
-# builds from GGUF metadata, as for the built-in default model; hand-written ones): the
-# architecture the engine builds for each.
+# The supported families by ``model_type``, for configs without ``architectures`` (those
+# transformers builds from GGUF metadata, as for the built-in default model; hand-written ones):
+# the architecture the engine builds for each (``engine_architecture``).
 MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -81,7 +81,6 @@ MODEL_TYPE_ARCHITECTURES: dict[str, str] = {
     "mixtral": "MixtralForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
 }
-SUPPORTED_MODEL_TYPES: frozenset[str] = frozenset(MODEL_TYPE_ARCHITECTURES)
 # Model types whose config classes tie the LM head to the embeddings unless config.json says
 # otherwise (Gemma's configs leave it out); the others default to untied.
 _TIED_BY_DEFAULT_MODEL_TYPES = ("gemma",)
@@ -235,7 +234,9 @@ class ModelShape:
             # A config kvpilot cannot size is, first of all, often a model it does not run (GPT-2's
             # n_layer, Whisper's encoder_layers): say that, not which Llama key is missing.
             text = _text_config(config)
-            architectures = _architectures(config) or _architectures(text)
+            architectures = _architecture_names(config.get("architectures")) or _architecture_names(
+                text.get("architectures")
+            )
             model_type = str(text.get("model_type") or config.get("model_type") or "")
             error = (architectures or model_type) and _architecture_error(architectures, model_type)
             if not error:
@@ -287,7 +288,9 @@ class ModelShape:
                 parsed, error = None, str(exc)
         method = quantization.get("quant_method") if quantization else None
         method = None if method is None else str(method)
-        architectures = _architectures(config) or _architectures(text)
+        architectures = _architecture_names(config.get("architectures")) or _architecture_names(
+            text.get("architectures")
+        )
         max_position_embeddings = _positive_int(text, "max_position_embeddings")
         return cls(
             num_layers=num_layers,
@@ -731,10 +734,19 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def _architectures(config: dict[str, Any]) -> tuple[str, ...]:
-    """``config["architectures"]`` as a tuple of names (one name alone taken as a list of one;
+def engine_architecture(architectures: Any, model_type: Any) -> str | None:
+    """The architecture the engine builds for a config's ``architectures`` and ``model_type``
+    (as read from it, either may be None): the first listed, as transformers builds it (one
+    name alone read as a list of one), or, without any, the one ``model_type`` stands for
+    (``MODEL_TYPE_ARCHITECTURES``); None when neither names one. The planner's check and the
+    engine's model class both come from here, so what one sizes the other builds."""
+    names = _architecture_names(architectures)
+    return names[0] if names else MODEL_TYPE_ARCHITECTURES.get(str(model_type or ""))
+
+
+def _architecture_names(value: Any) -> tuple[str, ...]:
+    """A config's ``architectures`` as a tuple of names (one name alone taken as a list of one;
     anything else, or none, as an empty tuple)."""
-    value = config.get("architectures")
     if isinstance(value, str):
         return (value,)
     if isinstance(value, (list, tuple)):
@@ -745,11 +757,7 @@ def _architectures(config: dict[str, Any]) -> tuple[str, ...]:
 def _architecture_error(architectures: tuple[str, ...], model_type: str) -> str | None:
     """Why the engine cannot build a model of these ``architectures`` (its first, as
     transformers builds it) or, without any, this ``model_type``; None if it can."""
-    if architectures:
-        supported = architectures[0] in SUPPORTED_ARCHITECTURES
-    else:
-        supported = model_type in SUPPORTED_MODEL_TYPES
-    if supported:
+    if engine_architecture(architectures, model_type) in SUPPORTED_ARCHITECTURES:
         return None
     named = (
         repr("/".join(architectures) or model_type)

@@ -61,6 +61,12 @@ def dash_flag_names(argv: Iterable[str]) -> list[str]:
     return out
 
 
+def flag_name(arg: str) -> str:
+    """The long flag ``arg`` sets, spelled with dashes and without its ``=value``
+    (``--max_loras=4``: ``--max-loras``); any other argument as it is."""
+    return dash_flag_names([arg])[0].split("=", 1)[0]
+
+
 def config_file_args(config: Any, parser: argparse.ArgumentParser, source: str) -> list[str]:
     """The flags a vLLM config file stands for: ``{name: value}`` (names as the long flags
     without ``--``, dashes or underscores) becomes ``--name value`` (a mapping as its JSON);

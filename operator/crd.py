@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from kvpilot.argv import dash_flag_names
+from kvpilot.argv import flag_name
 from kvpilot.engine.model_shape import KV_CACHE_DTYPE_BYTES
 from kvpilot.engine.weight_quantization import SUPPORTED_QUANTIZATION_METHODS
 from kvpilot.operator.gpus import CATALOGUE, CUSTOM, DEFAULT_RESOURCE_NAME
@@ -120,7 +120,7 @@ def flag_pattern(flag: str) -> str:
 def managed_flag(arg: str) -> str | None:
     """The managed flag an extra argument sets (``--max_model_len=8``: ``--max-model-len``), or
     None."""
-    flag = dash_flag_names([arg])[0].split("=", 1)[0]
+    flag = flag_name(arg)
     return flag if flag in MANAGED_FLAGS else None
 
 

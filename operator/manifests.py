@@ -31,7 +31,7 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from kvpilot.argv import dash_flag_names
+from kvpilot.argv import flag_name
 from kvpilot.operator.gpus import PRODUCT_LABEL
 from kvpilot.operator.planner import Plan
 from kvpilot.operator.spec import Adapter, LLMDeploymentSpec
@@ -202,7 +202,7 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
 def _sets_flag(args: tuple[str, ...], flags: tuple[str, ...]) -> bool:
     """Whether ``args`` set one of the long ``flags`` (dashes or underscores, ``=value`` or
     not)."""
-    return any(arg.split("=", 1)[0] in flags for arg in dash_flag_names(args))
+    return any(flag_name(arg) in flags for arg in args)
 
 
 def tuned(plan: Plan, settings: EngineSettings | None) -> Plan:

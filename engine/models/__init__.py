@@ -6,7 +6,7 @@ import importlib
 
 from transformers import PretrainedConfig
 
-from kvpilot.engine.model_shape import MODEL_TYPE_ARCHITECTURES
+from kvpilot.engine.model_shape import MODEL_TYPE_ARCHITECTURES, engine_architecture
 
 # HF architectures name -> "module:Class"; modules are imported on first use.
 MODEL_REGISTRY: dict[str, str] = {
@@ -25,26 +25,20 @@ MODEL_REGISTRY: dict[str, str] = {
 
 
 def get_model_class(config: PretrainedConfig) -> type:
-    """The class implementing ``config.architectures[0]`` (one name alone read as a list of
-    one), or, for a config without ``architectures``, the one its ``model_type`` stands for
-    (``MODEL_TYPE_ARCHITECTURES``, as the planner sizes it).
+    """The class implementing ``config``'s architecture (``model_shape.engine_architecture``:
+    ``architectures[0]``, or the one its ``model_type`` stands for, as the planner sizes it).
 
     Raises:
         ValueError: the architecture is missing or not supported (both named in the message,
             with the supported list).
     """
-    architectures = getattr(config, "architectures", None) or []
-    if isinstance(architectures, str):
-        architectures = [architectures]
     model_type = getattr(config, "model_type", None)
-    if not architectures and model_type in MODEL_TYPE_ARCHITECTURES:
-        architectures = [MODEL_TYPE_ARCHITECTURES[model_type]]
-    if not architectures:
+    name = engine_architecture(getattr(config, "architectures", None), model_type)
+    if name is None:
         raise ValueError(
             f"model config has no 'architectures' entry (and model_type {model_type!r} is none "
             f"of {', '.join(MODEL_TYPE_ARCHITECTURES)}); supported: {', '.join(MODEL_REGISTRY)}"
         )
-    name = architectures[0]
     if name not in MODEL_REGISTRY:
         raise ValueError(
             f"unsupported model architecture {name!r}; supported: {', '.join(MODEL_REGISTRY)}"
