@@ -60,6 +60,10 @@ def _order_of_the_docs(x: np.ndarray, w: np.ndarray) -> np.ndarray:
         (144, 64, 257),
         # three passes over the panels of 161, 160 and 160 rows
         (481, 33, 129),
+        # 65 rows and more: panels two at a time, 6 rows a call (3 panels: a pair, then one
+        # alone; 5 panels over two threads: a thread's odd one alone)
+        (65, 95, 300),
+        (200, 160, 129),
     ],
 )
 def test_the_summation_order_is_the_documented_one_bit_for_bit(M, N, K):
@@ -147,7 +151,7 @@ def test_a_gated_packing_gives_the_same_bits_and_swiglu_in_one_pass(d, K):
     assert gated.gated and gated.panels.shape == plain.panels.shape
     # Panel 0 holds gate row 0 in column 0 and up row 0 (row d of W) in column 16.
     assert torch.equal(gated.panels[0, :, 0], w[0]) and torch.equal(gated.panels[0, :, 16], w[d])
-    for M in (1, 5, 13, 32, 145, 250):
+    for M in (1, 5, 13, 32, 64, 65, 145, 250):
         x = _randn(M, K, seed=M)
         product = gemm.packed_linear(x, plain)
         assert torch.equal(gemm.packed_linear(x, gated), product), M
