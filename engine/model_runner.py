@@ -109,26 +109,38 @@ class ModelRunner:
             self.lora_manager.set_batch(
                 [s.request.lora_name for s in scheduled], [s.num_new_tokens for s in scheduled]
             )
+        rows = [i for i, s in enumerate(scheduled) if s.sample]
+        spec_token_ids = [scheduled[i].spec_token_ids for i in rows]
+        logits_indices = _logits_indices(attn_metadata, rows, spec_token_ids)
+        # Only the rows the LM head reads leave the model, unless prompt logprobs read them all
+        # (a decode-only step reads every row anyway).
+        prune = len(logits_indices) < len(input_ids) and not any(
+            s.request.needs_prompt_logprobs for s in scheduled
+        )
         pp = get_pp_state()
         if pp.world_size == 1:
-            hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata)
+            extra = {"logits_indices": logits_indices} if prune else {}
+            hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata, **extra)
         else:
+            prune = False
             hidden = self._run_stage(input_ids, positions, attn_metadata)
             if not pp.is_last_rank:
                 return ModelRunnerOutput({}, {})
-        prompt_logprobs = compute_prompt_logprobs(
-            self.model.compute_logits, hidden, scheduled, self.model.vocab_size
+        prompt_logprobs = (
+            {}
+            if prune
+            else compute_prompt_logprobs(
+                self.model.compute_logits, hidden, scheduled, self.model.vocab_size
+            )
         )
-        rows = [i for i, s in enumerate(scheduled) if s.sample]
         if not rows:
             return ModelRunnerOutput({}, {}, prompt_logprobs)
-        last_token = attn_metadata.query_start_loc[1:].long() - 1
+        hidden = hidden if prune else hidden[logits_indices]
         requests = [scheduled[i].request for i in rows]
         ids = [r.request_id for r in requests]
-        spec_token_ids = [scheduled[i].spec_token_ids for i in rows]
         forced_token_ids = scheduler_output.forced_token_ids
         if not any(spec_token_ids):
-            logits = self.model.compute_logits(hidden[last_token[rows]]).float()
+            logits = self.model.compute_logits(hidden).float()
             num_rows = [1] * len(ids)
             _apply_grammar_bitmask(logits, scheduler_output, ids, num_rows)
             forced = forced_logits_rows(forced_token_ids, ids, num_rows)
@@ -136,14 +148,7 @@ class ModelRunner:
             token_ids = [[t] for t in out.token_ids]
             logprobs = [None if lp is None else [lp] for lp in out.logprobs]
         else:
-            # A request with k drafts is scored at its last k + 1 tokens.
-            scored = torch.cat(
-                [
-                    torch.arange(int(last_token[i]) - len(d), int(last_token[i]) + 1)
-                    for i, d in zip(rows, spec_token_ids, strict=True)
-                ]
-            ).to(hidden.device)
-            logits = self.model.compute_logits(hidden[scored]).float()
+            logits = self.model.compute_logits(hidden).float()
             num_rows = [len(d) + 1 for d in spec_token_ids]
             _apply_grammar_bitmask(logits, scheduler_output, ids, num_rows)
             forced = forced_logits_rows(forced_token_ids, ids, num_rows)
@@ -282,6 +287,29 @@ def _forward(
     if intermediate is None:
         return model(input_ids, positions, kv_caches, attn_metadata)
     return model(input_ids, positions, kv_caches, attn_metadata, intermediate)
+
+
+def _logits_indices(
+    attn_metadata: AttentionMetadata, rows: list[int], spec_token_ids: list[list[int]]
+) -> torch.Tensor:
+    """The step's token rows the LM head reads, ``[n]`` int64 on the step's device, ascending:
+    each sampled request's last token, or with k draft tokens its last k + 1 (the rejection
+    sampler scores every draft position and the one after).
+
+    Args:
+        attn_metadata: the step's layout (``query_start_loc``: where each request's rows start).
+        rows: the indices (in the step's order) of the requests sampled this step.
+        spec_token_ids: their draft tokens, one list each (empty without drafts).
+    """
+    last_token = attn_metadata.query_start_loc[1:].long() - 1
+    if not any(spec_token_ids):
+        return last_token[rows]
+    return torch.cat(
+        [
+            torch.arange(int(last_token[i]) - len(d), int(last_token[i]) + 1)
+            for i, d in zip(rows, spec_token_ids, strict=True)
+        ]
+    ).to(last_token.device)
 
 
 def _apply_grammar_bitmask(

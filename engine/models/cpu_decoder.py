@@ -168,6 +168,7 @@ def forward(
     residual: torch.Tensor | None,
     kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
     attn_metadata: AttentionMetadata,
+    logits_indices: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The decoder layers on ``[num_tokens, hidden_size]`` activations, as
     ``LlamaDecoderLayer.forward`` layer after layer, or None (nothing computed, nothing
@@ -183,9 +184,16 @@ def forward(
         kv_caches: each layer's ``(k_cache, v_cache)``, ``[num_blocks, block_size,
             num_kv_heads, head_dim]``; the step's keys and values are written into them.
         attn_metadata: the batch layout.
+        logits_indices: ``[n]`` int64, the rows whose hidden states are returned (those the LM
+            head reads), or None for every row. The last layer then writes every row's keys
+            and values and attends for every row, but takes only these through its output
+            projection and MLP (most of its FLOPs): the other rows' outputs would be read by
+            nothing. Each row's result is the same bits either way (the kernels treat rows on
+            their own).
 
     Returns:
-        ``(hidden, residual)`` after the last layer, or None.
+        ``(hidden, residual)`` after the last layer, ``[num_tokens, hidden_size]`` each, or
+        ``[n, hidden_size]`` with ``logits_indices``; or None.
     """
     k_cache = kv_caches[0][0]
     if (
@@ -202,7 +210,8 @@ def forward(
     if plan is None or plan.rows is not None:
         return None
     num_tokens = hidden.shape[0]
-    for layer, (k_cache, v_cache) in zip(layers, kv_caches, strict=True):
+    last = len(layers) - 1
+    for i, (layer, (k_cache, v_cache)) in enumerate(zip(layers, kv_caches, strict=True)):
         if residual is None:
             normed, residual = (
                 elementwise.rms_norm(hidden, layer.input_norm, layer.input_eps),
@@ -233,7 +242,10 @@ def forward(
             layer.sliding_window,
             query_start_loc=plan.query_start_loc,
         )
-        hidden = gemm.packed_linear(out.view(num_tokens, q_size), layer.o)
+        out = out.view(num_tokens, q_size)
+        if i == last and logits_indices is not None:
+            out, residual = out[logits_indices], residual[logits_indices]
+        hidden = gemm.packed_linear(out, layer.o)
         normed, residual = elementwise.rms_norm(hidden, layer.post_norm, layer.post_eps, residual)
         hidden = gemm.packed_linear(gemm.packed_silu_and_mul(normed, layer.gate_up), layer.down)
     return hidden, residual

@@ -400,6 +400,7 @@ class LlamaModel(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """``input_ids`` ``[num_tokens]`` -> final-normed hidden ``[num_tokens, hidden_size]``
         on the last stage, the activations for the next stage on the others.
@@ -408,6 +409,10 @@ class LlamaModel(nn.Module):
             kv_caches: one pair per layer of this stage (``end_layer - start_layer``).
             intermediate_tensors: the previous stage's activations (None on the first stage,
                 which embeds ``input_ids``).
+            logits_indices: ``[n]`` int64 rows to return, on the last stage (``[n,
+                hidden_size]``, the same values as those rows of the whole), or None for all.
+                The plain CPU path (:mod:`cpu_decoder`) skips the other rows' output
+                projection and MLP in the last layer; the module path selects them at the end.
         """
         if intermediate_tensors is None:
             hidden = self.embed_tokens(input_ids)
@@ -423,13 +428,22 @@ class LlamaModel(nn.Module):
         if plain is not None:  # the same kernels without the modules, where the step allows
             backend = layers[0].self_attn.attn.backend
             out = cpu_decoder.forward(
-                plain, backend, rope, hidden, residual, kv_caches, attn_metadata
+                plain,
+                backend,
+                rope,
+                hidden,
+                residual,
+                kv_caches,
+                attn_metadata,
+                None if isinstance(self.norm, PPMissingLayer) else logits_indices,
             )
         if out is not None:
             hidden, residual = out
         else:
             for layer, kv_cache in zip(layers, kv_caches, strict=True):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
+            if logits_indices is not None and not isinstance(self.norm, PPMissingLayer):
+                hidden, residual = hidden[logits_indices], residual[logits_indices]
         if isinstance(self.norm, PPMissingLayer):
             return IntermediateTensors(hidden, residual)
         return self.norm(hidden, residual)[0]
@@ -539,6 +553,7 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         attn_metadata: AttentionMetadata,
         intermediate_tensors: IntermediateTensors | None = None,
+        logits_indices: torch.Tensor | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """Run the new tokens of a mixed prefill/decode batch (this stage's layers).
 
@@ -551,12 +566,19 @@ class LlamaForCausalLM(nn.Module):
                 ``attn_metadata.slot_mapping``.
             attn_metadata: the batch layout.
             intermediate_tensors: the previous stage's activations; None on the first stage.
+            logits_indices: ``[n]`` int64, the rows whose hidden states the caller needs (those
+                the LM head reads); None for all. Only those are returned, and on the CPU's
+                plain path the last layer computes the others no further than their K/V and
+                attention.
 
         Returns:
-            Hidden states ``[num_tokens, hidden_size]``, model dtype, on the last stage; the
-            activations for the next stage on the others.
+            Hidden states ``[num_tokens, hidden_size]`` (``[n, hidden_size]`` with
+            ``logits_indices``), model dtype, on the last stage; the activations for the next
+            stage on the others.
         """
-        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
+        return self.model(
+            input_ids, positions, kv_caches, attn_metadata, intermediate_tensors, logits_indices
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``hidden`` ``[n, hidden_size]`` -> logits ``[n, vocab_size]`` float32 (divided by

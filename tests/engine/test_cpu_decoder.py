@@ -120,3 +120,54 @@ def test_a_cache_the_kernel_does_not_take_leaves_the_step_to_the_modules(tiny_mo
     )
     assert cpu_decoder.forward(plain, backend, rope, hidden, None, caches, metadata) is None
     assert all(not c[0].any() for c in caches)  # nothing written
+
+
+@needs_kernels
+def test_the_last_layer_takes_only_the_rows_the_lm_head_reads(tiny_model_dir, monkeypatch):
+    """Two prompts of 5 and 7 tokens: every layer writes all 12 rows' K/V, the last one takes
+    rows 4 and 11 alone through its output projection and MLP, and they come out with the
+    bits of the whole step's rows 4 and 11."""
+    model = load_model(tiny_model_dir("llama"), torch.float32, torch.device("cpu"))
+    prepack_linear_weights(model)
+    plain = cpu_decoder.plain_layers(model.model.layers)
+    backend = model.model.layers[0].self_attn.attn.backend
+    positions = torch.cat([torch.arange(5), torch.arange(7)])
+    rope = model.model.rotary_emb.prepare(positions, torch.float32)
+    hidden = torch.randn(12, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    metadata = AttentionMetadata(
+        slot_mapping=torch.cat([torch.arange(5), 16 + torch.arange(7)]),
+        query_start_loc=torch.tensor([0, 5, 12], dtype=torch.int32),
+        seq_lens=torch.tensor([5, 7], dtype=torch.int32),
+        block_tables=torch.tensor([[0], [1]], dtype=torch.int32),
+        max_query_len=7,
+        max_seq_len=7,
+    )
+    shape = (2, 16, model.num_kv_heads, model.head_dim)
+
+    def run(logits_indices):
+        caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in plain]
+        rows_into_o: list[int] = []
+        inner = gemm.packed_linear
+
+        def packed_linear(x, weight, *args):
+            if weight is plain[-1].o:
+                rows_into_o.append(x.shape[0])
+            return inner(x, weight, *args)
+
+        monkeypatch.setattr(gemm, "packed_linear", packed_linear)
+        out = cpu_decoder.forward(
+            plain, backend, rope, hidden, None, caches, metadata, logits_indices
+        )
+        monkeypatch.setattr(gemm, "packed_linear", inner)
+        assert out is not None
+        return out, caches, rows_into_o
+
+    (whole, whole_residual), whole_caches, whole_rows = run(None)
+    rows = torch.tensor([4, 11])
+    (pruned, pruned_residual), pruned_caches, pruned_rows = run(rows)
+    assert (whole_rows, pruned_rows) == ([12], [2])
+    assert torch.equal(pruned, whole[rows]) and torch.equal(pruned_residual, whole_residual[rows])
+    for (k, v), (k_whole, v_whole) in zip(pruned_caches, whole_caches, strict=True):
+        assert torch.equal(k, k_whole) and torch.equal(v, v_whole) and k[1, 6].any()
+    (none, _), _, _ = run(torch.tensor([], dtype=torch.long))
+    assert none.shape == (0, model.config.hidden_size)
