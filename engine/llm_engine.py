@@ -410,9 +410,10 @@ class LLMEngine:
                 ``logprobs`` or ``prompt_logprobs`` above the vocabulary size, a non-integer
                 ``priority`` or a non-zero one under ``fcfs``, an invalid
                 ``structured_outputs`` constraint, an adapter without ``enable_lora`` or that
-                cannot be loaded (``LoRAAdapterError``), a ``thinking_token_budget`` without a
+                cannot be loaded (``LoRAAdapterError``; ``LoRAAdapterGoneError`` for a
+                registered one whose files are gone), a ``thinking_token_budget`` without a
                 reasoning config (``reasoning_parser`` / ``reasoning_config``). Nothing else is
-                touched.
+                touched, but an adapter whose files are gone is unregistered.
 
         A sequence with a ``thinking_token_budget`` has the end of its think block forced once
         the budget is spent (``thinking_budget.py``); not one constrained by

@@ -40,6 +40,20 @@ DTYPE_BYTES: dict[str, int] = {
     "float": 4,
 }
 
+# The dtypes a checkpoint's config.json may state (``torch_dtype``; ``dtype`` as transformers 5
+# writes it), by torch's names, each with its canonical name: the engine's three model dtypes
+# and their aliases, and the float8 formats FP8 checkpoints state (their quantization_config
+# sizes them). Any other name is refused, never sized as bfloat16.
+CHECKPOINT_DTYPES: dict[str, str] = {
+    "float32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "float8_e4m3fn": "float8_e4m3fn",
+    "float8_e5m2": "float8_e5m2",
+}
+
 KV_CACHE_DTYPE_BYTES: dict[str, int | None] = {
     "auto": None,
     "fp8": 1,
@@ -163,7 +177,8 @@ class ModelShape:
         o_proj_bias: the output projection has a bias (Llama/Qwen3 ``attention_bias``).
         mlp_bias: gate/up/down projections have biases (Llama ``mlp_bias``).
         qk_norm: per-head RMSNorm on queries and keys (Qwen3).
-        torch_dtype: the checkpoint's dtype name (``torch_dtype`` or ``dtype``), if stated.
+        torch_dtype: the checkpoint's dtype (``torch_dtype`` or ``dtype``), by its canonical
+            name (``checkpoint_dtype``), if stated.
         quantization_method: ``quantization_config.quant_method``, lower-cased (e.g.
             ``"awq"``), if any.
         quantization: how the checkpoint stores its linear weights, if quantized in a format
@@ -217,8 +232,8 @@ class ModelShape:
         size is kept as ``quantization_error`` (for the planner to refuse by name), not raised.
 
         Raises:
-            ValueError: a required key is missing or a size is not a positive integer (the
-                message names the key).
+            ValueError: a required key is missing, a size is not a positive integer, or the
+                dtype is not one of ``CHECKPOINT_DTYPES`` (the message names the key).
             UnsupportedModelError: ``num_experts`` or ``n_routed_experts`` without
                 ``moe_intermediate_size``: an MoE layout not modelled here; or a config that
                 cannot be sized (as for ValueError) of an architecture the engine does not
@@ -320,7 +335,7 @@ class ModelShape:
             o_proj_bias=attention_bias and not is_qwen2,
             mlp_bias=bool(text.get("mlp_bias", False)),
             qk_norm=model_type in _QK_NORM_MODEL_TYPES,
-            torch_dtype=_dtype_name(text.get("torch_dtype") or text.get("dtype")),
+            torch_dtype=checkpoint_dtype(text),
             quantization_method=method,
             quantization=parsed,
             quantization_error=error,
@@ -843,9 +858,28 @@ def _derived_max_model_len(config: dict[str, Any], max_position_embeddings: int)
     return int(base * float(factor))
 
 
-def _dtype_name(value: Any) -> str | None:
-    # transformers writes "bfloat16"; some older exports write "torch.bfloat16".
-    return str(value).removeprefix("torch.") if value else None
+def checkpoint_dtype(config: dict[str, Any]) -> str | None:
+    """The canonical name of the dtype a config.json states, or None when it states none.
+
+    Read from ``torch_dtype``, else from ``dtype`` (transformers 5's name); a ``"torch."``
+    prefix (some older exports write ``"torch.bfloat16"``) is dropped, and an alias is named as
+    ``CHECKPOINT_DTYPES`` maps it (``"half"`` is ``"float16"``).
+
+    Raises:
+        ValueError: a dtype that is not a key of ``CHECKPOINT_DTYPES`` (the message names the
+            field, its value and the accepted names).
+    """
+    field = "torch_dtype" if config.get("torch_dtype") else "dtype"
+    value = config.get(field)
+    if not value:
+        return None
+    name = CHECKPOINT_DTYPES.get(str(value).removeprefix("torch."))
+    if name is None:
+        raise ValueError(
+            f"model config {field!r} (the checkpoint's dtype) must be one of "
+            f"{', '.join(CHECKPOINT_DTYPES)}, got {value!r}"
+        )
+    return name
 
 
 def _check_dtype_bytes(dtype_bytes: int) -> None:

@@ -8,6 +8,7 @@ every token's own adapter.
 
 - :mod:`.request`: :class:`LoRARequest`, what a caller names (vLLM's), and ``--lora-modules``.
 - :mod:`.adapter`: reading a PEFT folder into per-projection weights, with a content digest.
+- :mod:`.errors`: the errors of an adapter that cannot be used (no torch: the server's too).
 - :mod:`.layers`: the projections wrapped with slot weights and the per-token delta.
 - :mod:`.torch_delta`: the delta in PyTorch (CPU); the Triton kernels are
   ``kvpilot.kernels.lora_shrink`` / ``lora_expand``.

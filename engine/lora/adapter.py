@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from kvpilot.engine.lora.errors import LoRAAdapterError
+
 CONFIG_NAME = "adapter_config.json"
 WEIGHTS_NAME = "adapter_model.safetensors"
 
@@ -38,11 +40,6 @@ _WEIGHT_NAME = re.compile(r"(?P<module>.+)\.lora_(?P<part>[AB])\.weight")
 
 # (stacked module suffix, PEFT module suffix, shard id): a model's ``stacked_params_mapping``.
 StackedMapping = Iterable[tuple[str, str, str | int]]
-
-
-class LoRAAdapterError(ValueError):
-    """An adapter folder that cannot be used: missing files, an unsupported PEFT feature, a
-    target this engine cannot adapt, or weights that do not fit the model."""
 
 
 @dataclass(frozen=True)
@@ -129,13 +126,13 @@ def load_adapter(
             that disagree (``A`` ``[r, in]``, ``B`` ``[out, r]``).
     """
     folder = resolve_adapter_path(name, path)
+    missing = missing_adapter_files(folder)
+    if missing:
+        raise LoRAAdapterError(
+            f"LoRA adapter {name!r}: {folder} has no {missing[0]} (a PEFT LoRA folder holds "
+            f"{CONFIG_NAME} and {WEIGHTS_NAME})"
+        )
     config_file, weights_file = folder / CONFIG_NAME, folder / WEIGHTS_NAME
-    for file in (config_file, weights_file):
-        if not file.is_file():
-            raise LoRAAdapterError(
-                f"LoRA adapter {name!r}: {folder} has no {file.name} (a PEFT LoRA folder holds "
-                f"{CONFIG_NAME} and {WEIGHTS_NAME})"
-            )
     try:
         config = json.loads(config_file.read_text())
     except json.JSONDecodeError as exc:
@@ -164,6 +161,12 @@ def load_adapter(
         digest=_digest(config_file, weights_file),
         weights=weights,
     )
+
+
+def missing_adapter_files(folder: pathlib.Path) -> list[str]:
+    """The files of a PEFT LoRA folder (``adapter_config.json``, ``adapter_model.safetensors``)
+    that ``folder`` lacks: all of them when it does not exist."""
+    return [name for name in (CONFIG_NAME, WEIGHTS_NAME) if not (folder / name).is_file()]
 
 
 def resolve_adapter_path(name: str, path: str | pathlib.Path) -> pathlib.Path:

@@ -6,7 +6,8 @@ resident loads it into a free slot or, when all are taken, evicts the least rece
 adapter that no running request uses (vLLM's ``LRUCacheWorkerLoRAManager``). The host keeps the
 weights of at most ``max_cpu_loras`` registered adapters (vLLM's ``--max-cpu-loras``), least
 recently used dropped first but never one an unfinished request uses; a dropped adapter stays
-registered and is read again from its path when a request names it.
+registered and is read again from its path when a request names it (and is unloaded if its
+files are gone by then).
 """
 
 from __future__ import annotations
@@ -22,9 +23,10 @@ from kvpilot.engine.distributed import get_tensor_model_parallel_world_size
 from kvpilot.engine.lora.adapter import (
     SUPPORTED_TARGETS,
     LoRAAdapter,
-    LoRAAdapterError,
     load_adapter,
+    missing_adapter_files,
 )
+from kvpilot.engine.lora.errors import LoRAAdapterError, LoRAAdapterGoneError
 from kvpilot.engine.lora.layers import LinearWithLoRA, LoRABatchMapping, wrap_lora_layers
 from kvpilot.engine.lora.request import LoRARequest
 
@@ -131,7 +133,8 @@ class LoRAManager:
             LoRAAdapterError: the folder cannot be read or does not fit the model (a target it
                 lacks, other feature sizes, a rank above ``max_lora_rank``), the name is
                 registered with another path (remove it first), or a dropped adapter's files
-                changed since it was registered.
+                changed since it was registered or are gone (``LoRAAdapterGoneError``; the
+                adapter is then unregistered).
         """
         known = self.requests.get(request.lora_name)
         if known is not None:
@@ -181,7 +184,8 @@ class LoRAManager:
         Raises:
             KeyError: an adapter that is not registered.
             LoRASlotsBusyError: the batch's adapters and ``in_use`` leave no slot to evict.
-            LoRAAdapterError: a dropped host copy that cannot be read again.
+            LoRAAdapterError: a dropped host copy that cannot be read again
+                (``LoRAAdapterGoneError``: its files are gone, and the adapter is unregistered).
         """
         names = [n for n in dict.fromkeys(adapter_names) if n is not None]
         if len(names) > self.max_loras:
@@ -231,12 +235,22 @@ class LoRAManager:
 
     def _host_copy(self, name: str, pinned: Collection[str]) -> LoRAAdapter:
         """A registered adapter's host copy, now the most recently used; read again if it was
-        dropped (its files must be those registered: the prefix cache keys on their digest)."""
+        dropped (its files must be those registered: the prefix cache keys on their digest).
+
+        A dropped adapter whose files are gone is unregistered (``LoRAAdapterGoneError``), so
+        that its name can be loaded again, from any path (with ``in_use``, no unfinished request
+        uses it: their host copies are never dropped)."""
         adapter = self.adapters.get(name)
         if adapter is not None:
             self.adapters.move_to_end(name)
             return adapter
         folder, digest = self._sources[name]
+        if missing_adapter_files(folder):
+            self.remove_adapter(name)
+            raise LoRAAdapterGoneError(
+                f"LoRA adapter {name!r}: its files are gone from {folder} (deleted since it was "
+                "loaded), so it was unloaded; load it again to use it"
+            )
         adapter = self._read(name, folder)
         if adapter.digest != digest:
             raise LoRAAdapterError(

@@ -17,6 +17,7 @@ from transformers import CONFIG_MAPPING, PretrainedConfig
 
 from kvpilot.engine.layers.quantization import get_quantization_config
 from kvpilot.engine.layers.weight_loading import CheckpointTensor
+from kvpilot.engine.model_shape import checkpoint_dtype
 from kvpilot.engine.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -31,11 +32,13 @@ def read_model_config(
 
     ``hf_overrides`` (vLLM's ``--hf-overrides``) replaces entries of the file before either is
     built; an entry naming a nested config (``text_config``) updates it key by key, as vLLM
-    applies them.
+    applies them. The checkpoint's dtype is checked as the planner checks it
+    (``checkpoint_dtype``) and handed to both by its canonical name.
 
     Raises:
-        OSError: the file cannot be read; ValueError: not JSON, an unknown ``model_type``, or
-            a value transformers refuses (one from ``hf_overrides`` named with it).
+        OSError: the file cannot be read; ValueError: not JSON, an unknown ``model_type``, a
+            dtype the planner refuses, or a value transformers refuses (one from
+            ``hf_overrides`` named with it).
     """
     raw = json.loads((pathlib.Path(model_dir) / "config.json").read_text())
     raw = _override(raw, hf_overrides or {})
@@ -43,10 +46,25 @@ def read_model_config(
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{model_dir}/config.json: unknown model_type {model_type!r}")
     try:
+        raw = _with_canonical_dtype(raw)
         return raw, CONFIG_MAPPING[model_type].from_dict(raw)
     except (StrictDataclassError, TypeError, ValueError) as exc:
         where = " with hf_overrides" if hf_overrides else ""
         raise ValueError(f"{model_dir}/config.json{where}: {exc}") from None
+
+
+def _with_canonical_dtype(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the dtype it states as ``dtype``, by its canonical name: transformers
+    looks the name up in torch, so an unknown one (or an old export's ``"torch.bfloat16"``)
+    would fail there with an ``AttributeError`` rather than a message naming the field.
+
+    Raises:
+        ValueError: a dtype ``checkpoint_dtype`` refuses.
+    """
+    dtype = checkpoint_dtype(config)
+    if dtype is None:
+        return config
+    return {**{k: v for k, v in config.items() if k != "torch_dtype"}, "dtype": dtype}
 
 
 def _override(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from kvpilot.engine.async_llm import (
     RequestStream,
 )
 from kvpilot.engine.input_processor import check_token_ids
+from kvpilot.engine.lora.errors import LoRAAdapterError
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.outputs import Logprob, RequestOutput
 from kvpilot.engine.sampling_params import SamplingParams, is_int
@@ -347,7 +348,8 @@ class OpenAIServing:
         prompt_text: str | None = None,
         priority: int = 0,
     ) -> RequestStream:
-        """Submit to the engine, mapping refusals to HTTP errors (400, 503 + Retry-After);
+        """Submit to the engine, mapping refusals to HTTP errors (400, 503 + Retry-After; an
+        adapter the engine cannot use is a 400 naming ``model``, ``models.adapter_error``);
         logged first with ``log_requests`` (``prompt_text``: the prompt as text for the DEBUG
         line, None when the request gave token ids). ``priority``: the request's, for the
         engine's ``priority`` scheduling policy (a non-zero one under ``fcfs`` is a 400)."""
@@ -369,6 +371,8 @@ class OpenAIServing:
                 str(exc),
                 headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
             ) from None
+        except LoRAAdapterError as exc:
+            raise self.models.adapter_error(lora_request, exc) from None
         except ValueError as exc:
             raise bad_request(exc) from None
         except EngineError as exc:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from http import HTTPStatus
 
 from kvpilot.engine.async_llm import AsyncLLM
+from kvpilot.engine.lora.errors import LoRAAdapterError, LoRAAdapterGoneError
 from kvpilot.engine.lora.request import LoRARequest
 from kvpilot.engine.server.errors import OpenAIError, bad_request
 from kvpilot.engine.server.protocol import (
@@ -59,6 +60,14 @@ class OpenAIServingModels:
                 HTTPStatus.NOT_FOUND, f"The model `{model}` does not exist.", param="model"
             )
         return lora
+
+    def adapter_error(self, lora: LoRARequest, exc: LoRAAdapterError) -> OpenAIError:
+        """The 400 for a request whose adapter the engine could not use, naming ``model`` (the
+        parameter that chose it). An adapter whose files are gone (``LoRAAdapterGoneError``)
+        was unloaded by the engine: it is no longer listed, and may be loaded again."""
+        if isinstance(exc, LoRAAdapterGoneError) and self.lora_requests.get(lora.lora_name) == lora:
+            del self.lora_requests[lora.lora_name]
+        return bad_request(exc, "model")
 
     def model_list(self) -> ModelList:
         """``/v1/models``: the base model's names, then the adapters with their ``parent``."""

@@ -25,6 +25,7 @@ from kvpilot.engine.config import EngineArgs, SchedulerConfig
 from kvpilot.engine.kv_cache_manager import KVCacheManager
 from kvpilot.engine.lora import LoRARequest, parse_lora_modules
 from kvpilot.engine.lora.adapter import LoRAAdapterError, load_adapter
+from kvpilot.engine.lora.errors import LoRAAdapterGoneError
 from kvpilot.engine.lora.manager import LoRAInUseError, LoRAManager, LoRASlotsBusyError
 from kvpilot.engine.lora.torch_delta import add_lora_delta, padded_batch
 from kvpilot.engine.model_loader import load_model
@@ -391,6 +392,37 @@ def test_a_dropped_adapter_whose_files_changed_is_refused(base_dir, adapter_dirs
         with pytest.raises(LoRAAdapterError, match="'qv': the files in .* changed since"):
             attempt()
     assert list(manager.adapters) == ["all"]
+
+
+@pytest.mark.parametrize("named_by", ["request", "batch"])
+def test_a_dropped_adapter_whose_files_are_gone_is_unregistered(
+    base_dir, adapter_dirs, tmp_path, named_by
+):
+    # Its folder deleted while its host copy was dropped: it can no longer be read, so it is
+    # unregistered (the server lists it no more) and its name can be loaded again, from
+    # another folder. "request": the engine registers a request's adapter (add_adapter).
+    folder = _copy_adapter(adapter_dirs["qv-rslora"], tmp_path / "qv")
+    model = load_model(base_dir, dtype=torch.float32, device="cpu")
+    manager = LoRAManager(model, max_loras=1, max_lora_rank=16)
+    qv = LoRARequest("qv", 1, str(folder))
+    manager.add_adapter(qv)
+    manager.add_adapter(LoRARequest("all", 2, str(adapter_dirs["all-linear"])))
+    assert list(manager.adapters) == ["all"]
+    shutil.rmtree(folder)
+    use = {
+        "request": lambda: manager.add_adapter(qv),
+        "batch": lambda: manager.set_batch(["qv"], [1]),
+    }
+    with pytest.raises(LoRAAdapterGoneError) as gone:
+        use[named_by]()
+    assert str(gone.value) == (
+        f"LoRA adapter 'qv': its files are gone from {folder} (deleted since it was loaded), so "
+        "it was unloaded; load it again to use it"
+    )
+    assert list(manager.requests) == ["all"]
+    manager.add_adapter(LoRARequest("qv", 3, str(adapter_dirs["qv-rslora"])))
+    names = ["qv", None, None, None]
+    check_mixed_batch(model, manager, base_dir, {"qv": adapter_dirs["qv-rslora"]}, names)
 
 
 def test_max_cpu_loras_below_max_loras_is_refused(base_dir) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import json
 import os
@@ -18,6 +19,7 @@ from transformers import GPT2Config, WhisperConfig
 
 from kvpilot.engine.model_loader.resolve import DEFAULT_GGUF_NAME, DEFAULT_MODEL_PACKAGE
 from kvpilot.engine.model_shape import ModelShape
+from kvpilot.operator.handlers import desired_status, plan_user_spec
 from kvpilot.operator.model_source import load_model_shape, read_model_config
 from kvpilot.operator.planner import PlanError
 from kvpilot.operator.spec import ModelSource, parse_spec
@@ -83,6 +85,29 @@ def test_unusable_configs(config, reason):
     with pytest.raises(PlanError) as caught:
         load_model_shape(source({"config": config}))
     assert caught.value.reason == reason
+
+
+def test_an_unknown_checkpoint_dtype_is_an_invalid_model_config():
+    # Sized as bfloat16 before; now the Sized condition names the field, the value and the
+    # accepted dtypes.
+    body = {
+        "metadata": {"name": "llama", "namespace": "ml", "generation": 1},
+        "spec": {"model": {"config": {**LLAMA3_8B, "torch_dtype": "int3"}}, "gpu": {"type": "L4"}},
+    }
+    planned = plan_user_spec(body, load_model_shape, "engine:1")
+    assert (planned.ok, planned.reason, planned.message) == (
+        False,
+        "InvalidModelConfig",
+        "spec.model.config: model config 'torch_dtype' (the checkpoint's dtype) must be one of "
+        "float32, float, float16, half, bfloat16, float8_e4m3fn, float8_e5m2, got 'int3'",
+    )
+    status = desired_status(body, planned, None, now=datetime.datetime.now(datetime.UTC))
+    sized = next(c for c in status["conditions"] if c["type"] == "Sized")
+    assert (sized["status"], sized["reason"], sized["message"]) == (
+        "False",
+        "InvalidModelConfig",
+        planned.message,
+    )
 
 
 @pytest.mark.parametrize(

@@ -463,6 +463,45 @@ def test_plan_cli_refuses_a_claim_and_a_file_that_is_not_json(tmp_path, capsys):
     )
 
 
+def llama3_8b_stating(field: str, dtype: str) -> dict:
+    """Llama-3-8B's config.json with its dtype stated in ``field`` alone."""
+    llama = json.loads((CONFIGS / "Meta-Llama-3-8B.json").read_text())
+    return {**{k: v for k, v in llama.items() if k != "torch_dtype"}, field: dtype}
+
+
+@pytest.mark.parametrize(
+    ("stated", "auto"),
+    [
+        ("bfloat16", "bfloat16"),
+        ("torch.bfloat16", "bfloat16"),  # older exports
+        ("float16", "float16"),
+        ("half", "float16"),  # an alias was sized as bfloat16, unlike the engine
+        ("float32", "bfloat16"),
+        ("float", "bfloat16"),
+        ("float8_e4m3fn", "bfloat16"),  # FP8 checkpoints state their weights' format
+    ],
+)
+def test_each_accepted_checkpoint_dtype_plans_as_the_engine_runs_it(stated, auto):
+    for field in ("torch_dtype", "dtype"):  # transformers 5 writes "dtype"
+        p = plan(ModelShape.from_hf_config(llama3_8b_stating(field, stated)), gpu=H100)
+        assert (p.dtype, p.weight_bytes_per_gpu) == (auto, LLAMA3_8B_WEIGHTS)
+
+
+def test_plan_cli_refuses_an_unknown_checkpoint_dtype(tmp_path, capsys):
+    # "int3" was planned as bfloat16; it names no dtype a checkpoint is stored in.
+    config = tmp_path / "config.json"
+    for field in ("torch_dtype", "dtype"):
+        config.write_text(json.dumps(llama3_8b_stating(field, "int3")))
+        assert run_plan_cli(str(config), "--gpu", "H100") == 1
+        assert capsys.readouterr().err == (
+            f"cannot plan: InvalidModelConfig: model: model config '{field}' (the checkpoint's "
+            "dtype) must be one of float32, float, float16, half, bfloat16, float8_e4m3fn, "
+            "float8_e5m2, got 'int3'\n"
+        )
+    with pytest.raises(ValueError, match="'torch_dtype' .* got 'int3'"):
+        plan(spec("Meta-Llama-3-8B", torch_dtype="int3"), gpu=H100)
+
+
 def test_plan_cli_table_on_cpu_speaks_per_replica(capsys):
     config = str(CONFIGS / "SmolLM2-135M-Instruct.json")
     assert run_plan_cli(config, "--gpu", "cpu", "--memory", "3Gi", "--max-model-len", "4096") == 0

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -190,19 +192,40 @@ def test_conflicting_model_arguments_are_refused(capsys):
     assert refused(capsys, "a", "--model", "b") == "got model 'a' and --model 'b'; give one"
 
 
-def test_missing_model_exits_with_status_1_naming_it():
+def failed_load(model: str) -> str:
+    """``kvpilot serve model``'s last line on stderr, once it exited with status 1 (the model
+    failed to load) and printed no traceback."""
     result = subprocess.run(
-        [sys.executable, "-m", "kvpilot", "serve", "/no/such/model", "--port", "0"],
+        [sys.executable, "-m", "kvpilot", "serve", model, "--port", "0"],
         capture_output=True,
         text=True,
         timeout=120,
     )
     assert result.returncode == 1
-    assert result.stderr.splitlines()[-1] == (
+    assert "Traceback" not in result.stderr
+    return result.stderr.splitlines()[-1]
+
+
+def test_missing_model_exits_with_status_1_naming_it():
+    assert failed_load("/no/such/model") == (
         "kvpilot serve: loading the model failed: model '/no/such/model' is neither a model "
         "folder nor a .gguf file, and not a Hub id"
     )
-    assert "Traceback" not in result.stderr
+
+
+def test_an_unknown_checkpoint_dtype_stops_serve_naming_it(tiny_model_dir, tmp_path):
+    # The planner refuses it as InvalidModelConfig; serve ran "int3" as float32 (transformers
+    # found torch.int3) and died of an AttributeError traceback for a name torch lacks.
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    for value in ("int3", "int33"):
+        (folder / "config.json").write_text(json.dumps({**config, "dtype": value}))
+        assert failed_load(str(folder)) == (
+            f"kvpilot serve: loading the model failed: {folder}/config.json: model config "
+            "'dtype' (the checkpoint's dtype) must be one of float32, float, float16, half, "
+            f"bfloat16, float8_e4m3fn, float8_e5m2, got {value!r}"
+        )
 
 
 def test_a_missing_tokenizer_folder_is_named_as_the_tokenizer():

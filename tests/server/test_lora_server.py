@@ -160,6 +160,41 @@ def test_load_and_unload_at_run_time(client, server, api_key, base_dir, adapters
     assert "late" not in [m.id for m in client.models.list().data]
 
 
+def test_an_adapter_whose_files_are_gone_is_refused_naming_model_and_unlisted(
+    start_server, api_key, base_dir, adapters, tmp_path
+) -> None:
+    # One host copy: registering "chat" at start drops that of "gone", whose folder is then
+    # deleted; a request for it cannot read it again.
+    folder = tmp_path / "gone"
+    shutil.copytree(adapters["sql"], folder)
+    server = start_server(
+        "--model", str(base_dir), "--served-model-name", BASE, "--max-model-len", "128",
+        "--enable-lora", "--max-loras", "1", "--max-cpu-loras", "1",
+        "--lora-modules", f"gone={folder}", f"chat={adapters['chat']}",
+    )  # fmt: skip
+    client = server.openai_client()
+    shutil.rmtree(folder)
+    with pytest.raises(openai.BadRequestError) as refused:
+        completion(client, "gone")
+    assert (refused.value.param, refused.value.body["message"]) == (
+        "model",
+        f"LoRA adapter 'gone': its files are gone from {folder} (deleted since it was loaded), "
+        "so it was unloaded; load it again to use it",
+    )
+    assert [m.id for m in client.models.list().data] == [BASE, "chat"]
+    with pytest.raises(openai.NotFoundError, match="The model `gone` does not exist"):
+        completion(client, "gone")
+    # The engine forgot it too: the name loads again, from another folder.
+    loaded = httpx.post(
+        f"{server.url}/v1/load_lora_adapter",
+        json={"lora_name": "gone", "lora_path": str(adapters["sql"])},
+        headers={"Authorization": f"Bearer {api_key}"},
+        timeout=60,
+    )
+    assert loaded.status_code == 200, loaded.text
+    assert completion(client, "gone") == ("gone", expected_text(base_dir, adapters["sql"]))
+
+
 def test_lora_requests_info_names_running_adapters(client, server) -> None:
     server.wait_for(lambda: _lora_info(server) is not None)
     labels = _lora_info(server)
