@@ -863,7 +863,8 @@ def checkpoint_dtype(config: dict[str, Any]) -> str | None:
 
     Read from ``torch_dtype``, else from ``dtype`` (transformers 5's name); a ``"torch."``
     prefix (some older exports write ``"torch.bfloat16"``) is dropped, and an alias is named as
-    ``CHECKPOINT_DTYPES`` maps it (``"half"`` is ``"float16"``).
+    ``CHECKPOINT_DTYPES`` maps it (``"half"`` is ``"float16"``). ``"auto"``, as transformers
+    reads it, states none.
 
     Raises:
         ValueError: a dtype that is not a key of ``CHECKPOINT_DTYPES`` (the message names the
@@ -871,12 +872,12 @@ def checkpoint_dtype(config: dict[str, Any]) -> str | None:
     """
     field = "torch_dtype" if config.get("torch_dtype") else "dtype"
     value = config.get(field)
-    if not value:
+    if not value or value == "auto":
         return None
     name = CHECKPOINT_DTYPES.get(str(value).removeprefix("torch."))
     if name is None:
         raise ValueError(
-            f"model config {field!r} (the checkpoint's dtype) must be one of "
+            f"{field!r} (the checkpoint's dtype) must be one of "
             f"{', '.join(CHECKPOINT_DTYPES)}, got {value!r}"
         )
     return name

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import CONFIG_MAPPING, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 
 def load_tokenizer(
@@ -29,10 +29,35 @@ def load_tokenizer(
     model_dir = pathlib.Path(model_dir)
     if not model_dir.exists() and str(model_dir).startswith(("/", ".", "~")):
         raise FileNotFoundError(f"tokenizer folder {model_dir} does not exist")
+    config = _checked_config(model_dir)
     try:
-        return AutoTokenizer.from_pretrained(model_dir, revision=revision, token=token)
+        return AutoTokenizer.from_pretrained(
+            model_dir, revision=revision, token=token, **({"config": config} if config else {})
+        )
     except (OSError, ValueError) as exc:
         raise FileNotFoundError(f"no usable tokenizer in {model_dir}: {exc}") from exc
+
+
+def _checked_config(model_dir: pathlib.Path) -> PretrainedConfig | None:
+    """A local folder's config as the engine reads it (``read_model_config``: the dtype checked
+    and named as torch names it), for transformers to use rather than read config.json again,
+    which fails on a dtype it cannot look up in torch (``"torch.bfloat16"``, ``""``) that the
+    engine and the planner accept. None without a config.json of a ``model_type`` transformers
+    knows (a Hub id, a tokenizer-only folder): transformers then reads what it needs.
+
+    Raises:
+        ValueError: a config.json the engine refuses (e.g. a dtype no checkpoint is stored in).
+    """
+    from kvpilot.engine.model_loader.weights import read_model_config
+
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        model_type = json.loads(path.read_text()).get("model_type")
+    except (ValueError, AttributeError):
+        return None  # not a JSON object: transformers says what it makes of it
+    return read_model_config(model_dir)[1] if model_type in CONFIG_MAPPING else None
 
 
 def get_eos_token_ids(model_dir: pathlib.Path | str) -> set[int]:

@@ -54,17 +54,17 @@ def read_model_config(
 
 
 def _with_canonical_dtype(config: dict[str, Any]) -> dict[str, Any]:
-    """``config`` with the dtype it states as ``dtype``, by its canonical name: transformers
-    looks the name up in torch, so an unknown one (or an old export's ``"torch.bfloat16"``)
-    would fail there with an ``AttributeError`` rather than a message naming the field.
+    """``config`` with the dtype it states as ``dtype``, by its canonical name, or with neither
+    key when it states none (``""``, ``"auto"``): transformers looks the name up in torch, so an
+    unknown one, an empty one or an old export's ``"torch.bfloat16"`` would fail there with an
+    ``AttributeError`` rather than a message naming the field.
 
     Raises:
         ValueError: a dtype ``checkpoint_dtype`` refuses.
     """
     dtype = checkpoint_dtype(config)
-    if dtype is None:
-        return config
-    return {**{k: v for k, v in config.items() if k != "torch_dtype"}, "dtype": dtype}
+    rest = {k: v for k, v in config.items() if k not in ("torch_dtype", "dtype")}
+    return rest if dtype is None else {**rest, "dtype": dtype}
 
 
 def _override(config: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -229,7 +229,7 @@ def test_an_unknown_checkpoint_dtype_is_refused_naming_it(tiny_model_dir, tmp_pa
         with pytest.raises(ValueError) as refused:
             read_model_config(folder)
         assert str(refused.value) == (
-            f"{folder}/config.json: model config 'torch_dtype' (the checkpoint's dtype) must be "
+            f"{folder}/config.json: 'torch_dtype' (the checkpoint's dtype) must be "
             f"one of float32, float, float16, half, bfloat16, float8_e4m3fn, float8_e5m2, got "
             f"{value!r}"
         )
@@ -247,6 +247,22 @@ def test_a_checkpoint_dtype_reaches_transformers_by_its_canonical_name(
     raw, config = read_model_config(folder)
     assert config.dtype == dtype
     assert raw["dtype"] == str(dtype).removeprefix("torch.")
+
+
+@pytest.mark.parametrize("stated", ["torch.bfloat16", "", "auto"])
+def test_the_tokenizer_loads_beside_a_dtype_transformers_cannot_look_up(
+    default_model_dir, tmp_path, stated
+):
+    # transformers read config.json again for the tokenizer and failed in getattr(torch, ...)
+    # on "torch.bfloat16" and "" (kvpilot serve: a traceback) where the engine runs the model.
+    folder = copy_model(default_model_dir, tmp_path / "m", {"dtype": None, "torch_dtype": stated})
+    prompt = "The capital of France is"
+    assert load_tokenizer(folder).encode(prompt) == load_tokenizer(default_model_dir).encode(prompt)
+    (folder / "config.json").write_text(
+        json.dumps({**json.loads((folder / "config.json").read_text()), "torch_dtype": "int3"})
+    )
+    with pytest.raises(ValueError, match="'torch_dtype' .* got 'int3'"):
+        load_tokenizer(folder)
 
 
 def test_resolve_dtype():

@@ -98,7 +98,7 @@ def test_an_unknown_checkpoint_dtype_is_an_invalid_model_config():
     assert (planned.ok, planned.reason, planned.message) == (
         False,
         "InvalidModelConfig",
-        "spec.model.config: model config 'torch_dtype' (the checkpoint's dtype) must be one of "
+        "spec.model.config: 'torch_dtype' (the checkpoint's dtype) must be one of "
         "float32, float, float16, half, bfloat16, float8_e4m3fn, float8_e5m2, got 'int3'",
     )
     status = desired_status(body, planned, None, now=datetime.datetime.now(datetime.UTC))

@@ -494,9 +494,9 @@ def test_plan_cli_refuses_an_unknown_checkpoint_dtype(tmp_path, capsys):
         config.write_text(json.dumps(llama3_8b_stating(field, "int3")))
         assert run_plan_cli(str(config), "--gpu", "H100") == 1
         assert capsys.readouterr().err == (
-            f"cannot plan: InvalidModelConfig: model: model config '{field}' (the checkpoint's "
-            "dtype) must be one of float32, float, float16, half, bfloat16, float8_e4m3fn, "
-            "float8_e5m2, got 'int3'\n"
+            f"cannot plan: InvalidModelConfig: model: '{field}' (the checkpoint's dtype) must "
+            "be one of float32, float, float16, half, bfloat16, float8_e4m3fn, float8_e5m2, "
+            "got 'int3'\n"
         )
     with pytest.raises(ValueError, match="'torch_dtype' .* got 'int3'"):
         plan(spec("Meta-Llama-3-8B", torch_dtype="int3"), gpu=H100)

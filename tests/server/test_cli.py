@@ -222,9 +222,9 @@ def test_an_unknown_checkpoint_dtype_stops_serve_naming_it(tiny_model_dir, tmp_p
     for value in ("int3", "int33"):
         (folder / "config.json").write_text(json.dumps({**config, "dtype": value}))
         assert failed_load(str(folder)) == (
-            f"kvpilot serve: loading the model failed: {folder}/config.json: model config "
-            "'dtype' (the checkpoint's dtype) must be one of float32, float, float16, half, "
-            f"bfloat16, float8_e4m3fn, float8_e5m2, got {value!r}"
+            f"kvpilot serve: loading the model failed: {folder}/config.json: 'dtype' (the "
+            "checkpoint's dtype) must be one of float32, float, float16, half, bfloat16, "
+            f"float8_e4m3fn, float8_e5m2, got {value!r}"
         )
 
 
