@@ -32,8 +32,10 @@
 //   replaces.
 //
 // A row's result depends on its own query and context alone, never on the other rows of its
-// tile or the step: the same bits for a prompt prefilled whole or in chunks, and whatever the
-// batch (a token decoded alone takes the first kind, another summation order).
+// tile or the step: the same bits for a prompt prefilled whole or in chunks of two tokens or
+// more, and whatever the batch (a one-token query takes the first kind, another summation order:
+// a decode, and also a prompt's one-token last chunk or last token recomputed after a prefix-
+// cache hit).
 // The Python wrapper is kernels/cpu/paged_attention.py.
 
 #include <torch/extension.h>
