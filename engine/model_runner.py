@@ -197,6 +197,7 @@ class ModelRunner:
             [s.block_ids for s in scheduled],
             self.block_size,
             self.device,
+            prompt_seqs=[s.num_computed_tokens < s.request.num_prompt_tokens for s in scheduled],
         )
 
     @torch.inference_mode()
@@ -342,6 +343,7 @@ def build_model_inputs(
     block_ids: list[list[int]],
     block_size: int,
     device: torch.device,
+    prompt_seqs: list[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
     """Flatten sequences' new tokens into one batch (vLLM V1's layout).
 
@@ -352,6 +354,8 @@ def build_model_inputs(
         block_ids: per sequence, its block table (covering every new token's slot).
         block_size: tokens per block.
         device: where the tensors go.
+        prompt_seqs: per sequence, whether its new tokens are prompt tokens
+            (``AttentionMetadata.prompt_seqs``); None when not known.
 
     Returns:
         ``input_ids`` ``[num_tokens]`` int64, ``positions`` ``[num_tokens]`` int64 and the
@@ -381,6 +385,9 @@ def build_model_inputs(
         block_tables=block_tables.to(device, non_blocking=True),
         max_query_len=max(query_lens),
         max_seq_len=max(seq_lens),
+        prompt_seqs=None
+        if prompt_seqs is None
+        else torch.tensor(prompt_seqs, dtype=torch.bool).to(device, non_blocking=True),
     )
     return (
         torch.tensor(input_ids, dtype=torch.int64).to(device, non_blocking=True),

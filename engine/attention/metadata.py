@@ -25,6 +25,9 @@ class AttentionMetadata:
             padded with 0 past each sequence's last block.
         max_query_len: the largest number of new tokens of one sequence (python int, no sync).
         max_seq_len: the largest ``seq_lens`` entry (python int, no sync).
+        prompt_seqs: ``[num_seqs]`` bool, True where a sequence's new tokens are prompt tokens
+            (a prompt or a chunk of one; not decodes or drafts), or None when not known. The
+            CPU paged-attention kernel takes a marked one-token chunk as it takes longer ones.
     """
 
     slot_mapping: torch.Tensor
@@ -33,6 +36,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     max_query_len: int
     max_seq_len: int
+    prompt_seqs: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -91,12 +91,15 @@ class PagedQueryPlan:
             query.
         rows: ``[num_decodes]`` int64 token rows of the decode sequences when the kernel takes
             them alone (the prompts go to SDPA); None when it takes every token of the step.
+        prompt_seqs: ``[num_seqs]`` bool, the sequences whose tokens are prompt tokens
+            (``AttentionMetadata.prompt_seqs``), or None.
     """
 
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     query_start_loc: torch.Tensor
     rows: torch.Tensor | None = None
+    prompt_seqs: torch.Tensor | None = None
 
 
 @dataclass
@@ -263,6 +266,7 @@ def _paged_queries(attn_metadata: AttentionMetadata) -> PagedQueryPlan:
         md.seq_lens.to(torch.int32).contiguous(),
         md.block_tables.to(torch.int32).contiguous(),
         md.query_start_loc.to(torch.int32).contiguous(),
+        prompt_seqs=md.prompt_seqs,
     )
 
 
@@ -440,6 +444,7 @@ def _in_place(
         scale,
         sliding_window,
         query_start_loc=paged.query_start_loc,
+        prompt_seqs=paged.prompt_seqs,
     )
 
 

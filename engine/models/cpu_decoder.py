@@ -241,6 +241,7 @@ def forward(
             layer.scale,
             layer.sliding_window,
             query_start_loc=plan.query_start_loc,
+            prompt_seqs=plan.prompt_seqs,
         )
         out = out.view(num_tokens, q_size)
         if i == last and logits_indices is not None:

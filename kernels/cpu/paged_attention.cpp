@@ -32,10 +32,10 @@
 //   replaces.
 //
 // A row's result depends on its own query and context alone, never on the other rows of its
-// tile or the step: the same bits for a prompt prefilled whole or in chunks of two tokens or
-// more, and whatever the batch (a one-token query takes the first kind, another summation order:
-// a decode, and also a prompt's one-token last chunk or last token recomputed after a prefix-
-// cache hit).
+// tile or the step: the same bits for a prompt prefilled whole or in chunks (a one-token chunk,
+// such as the last prompt token recomputed after a prefix-cache hit, goes to a tile when
+// prompt_seqs marks its sequence), and whatever the batch (a decoded token takes the first
+// kind, another summation order).
 // The Python wrapper is kernels/cpu/paged_attention.py.
 
 #include <torch/extension.h>
@@ -660,8 +660,8 @@ std::vector<std::vector<int64_t>> share_out(const std::vector<Item>& items, int6
 template <typename scalar_t>
 void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache,
          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-         const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, double scale,
-         int64_t sliding_window, const Shape& s) {
+         const torch::Tensor& seq_lens, const torch::Tensor& query_start_loc, const bool* prompt,
+         double scale, int64_t sliding_window, const Shape& s) {
   const int64_t num_seqs = seq_lens.size(0), head_dim = s.head_dim;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const scalar_t* q_ptr = query.data_ptr<scalar_t>();
@@ -674,7 +674,12 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
   const int64_t q_stride = query.stride(0), out_stride = out.stride(0);
   const bool tiles = std::is_same_v<scalar_t, float> && s.group > 0;
 
-  auto in_tiles = [&](int64_t q_len) { return tiles && q_len > 1; };
+  // A prompt's (prompt chunk's) tokens in tiles, a one-token chunk too when `prompt` says it is
+  // one, so that a prompt row's bits never depend on how its prompt was cut into chunks.
+  auto in_tiles = [&](int64_t seq, int64_t q_len) {
+    const bool prompt_token = q_len == 1 && prompt != nullptr && prompt[seq] && lens[seq] > 0;
+    return tiles && (q_len > 1 || prompt_token);
+  };
   // A token's KV heads in one item when there are enough tokens to share out (see Item).
   int64_t single_tokens = 0;  // query tokens that are items of their own (not in tiles)
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
@@ -686,14 +691,14 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
     TORCH_CHECK((q_len <= 1 && lens[seq] <= 0) || lens[seq] >= q_len,
                 "paged_attention: seq_lens[", seq, "] = ", lens[seq], " is shorter than its ",
                 q_len, " query tokens");
-    if (!in_tiles(q_len)) single_tokens += q_len;
+    if (!in_tiles(seq, q_len)) single_tokens += q_len;
   }
   const int64_t num_kv =
       single_tokens >= kTokensPerThreadForWholeItems * at::get_num_threads() ? s.num_kv_heads : 1;
   std::vector<Item> items;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t q_len = starts[seq + 1] - starts[seq];
-    if (in_tiles(q_len)) {
+    if (in_tiles(seq, q_len)) {
       for (int64_t kv_head = 0; kv_head < s.num_kv_heads; ++kv_head)
         for (int64_t f0 = 0; f0 < q_len * group; f0 += kTileRows)
           items.push_back({seq, kv_head, f0, 0, 1});
@@ -763,7 +768,8 @@ void run(torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_
 // See kernels/cpu/paged_attention.py (paged_attention) for the contract.
 void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cache,
                      torch::Tensor v_cache, torch::Tensor block_tables, torch::Tensor seq_lens,
-                     torch::Tensor query_start_loc, double scale, int64_t sliding_window) {
+                     torch::Tensor query_start_loc, torch::Tensor prompt_seqs, double scale,
+                     int64_t sliding_window) {
   TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "paged_attention: CPU tensors only");
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(),
@@ -792,6 +798,11 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
               "paged_attention: query_start_loc must be contiguous int32 [num_seqs + 1]");
   TORCH_CHECK(block_tables.size(0) == num_seqs,
               "paged_attention: one block table row and one length per sequence");
+  TORCH_CHECK(prompt_seqs.numel() == 0 ||
+                  (prompt_seqs.scalar_type() == torch::kBool && prompt_seqs.dim() == 1 &&
+                   prompt_seqs.is_contiguous() && prompt_seqs.size(0) == num_seqs),
+              "paged_attention: prompt_seqs must be empty or contiguous bool [num_seqs]");
+  const bool* prompt = prompt_seqs.numel() == 0 ? nullptr : prompt_seqs.data_ptr<bool>();
   TORCH_CHECK(k_cache.size(3) == query.size(2), "paged_attention: head_dim mismatch");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0,
               "paged_attention: num_heads must be a multiple of num_kv_heads");
@@ -804,11 +815,11 @@ void paged_attention(torch::Tensor out, torch::Tensor query, torch::Tensor k_cac
                 k_cache.size(0), block_tables.size(1),
                 has_avx512 && query.size(2) % 16 == 0 ? positions_per_group(k_cache.size(1)) : 0};
   if (query.scalar_type() == torch::kFloat32) {
-    run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale,
-               sliding_window, s);
+    run<float>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc, prompt,
+               scale, sliding_window, s);
   } else if (query.scalar_type() == torch::kBFloat16) {
     run<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, query_start_loc,
-                       scale, sliding_window, s);
+                       prompt, scale, sliding_window, s);
   } else {
     TORCH_CHECK(false, "paged_attention: float32 or bfloat16 only, got ", query.scalar_type());
   }

@@ -104,6 +104,7 @@ def paged_attention(
     sliding_window: int | None = None,
     out: torch.Tensor | None = None,
     query_start_loc: torch.Tensor | None = None,
+    prompt_seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of a step's query tokens (decodes, prompts, prompt chunks, drafts) over
     their sequences' paged contexts.
@@ -134,6 +135,11 @@ def paged_attention(
         out: ``query``'s shape and dtype, rows contiguous, written in place; None allocates.
         query_start_loc: ``[num_seqs + 1]`` int32, rising from 0: each sequence's first row;
             None for one token per sequence, row ``i`` of sequence ``i`` (decodes).
+        prompt_seqs: ``[num_seqs]`` bool, True where a sequence's query tokens are prompt
+            tokens (a prompt or a chunk of one), or None. A marked one-token query goes to a
+            tile as a longer one does, so that a prompt token gets the same bits whether its
+            chunk had one token (a one-token last chunk, the last prompt token recomputed after
+            a prefix-cache hit) or more; an unmarked one (a decode) is an item.
 
     Returns:
         ``out``: ``[num_tokens, num_heads, head_dim]``, ``query``'s dtype (rows of no sequence
@@ -163,10 +169,14 @@ def paged_attention(
         block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
         query_start_loc.to(torch.int32).contiguous(),
+        _NO_PROMPT_SEQS if prompt_seqs is None else prompt_seqs.to(torch.bool).contiguous(),
         float(scale),
         0 if sliding_window is None else int(sliding_window),
     )
     return out
+
+
+_NO_PROMPT_SEQS = torch.empty(0, dtype=torch.bool)
 
 
 def reshape_and_cache(

@@ -183,6 +183,39 @@ def test_prompts_chunks_and_decodes_in_one_step_match_the_gather_and_sdpa_path(
     torch.testing.assert_close(out, reference, atol=tolerance, rtol=tolerance)
 
 
+@pytest.mark.skipif(
+    not paged_attention.load_extension().tiles_supported(), reason="prompt tiles need AVX-512"
+)
+def test_a_prompts_last_token_alone_gets_its_bits_in_the_whole_prompt_when_marked_a_prompt():
+    """The last token of a 37-token prompt attended alone (a one-token last chunk, or the token
+    recomputed after a prefix-cache hit) against the same cache: marked in ``prompt_seqs`` it
+    takes the prompt's tile and gets the bits of its row in the whole prompt's call; unmarked it
+    is a decode's item, another summation order."""
+    q, k, v, k_cache, v_cache, md = paged_decode_batch([37], 9, 3, 64, torch.float32, q_lens=[37])
+    backend = TorchAttentionBackend(paged_decode_kernel=False)  # writes the prompt's K/V
+    backend.forward(q, k, v, (k_cache, v_cache), md, scale=0.125, sliding_window=None)
+    whole = paged_attention.paged_attention(
+        q, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125, query_start_loc=md.query_start_loc
+    )
+    last = q[-1:].clone()
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    marked = paged_attention.paged_attention(
+        last, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125, query_start_loc=one,
+        prompt_seqs=torch.tensor([True]),
+    )  # fmt: skip
+    unmarked = paged_attention.paged_attention(
+        last, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125, query_start_loc=one
+    )
+    assert torch.equal(marked[0], whole[-1])
+    assert not torch.equal(unmarked[0], whole[-1])  # what the mark is for
+    torch.testing.assert_close(unmarked[0], whole[-1], atol=2e-6, rtol=2e-6)
+    with pytest.raises(RuntimeError, match="prompt_seqs must be empty or contiguous bool"):
+        paged_attention.paged_attention(
+            last, k_cache, v_cache, md.block_tables, md.seq_lens, 0.125, query_start_loc=one,
+            prompt_seqs=torch.tensor([True, False]),
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_block_size_changes_no_bit(dtype):
     # Groups of 16 positions (block sizes 16, 32) or of 8 (8, 24), prompt tiles scoring up to 8
