@@ -870,9 +870,9 @@ def checkpoint_dtype(config: dict[str, Any]) -> str | None:
         ValueError: a dtype that is not a key of ``CHECKPOINT_DTYPES`` (the message names the
             field, its value and the accepted names).
     """
-    field = "torch_dtype" if config.get("torch_dtype") else "dtype"
+    field = "torch_dtype" if config.get("torch_dtype") not in (None, "") else "dtype"
     value = config.get(field)
-    if not value or value == "auto":
+    if value in (None, "", "auto"):
         return None
     name = CHECKPOINT_DTYPES.get(str(value).removeprefix("torch."))
     if name is None:

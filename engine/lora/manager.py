@@ -245,11 +245,12 @@ class LoRAManager:
             self.adapters.move_to_end(name)
             return adapter
         folder, digest = self._sources[name]
-        if missing_adapter_files(folder):
+        missing = missing_adapter_files(folder)
+        if missing:
             self.remove_adapter(name)
             raise LoRAAdapterGoneError(
-                f"LoRA adapter {name!r}: its files are gone from {folder} (deleted since it was "
-                "loaded), so it was unloaded; load it again to use it"
+                f"LoRA adapter {name!r}: its files are gone from {folder} ({', '.join(missing)} "
+                "deleted since it was loaded), so it was unloaded; load it again to use it"
             )
         adapter = self._read(name, folder)
         if adapter.digest != digest:

@@ -94,6 +94,10 @@ def _cpu_tiles() -> bool:
     return extension is not None and extension.tiles_supported()
 
 
+NO_PROMPT_SEQS = torch.empty(0, dtype=torch.bool)
+"""The kernel's ``prompt_seqs`` when no sequence is marked a prompt (an empty bool tensor)."""
+
+
 def paged_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -169,14 +173,11 @@ def paged_attention(
         block_tables.to(torch.int32).contiguous(),
         seq_lens.to(torch.int32).contiguous(),
         query_start_loc.to(torch.int32).contiguous(),
-        _NO_PROMPT_SEQS if prompt_seqs is None else prompt_seqs.to(torch.bool).contiguous(),
+        NO_PROMPT_SEQS if prompt_seqs is None else prompt_seqs.to(torch.bool).contiguous(),
         float(scale),
         0 if sliding_window is None else int(sliding_window),
     )
     return out
-
-
-_NO_PROMPT_SEQS = torch.empty(0, dtype=torch.bool)
 
 
 def reshape_and_cache(

@@ -416,8 +416,9 @@ def test_a_dropped_adapter_whose_files_are_gone_is_unregistered(
     with pytest.raises(LoRAAdapterGoneError) as gone:
         use[named_by]()
     assert str(gone.value) == (
-        f"LoRA adapter 'qv': its files are gone from {folder} (deleted since it was loaded), so "
-        "it was unloaded; load it again to use it"
+        f"LoRA adapter 'qv': its files are gone from {folder} (adapter_config.json, "
+        "adapter_model.safetensors deleted since it was loaded), so it was unloaded; load it "
+        "again to use it"
     )
     assert list(manager.requests) == ["all"]
     manager.add_adapter(LoRARequest("qv", 3, str(adapter_dirs["qv-rslora"])))

@@ -15,6 +15,7 @@ with the engine's block size: 16 tokens on a GPU, 8 on CPU.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -485,6 +486,17 @@ def test_each_accepted_checkpoint_dtype_plans_as_the_engine_runs_it(stated, auto
     for field in ("torch_dtype", "dtype"):  # transformers 5 writes "dtype"
         p = plan(ModelShape.from_hf_config(llama3_8b_stating(field, stated)), gpu=H100)
         assert (p.dtype, p.weight_bytes_per_gpu) == (auto, LLAMA3_8B_WEIGHTS)
+
+
+def test_a_config_states_no_dtype_only_by_none_an_empty_name_or_auto():
+    from kvpilot.engine.model_shape import checkpoint_dtype
+
+    for stated in (None, "", "auto"):
+        assert checkpoint_dtype({"torch_dtype": stated}) is None
+    assert checkpoint_dtype({"torch_dtype": "", "dtype": "half"}) == "float16"
+    for value in (0, False, 5, ["bfloat16"]):  # 0 and false were taken for "not stated"
+        with pytest.raises(ValueError, match=re.escape(f"got {value!r}")):
+            checkpoint_dtype({"torch_dtype": value})
 
 
 def test_plan_cli_refuses_an_unknown_checkpoint_dtype(tmp_path, capsys):

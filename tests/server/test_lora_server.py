@@ -178,8 +178,9 @@ def test_an_adapter_whose_files_are_gone_is_refused_naming_model_and_unlisted(
         completion(client, "gone")
     assert (refused.value.param, refused.value.body["message"]) == (
         "model",
-        f"LoRA adapter 'gone': its files are gone from {folder} (deleted since it was loaded), "
-        "so it was unloaded; load it again to use it",
+        f"LoRA adapter 'gone': its files are gone from {folder} (adapter_config.json, "
+        "adapter_model.safetensors deleted since it was loaded), so it was unloaded; load it "
+        "again to use it",
     )
     assert [m.id for m in client.models.list().data] == [BASE, "chat"]
     with pytest.raises(openai.NotFoundError, match="The model `gone` does not exist"):
