@@ -112,17 +112,18 @@ class ModelRunner:
         rows = [i for i, s in enumerate(scheduled) if s.sample]
         spec_token_ids = [scheduled[i].spec_token_ids for i in rows]
         logits_indices = _logits_indices(attn_metadata, rows, spec_token_ids)
-        # Only the rows the LM head reads leave the model, unless prompt logprobs read them all
-        # (a decode-only step reads every row anyway).
-        prune = len(logits_indices) < len(input_ids) and not any(
-            s.request.needs_prompt_logprobs for s in scheduled
-        )
         pp = get_pp_state()
+        # Only the rows the LM head reads leave the model, unless prompt logprobs read them all
+        # (a decode-only step reads every row anyway); pipeline stages pass every row on.
+        prune = (
+            pp.world_size == 1
+            and len(logits_indices) < len(input_ids)
+            and not any(s.request.needs_prompt_logprobs for s in scheduled)
+        )
         if pp.world_size == 1:
             extra = {"logits_indices": logits_indices} if prune else {}
             hidden = self.model(input_ids, positions, self.kv_caches, attn_metadata, **extra)
         else:
-            prune = False
             hidden = self._run_stage(input_ids, positions, attn_metadata)
             if not pp.is_last_rank:
                 return ModelRunnerOutput({}, {})

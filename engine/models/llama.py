@@ -424,6 +424,8 @@ class LlamaModel(nn.Module):
         rope = self.rotary_emb.prepare(positions, hidden.dtype)
         layers = self.layers[self.start_layer : self.end_layer]
         plain = self._plain_layers(layers) if len(layers) else None
+        if isinstance(self.norm, PPMissingLayer):
+            logits_indices = None  # the next stage needs every row
         out = None
         if plain is not None:  # the same kernels without the modules, where the step allows
             backend = layers[0].self_attn.attn.backend
@@ -435,14 +437,14 @@ class LlamaModel(nn.Module):
                 residual,
                 kv_caches,
                 attn_metadata,
-                None if isinstance(self.norm, PPMissingLayer) else logits_indices,
+                logits_indices,
             )
         if out is not None:
             hidden, residual = out
         else:
             for layer, kv_cache in zip(layers, kv_caches, strict=True):
                 hidden, residual = layer(rope, hidden, residual, kv_cache, attn_metadata)
-            if logits_indices is not None and not isinstance(self.norm, PPMissingLayer):
+            if logits_indices is not None:
                 hidden, residual = hidden[logits_indices], residual[logits_indices]
         if isinstance(self.norm, PPMissingLayer):
             return IntermediateTensors(hidden, residual)
