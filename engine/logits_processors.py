@@ -84,6 +84,21 @@ def apply_logits_processors(
     return logits
 
 
+def changes_logits(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether :func:`apply_logits_processors` changes a row's logits at this step
+    (``allowed_token_ids``, ``bad_words``, ``min_tokens`` not yet reached, ``logit_bias``, a
+    penalty), given the tokens the request has generated so far."""
+    return bool(
+        params.allowed_token_ids is not None
+        or params.bad_words_token_ids
+        or num_output_tokens < params.min_tokens
+        or params.logit_bias
+        or params.repetition_penalty != 1.0
+        or params.frequency_penalty != 0.0
+        or params.presence_penalty != 0.0
+    )
+
+
 def _apply_penalties(
     logits: torch.Tensor,
     params: list[SamplingParams],

@@ -22,8 +22,9 @@ from kvpilot.engine.distributed.pipeline import (
     recv_intermediate_tensors,
     send_intermediate_tensors,
 )
-from kvpilot.engine.logits_processors import TokenLogprobs
+from kvpilot.engine.logits_processors import TokenLogprobs, changes_logits
 from kvpilot.engine.prompt_logprobs import compute_prompt_logprobs, rows_per_slice
+from kvpilot.engine.request import Request
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler_output import SchedulerOutput
 from kvpilot.engine.spec_decode.rejection_sampler import RejectionSampler
@@ -139,20 +140,13 @@ class ModelRunner:
         hidden = hidden if prune else hidden[logits_indices]
         requests = [scheduled[i].request for i in rows]
         ids = [r.request_id for r in requests]
-        forced_token_ids = scheduler_output.forced_token_ids
         if not any(spec_token_ids):
-            logits = self.model.compute_logits(hidden).float()
-            num_rows = [1] * len(ids)
-            _apply_grammar_bitmask(logits, scheduler_output, ids, num_rows)
-            forced = forced_logits_rows(forced_token_ids, ids, num_rows)
-            out = self.sampler(logits, requests, forced)
-            token_ids = [[t] for t in out.token_ids]
-            logprobs = [None if lp is None else [lp] for lp in out.logprobs]
+            token_ids, logprobs = self._sample(hidden, requests, scheduler_output)
         else:
             logits = self.model.compute_logits(hidden).float()
             num_rows = [len(d) + 1 for d in spec_token_ids]
             _apply_grammar_bitmask(logits, scheduler_output, ids, num_rows)
-            forced = forced_logits_rows(forced_token_ids, ids, num_rows)
+            forced = forced_logits_rows(scheduler_output.forced_token_ids, ids, num_rows)
             spec_out = self.rejection_sampler(logits, requests, spec_token_ids, forced)
             token_ids, logprobs = spec_out.token_ids, spec_out.logprobs
         return ModelRunnerOutput(
@@ -160,6 +154,62 @@ class ModelRunner:
             logprobs={rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None},
             prompt_logprobs=prompt_logprobs,
         )
+
+    def _sample(
+        self, hidden: torch.Tensor, requests: list[Request], scheduler_output: SchedulerOutput
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
+        """One token per request from its row of ``hidden`` ``[num_reqs, hidden_size]``, and
+        its logprobs where asked.
+
+        A row that only needs the argmax of its raw logits (greedy, no logprobs, no logits
+        processor at this step, no grammar, no forced token) takes the model's greedy head
+        where it has one (``greedy_tokens``: the same token as the argmax of every logit, bit
+        for bit, from a fraction of the work); the others, and any row it leaves undecided,
+        get their logits computed and go through the sampler.
+        """
+        ids = [r.request_id for r in requests]
+        greedy = self._greedy_tokens(hidden, requests, scheduler_output)
+        rest = [i for i in range(len(requests)) if i not in greedy]
+        token_ids: list[list[int]] = [[greedy[i]] if i in greedy else [] for i in range(len(ids))]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(ids)
+        if not rest:
+            return token_ids, logprobs
+        rest_ids = [ids[i] for i in rest]
+        logits = self.model.compute_logits(
+            hidden if len(rest) == len(ids) else hidden[rest]
+        ).float()
+        num_rows = [1] * len(rest)
+        _apply_grammar_bitmask(logits, scheduler_output, rest_ids, num_rows)
+        forced = forced_logits_rows(scheduler_output.forced_token_ids, rest_ids, num_rows)
+        out = self.sampler(logits, [requests[i] for i in rest], forced)
+        for i, token, lp in zip(rest, out.token_ids, out.logprobs, strict=True):
+            token_ids[i] = [token]
+            logprobs[i] = None if lp is None else [lp]
+        return token_ids, logprobs
+
+    def _greedy_tokens(
+        self, hidden: torch.Tensor, requests: list[Request], scheduler_output: SchedulerOutput
+    ) -> dict[int, int]:
+        """``{row: token}`` for the rows the model's greedy head decided (see :meth:`_sample`)."""
+        greedy_tokens = getattr(self.model, "greedy_tokens", None)
+        if greedy_tokens is None or hidden.device.type != "cpu":
+            return {}
+        constrained = set(scheduler_output.structured_output_request_ids)
+        rows = [
+            i
+            for i, r in enumerate(requests)
+            if r.sampling_params.greedy
+            and r.sampling_params.logprobs is None
+            and not changes_logits(r.sampling_params, len(r.output_token_ids))
+            and r.request_id not in constrained
+            and r.request_id not in scheduler_output.forced_token_ids
+        ]
+        if not rows:
+            return {}
+        tokens = greedy_tokens(hidden if len(rows) == len(requests) else hidden[rows])
+        if tokens is None:
+            return {}
+        return {i: t for i, t in zip(rows, tokens.tolist(), strict=True) if t >= 0}
 
     def _run_stage(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -235,10 +285,14 @@ class ModelRunner:
         -1): a 16-token prompt and a one-token decode, then their logits. The first forward pass
         of a process pays for what later ones reuse (the kernels' libraries loaded, the thread
         pool started, the allocator's pages touched: 0.25 s for a 2-token request here), so the
-        engine pays it before it reports ready, not its first request."""
+        engine pays it before it reports ready, not its first request (the greedy head's
+        bfloat16 screen is built here too)."""
         hidden, last_rows = self._dummy_forward([16, 1], self.kv_caches)
         if get_pp_state().is_last_rank:
             self.model.compute_logits(hidden[last_rows])
+            greedy_tokens = getattr(self.model, "greedy_tokens", None)
+            if greedy_tokens is not None and hidden.device.type == "cpu":
+                greedy_tokens(hidden[last_rows])  # builds the greedy head's screen
 
     def _dummy_forward(
         self, lens: list[int], kv_caches: list[tuple[torch.Tensor, torch.Tensor]]

@@ -28,7 +28,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kvpilot.kernels.cpu import gemm, huge_pages
+from kvpilot.kernels.cpu import gemm, greedy_head, huge_pages
 
 _ONEDNN = torch.backends.mkldnn.is_available() and hasattr(
     torch.ops.mkldnn, "_reorder_linear_weight"
@@ -152,3 +152,38 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         x.reshape(-1, x.shape[-1]), packed, bias, "none", [], ""
     )
     return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def greedy_tokens(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """Each row's ``argmax(linear(x, weight))`` (the first index of the largest float32
+    product) from :mod:`kvpilot.kernels.cpu.greedy_head`: a bfloat16 screen with a rigorous
+    bound and the float32 products of the few columns it cannot rule out, in the GEMM kernel's
+    order, so the same indices as the full product, bit for bit.
+
+    Args:
+        x: ``[M, in_features]`` float32 on the CPU (the LM head's input rows).
+        weight: ``[out_features, in_features]`` float32, dense or packed by :func:`prepack`.
+            Its screen (a bfloat16 copy, half the float32 weight's bytes) is built on the first
+            call and kept on the packed weight.
+
+    Returns:
+        ``[M]`` int64, -1 for a row the screen leaves undecided (a value that is not finite,
+        or logits all nearly equal); None where the screen does not apply: another dtype or
+        device, the GEMM kernel not in use, or a CPU without AVX-512 BF16 (see
+        :func:`greedy_head.available`).
+    """
+    if not (x.dim() == 2 and greedy_head.available()):
+        return None
+    if is_packed(weight):
+        packed = weight
+    elif _eligible(x, weight):
+        packed = _packed(weight)
+    else:
+        return None
+    if not isinstance(packed, gemm.PackedWeight) or packed.gated:
+        return None
+    if not hasattr(packed, "_kvpilot_screen"):
+        packed._kvpilot_screen = greedy_head.build_screen(packed)
+    if packed._kvpilot_screen is None:  # a weight that is not finite
+        return None
+    return greedy_head.greedy_tokens(x, packed, packed._kvpilot_screen)

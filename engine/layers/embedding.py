@@ -20,6 +20,7 @@ from kvpilot.engine.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from kvpilot.engine.layers import cpu_gemm
 from kvpilot.engine.layers.cpu_gemm import linear
 from kvpilot.engine.layers.weight_loading import CheckpointTensor, load_shard
 
@@ -92,3 +93,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size == 1:
             return logits
         return tensor_model_parallel_all_gather(logits, dim=-1)[..., : self.vocab_size]
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``forward(hidden).argmax(dim=-1)`` (``[n, hidden_size]`` -> ``[n]`` int64, the
+        first index of each row's largest logit) without every logit where the CPU's greedy
+        head applies (:func:`kvpilot.engine.layers.cpu_gemm.greedy_tokens`: the same indices,
+        bit for bit); -1 for a row it leaves undecided; None where it does not apply (another
+        dtype or device, tensor parallelism)."""
+        if self.tp_size != 1:
+            return None
+        return cpu_gemm.greedy_tokens(hidden, self.weight)

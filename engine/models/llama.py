@@ -590,6 +590,16 @@ class LlamaForCausalLM(nn.Module):
             logits = logits / self.logits_scaling
         return logits.float()
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor | None:
+        """``compute_logits(hidden).argmax(dim=-1)`` (``[n, hidden_size]`` -> ``[n]`` int64),
+        bit for bit, without every logit where the CPU's greedy head applies
+        (``ParallelLMHead.greedy_tokens``); -1 for a row it leaves undecided; None where it
+        does not apply (a ``logits_scaling``, whose division can tie logits, another dtype or
+        device, tensor parallelism)."""
+        if self.logits_scaling != 1.0 or isinstance(self.lm_head, PPMissingLayer):
+            return None
+        return self.lm_head.greedy_tokens(hidden)
+
     def load_weights(self, weights: Iterable[tuple[str, CheckpointTensor]]) -> set[str]:
         """Copy checkpoint tensors (Hugging Face names), or this rank's shards of them, into
         the parameters.

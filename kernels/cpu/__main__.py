@@ -16,11 +16,11 @@ import logging
 import sys
 from types import ModuleType
 
-from kvpilot.kernels.cpu import elementwise, extension, gemm, paged_attention, prebuilt
+from kvpilot.kernels.cpu import elementwise, extension, gemm, greedy_head, paged_attention, prebuilt
 
 # The wrappers of the CPU kernels: each has ``KERNEL`` (an ``extension.Kernel``) and
 # ``enabled()``.
-WRAPPERS: tuple[ModuleType, ...] = (paged_attention, elementwise, gemm)
+WRAPPERS: tuple[ModuleType, ...] = (paged_attention, elementwise, gemm, greedy_head)
 
 
 def main() -> int:

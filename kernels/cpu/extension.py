@@ -58,6 +58,13 @@ def env_enabled(env_var: str) -> bool:
     return os.environ.get(env_var, "1").strip().lower() not in ("0", "false", "off", "no")
 
 
+def cpu_supported(load_extension: Callable[[], ModuleType | None]) -> bool:
+    """Whether a kernel whose extension has a ``supported()`` check (the CPU's instruction
+    sets) loads and runs on this CPU (builds on the first call)."""
+    ext = load_extension()
+    return ext is not None and bool(ext.supported())
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernel:
     """One C++ CPU kernel: extension ``name`` (its ``TORCH_EXTENSION_NAME``) compiled from

@@ -62,13 +62,7 @@
 #include <vector>
 
 #include "silu.h"
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define KVPILOT_X86 1
-#include <immintrin.h>
-#else
-#define KVPILOT_X86 0
-#endif
+#include "x86.h"
 
 namespace {
 

@@ -43,7 +43,7 @@ KERNEL = extension.Kernel(
     SOURCE,
     "CPU GEMM kernel",
     "float32 linear layers keep oneDNN",
-    headers=(SOURCE.with_name("silu.h"),),
+    headers=(SOURCE.with_name("silu.h"), SOURCE.with_name("x86.h")),
 )
 PANEL = 32
 """Output features per panel of a packed weight."""
@@ -64,10 +64,7 @@ load_extension = extension.loader(KERNEL)
 def available() -> bool:
     """Whether the kernel runs here: enabled, built (builds on the first call) and an AVX-512
     CPU."""
-    if not enabled():
-        return False
-    ext = load_extension()
-    return ext is not None and bool(ext.supported())
+    return enabled() and extension.cpu_supported(load_extension)
 
 
 class PackedWeight(torch.Tensor):
