@@ -12,8 +12,9 @@ order, so a sequence's blocks are mostly adjacent).
     taskset -c 1 python benchmarks/step_breakdown.py --threads 1
     taskset -c 0-1 python benchmarks/step_breakdown.py --threads 2
 
-The GEMM figure includes the LM head (which goes through the same kernel) but not the gate/up
-projections with their SwiGLU epilogue (a line of their own); what the forward
+The GEMM figure includes the LM head where its logits are computed (which goes through the same
+kernel; greedy rows take the greedy head, a line of its own) but not the gate/up projections
+with their SwiGLU epilogue (a line of their own); what the forward
 pass spends outside the timed kernels is Python and torch's own small ops. Numbers go to
 docs/benchmarks.md.
 """
@@ -94,6 +95,7 @@ def main() -> None:
     clock.wrap(runner, "execute_model", "model runner")
     clock.wrap(runner.model, "forward", "forward")
     clock.wrap(runner.model, "compute_logits", "LM head")
+    clock.wrap(runner.model, "greedy_tokens", "LM head, greedy")
     clock.wrap(gemm, "packed_linear", "GEMM kernel")
     clock.wrap(gemm, "packed_silu_and_mul", "GEMM kernel, gate/up and SwiGLU")
     clock.wrap(paged_attention, "paged_attention", "attention kernel")
