@@ -10,6 +10,7 @@ last passes its own on; only the last computes logits and samples.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -191,8 +192,8 @@ class ModelRunner:
         self, hidden: torch.Tensor, requests: list[Request], scheduler_output: SchedulerOutput
     ) -> dict[int, int]:
         """``{row: token}`` for the rows the model's greedy head decided (see :meth:`_sample`)."""
-        greedy_tokens = getattr(self.model, "greedy_tokens", None)
-        if greedy_tokens is None or hidden.device.type != "cpu":
+        greedy_tokens = self._greedy_head()
+        if greedy_tokens is None:
             return {}
         constrained = set(scheduler_output.structured_output_request_ids)
         rows = [
@@ -210,6 +211,11 @@ class ModelRunner:
         if tokens is None:
             return {}
         return {i: t for i, t in zip(rows, tokens.tolist(), strict=True) if t >= 0}
+
+    def _greedy_head(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
+        """The model's greedy head (``greedy_tokens``) on the CPU, where it has one; else None
+        (a GPU computes the logits; the CPU kernel is not even built there)."""
+        return getattr(self.model, "greedy_tokens", None) if self.device.type == "cpu" else None
 
     def _run_stage(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata
@@ -290,8 +296,8 @@ class ModelRunner:
         hidden, last_rows = self._dummy_forward([16, 1], self.kv_caches)
         if get_pp_state().is_last_rank:
             self.model.compute_logits(hidden[last_rows])
-            greedy_tokens = getattr(self.model, "greedy_tokens", None)
-            if greedy_tokens is not None and hidden.device.type == "cpu":
+            greedy_tokens = self._greedy_head()
+            if greedy_tokens is not None:
                 greedy_tokens(hidden[last_rows])  # builds the greedy head's screen
 
     def _dummy_forward(

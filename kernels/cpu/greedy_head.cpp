@@ -53,6 +53,7 @@ constexpr int64_t kCols = 64;   // tokens per bfloat16 panel (4 vectors of 16)
 constexpr int64_t kPanel = 32;  // tokens per float32 panel (gemm.cpp's kPanel)
 constexpr int64_t kChunk = 128; // gemm.cpp's summation chunk
 constexpr int kRows = 6;        // rows of x a screen call takes (24 accumulators)
+constexpr int64_t kGroupRows = 10 * kRows;  // rows screened before they are decided
 constexpr int64_t kPrefetch = 16;  // feature pairs ahead the screen's panel is prefetched
 constexpr double kInflate = 1.0 + 1.0 / 65536;  // 1 + 2^-16
 constexpr float kTiny = 0x1p-90f;
@@ -297,9 +298,8 @@ void greedy_tokens(torch::Tensor tokens, const torch::Tensor& x, const torch::Te
   int64_t* out = tokens.data_ptr<int64_t>();
   // x̂ as feature pairs, and each row's ρ and σ (see the header).
   thread_local std::vector<uint32_t> xb;
-  thread_local std::vector<float> a;
+  thread_local std::vector<float> a;  // one group's screened logits, kept between calls
   xb.assign(static_cast<size_t>(M * K2), 0);
-  a.resize(static_cast<size_t>(M * P * kCols));
   std::vector<float> rho(M), sigma(M);
   std::vector<char> finite(M);
   const double gamma = 2.0 * static_cast<double>(K) * 0x1p-24;
@@ -322,25 +322,33 @@ void greedy_tokens(torch::Tensor tokens, const torch::Tensor& x, const torch::Te
     sigma[m] = round_up(std::sqrt(norm) * kInflate);
   }
   const int64_t lda = P * kCols;
-  float* ap = a.data();
-  const uint32_t* xbp = xb.data();
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m));
-        kScreenCalls[rows](xbp + m * K2, K2, K2, sp + p * K2 * kCols * 2, ap + m * lda + p * kCols,
-                           lda);
-      }
-  });
   const float* np = norms.data_ptr<float>();
   const float* gp = gaps.data_ptr<float>();
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    std::vector<int64_t> candidates;
-    for (int64_t m = m0; m < m1; ++m)
-      out[m] = finite[m] ? decide(ap + m * lda, np, gp, N, rho[m], sigma[m], xp + m * K, wp, K,
-                                  max_candidates, candidates)
-                         : -1;
-  });
+  // Rows in groups of kGroupRows, so that the screened logits held at once stay bounded
+  // (kGroupRows x N floats: 11.8 MB for a 49,152-token vocabulary).
+  for (int64_t g0 = 0; g0 < M; g0 += kGroupRows) {
+    const int64_t rows_here = std::min(kGroupRows, M - g0);
+    a.resize(static_cast<size_t>(rows_here * lda));
+    float* ap = a.data();
+    const uint32_t* xbp = xb.data() + g0 * K2;
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p)
+        for (int64_t m = 0; m < rows_here; m += kRows) {
+          const int rows = static_cast<int>(std::min<int64_t>(kRows, rows_here - m));
+          kScreenCalls[rows](xbp + m * K2, K2, K2, sp + p * K2 * kCols * 2,
+                             ap + m * lda + p * kCols, lda);
+        }
+    });
+    at::parallel_for(0, rows_here, 1, [&](int64_t m0, int64_t m1) {
+      std::vector<int64_t> candidates;
+      for (int64_t m = m0; m < m1; ++m) {
+        const int64_t row = g0 + m;
+        out[row] = finite[row] ? decide(ap + m * lda, np, gp, N, rho[row], sigma[row],
+                                        xp + row * K, wp, K, max_candidates, candidates)
+                               : -1;
+      }
+    });
+  }
 #endif
 }
 
