@@ -18,10 +18,16 @@
 //     |f_j - t_j| ≤ γ ||w_j|| ||x||                      (Cauchy-Schwarz on Σ |w_jk x_k|)
 //     |a_j - t_j| ≤ ||ŵ_j|| ||x̂ - x|| + ||ŵ_j - w_j|| ||x|| + γ ||ŵ_j|| ||x̂||
 //
-// (products of two bfloat16 values are exact in float32; the subnormals a BF16 unit may flush
-// are covered by a constant 2^-90). So |a_j - f_j| ≤ e_j = n_j ρ + g_j σ + 2^-90 with
-// n_j ≥ max(||w_j||, ||ŵ_j||) and g_j ≥ ||ŵ_j - w_j|| per token (once, rounded up), and per row
-// ρ = ||x̂ - x|| + γ (||x|| + ||x̂||), σ = ||x|| (in double, times 1 + 2^-16, rounded up).
+// (products of two bfloat16 values are exact in float32). A BF16 unit may take subnormal
+// inputs as zero (Intel's vdpbf16ps does), so ŵ and x̂ are rounded with subnormals flushed to
+// zero here: the unit sees exactly ŵ and x̂ whatever it does with subnormals (a helper's test
+// with subnormal weights against x = 1e30 found the bound short without it). Products and sums
+// it flushes cost at most 2^-126 each, 2K of them: the constant 2^-90. And should the float32
+// kernel run with its own subnormals flushed (torch.set_flush_denormal), f_j moves by at most
+// 2^-126 (||x||_1 + ||w_j||_1) ≤ 2^-126 (||x||_1 + √K n_j). So |a_j - f_j| ≤ e_j =
+// n_j ρ + g_j σ + τ with n_j ≥ max(||w_j||, ||ŵ_j||) and g_j ≥ ||ŵ_j - w_j|| per token (once,
+// rounded up), and per row ρ = ||x̂ - x|| + γ (||x|| + ||x̂||) + 2^-126 √K, σ = ||x||,
+// τ = 2^-90 + 2^-126 ||x||_1 (in double, times 1 + 2^-16, rounded up).
 // If j* is the argmax of f, then a_j* + e_j* ≥ f_j* ≥ f_k ≥ a_k - e_k for every k, so j* (and
 // every token tied with it) is among the candidates {j : a_j + e_j ≥ L}, L = max_k (a_k - e_k).
 // Their float32 logits are then computed as the kernel computes them, and the first largest
@@ -56,7 +62,8 @@ constexpr int kRows = 6;        // rows of x a screen call takes (24 accumulator
 constexpr int64_t kGroupRows = 10 * kRows;  // rows screened before they are decided
 constexpr int64_t kPrefetch = 16;  // feature pairs ahead the screen's panel is prefetched
 constexpr double kInflate = 1.0 + 1.0 / 65536;  // 1 + 2^-16
-constexpr float kTiny = 0x1p-90f;
+constexpr double kTiny = 0x1p-90;       // flushed products and sums (see the header)
+constexpr double kSubnormal = 0x1p-126;  // the largest float32 subnormal, rounded up
 
 void check(bool ok, const std::string& message) {
   TORCH_CHECK(ok, "kvpilot greedy head: ", message);
@@ -73,13 +80,15 @@ bool cpu_supported() {
 
 bool supported() { return cpu_supported(); }
 
-// float32 -> bfloat16 bits, round to nearest even (as torch's conversion; NaN stays a NaN).
+// float32 -> bfloat16 bits, round to nearest even (as torch's conversion; NaN stays a NaN),
+// a subnormal result flushed to a zero of its sign (what a BF16 unit may take it for).
 uint16_t to_bf16(float value) {
   uint32_t bits;
   std::memcpy(&bits, &value, sizeof(bits));
   if (std::isnan(value)) return static_cast<uint16_t>((bits >> 16) | 0x40);
   bits += 0x7FFF + ((bits >> 16) & 1);
-  return static_cast<uint16_t>(bits >> 16);
+  const auto out = static_cast<uint16_t>(bits >> 16);
+  return (out & 0x7F80) == 0 ? static_cast<uint16_t>(out & 0x8000) : out;
 }
 
 float from_bf16(uint16_t value) {
@@ -200,13 +209,17 @@ __attribute__((target("avx512f,fma"))) float exact_logit(const float* x, const f
   return y;
 }
 
-// e_j of the 16 tokens from `at` (those of mask m), as in the header: fma(n, ρ, g σ + 2^-90).
+// A row's terms of the bound (see the header), each rounded up.
+struct RowBound {
+  float rho, sigma, tau;
+};
+
+// e_j of the 16 tokens from `at` (those of mask m), as in the header: fma(n, ρ, g σ + τ).
 __attribute__((target("avx512f"))) inline __m512 bound_at(const float* norms, const float* gaps,
                                                         int64_t at, __mmask16 m, __m512 rho,
-                                                        __m512 sigma) {
+                                                        __m512 sigma, __m512 tau) {
   return _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, norms + at), rho,
-                         _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gaps + at), sigma,
-                                         _mm512_set1_ps(kTiny)));
+                         _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, gaps + at), sigma, tau));
 }
 
 inline __mmask16 tail_mask(int64_t left) {
@@ -215,12 +228,13 @@ inline __mmask16 tail_mask(int64_t left) {
 
 // The token of one row from its screened logits a[N] (see the header), or -1.
 __attribute__((target("avx512f,fma"))) int64_t decide(const float* a, const float* norms,
-                                                    const float* gaps, int64_t N, float rho,
-                                                    float sigma, const float* x,
+                                                    const float* gaps, int64_t N,
+                                                    const RowBound& bound, const float* x,
                                                     const float* panels, int64_t K,
                                                     int64_t max_candidates,
                                                     std::vector<int64_t>& candidates) {
-  const __m512 vrho = _mm512_set1_ps(rho), vsigma = _mm512_set1_ps(sigma);
+  const __m512 vrho = _mm512_set1_ps(bound.rho), vsigma = _mm512_set1_ps(bound.sigma);
+  const __m512 vtau = _mm512_set1_ps(bound.tau);
   const __m512 largest = _mm512_set1_ps(std::numeric_limits<float>::max());
   __m512 lo_max = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   __m512 a_max = _mm512_setzero_ps(), e_max = _mm512_setzero_ps();
@@ -228,7 +242,7 @@ __attribute__((target("avx512f,fma"))) int64_t decide(const float* a, const floa
   for (; j < N; j += 16) {
     const __mmask16 m = tail_mask(N - j);
     const __m512 av = _mm512_maskz_loadu_ps(m, a + j);
-    const __m512 e = bound_at(norms, gaps, j, m, vrho, vsigma);
+    const __m512 e = bound_at(norms, gaps, j, m, vrho, vsigma, vtau);
     const __m512 magnitude = _mm512_abs_ps(av);
     // Not finite: a NaN is unordered with itself; an infinity exceeds the largest float.
     if (_mm512_mask_cmp_ps_mask(m, av, av, _CMP_UNORD_Q) |
@@ -245,7 +259,7 @@ __attribute__((target("avx512f,fma"))) int64_t decide(const float* a, const floa
   for (j = 0; j < N; j += 16) {
     const __mmask16 m = tail_mask(N - j);
     const __m512 hi = _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + j),
-                                    bound_at(norms, gaps, j, m, vrho, vsigma));
+                                    bound_at(norms, gaps, j, m, vrho, vsigma, vtau));
     uint32_t hit = _mm512_mask_cmp_ps_mask(m, hi, threshold, _CMP_GE_OQ);
     while (hit) {
       candidates.push_back(j + __builtin_ctz(hit));
@@ -296,18 +310,19 @@ void greedy_tokens(torch::Tensor tokens, const torch::Tensor& x, const torch::Te
   const float* wp = panels.data_ptr<float>();
   const auto* sp = reinterpret_cast<const uint16_t*>(screen.data_ptr());
   int64_t* out = tokens.data_ptr<int64_t>();
-  // x̂ as feature pairs, and each row's ρ and σ (see the header).
+  // x̂ as feature pairs, and each row's ρ, σ and τ (see the header).
   thread_local std::vector<uint32_t> xb;
   thread_local std::vector<float> a;  // one group's screened logits, kept between calls
   xb.assign(static_cast<size_t>(M * K2), 0);
-  std::vector<float> rho(M), sigma(M);
+  std::vector<RowBound> bounds(M);
   std::vector<char> finite(M);
   const double gamma = 2.0 * static_cast<double>(K) * 0x1p-24;
   for (int64_t m = 0; m < M; ++m) {
-    double norm = 0, norm_bf16 = 0, gap = 0;
+    double norm = 0, norm_bf16 = 0, gap = 0, l1 = 0;
     bool ok = true;
     for (int64_t k = 0; k < K; ++k) {
       const float v = xp[m * K + k];
+      l1 += std::fabs(static_cast<double>(v));
       ok = ok && std::isfinite(v);
       const uint16_t bits = to_bf16(v);
       xb[m * K2 + k / 2] |= static_cast<uint32_t>(bits) << (16 * (k % 2));
@@ -317,9 +332,10 @@ void greedy_tokens(torch::Tensor tokens, const torch::Tensor& x, const torch::Te
       gap += (b - v) * (b - v);
     }
     finite[m] = ok;
-    rho[m] = round_up((std::sqrt(gap) + gamma * (std::sqrt(norm) + std::sqrt(norm_bf16))) *
-                      kInflate);
-    sigma[m] = round_up(std::sqrt(norm) * kInflate);
+    bounds[m] = {round_up((std::sqrt(gap) + gamma * (std::sqrt(norm) + std::sqrt(norm_bf16)) +
+                           kSubnormal * std::sqrt(static_cast<double>(K))) *
+                          kInflate),
+                 round_up(std::sqrt(norm) * kInflate), round_up((kTiny + kSubnormal * l1) * kInflate)};
   }
   const int64_t lda = P * kCols;
   const float* np = norms.data_ptr<float>();
@@ -343,8 +359,8 @@ void greedy_tokens(torch::Tensor tokens, const torch::Tensor& x, const torch::Te
       std::vector<int64_t> candidates;
       for (int64_t m = m0; m < m1; ++m) {
         const int64_t row = g0 + m;
-        out[row] = finite[row] ? decide(ap + m * lda, np, gp, N, rho[row], sigma[row],
-                                        xp + row * K, wp, K, max_candidates, candidates)
+        out[row] = finite[row] ? decide(ap + m * lda, np, gp, N, bounds[row], xp + row * K, wp,
+                                        K, max_candidates, candidates)
                                : -1;
       }
     });

@@ -94,6 +94,28 @@ def test_a_token_the_bfloat16_screen_ranks_first_loses_to_the_float32_one() -> N
     assert screened.item() == 0
 
 
+def test_subnormal_weights_and_hidden_states_are_inside_the_bound() -> None:
+    # A BF16 unit may take subnormal inputs as zero (found by a walkthrough: token 0's weights,
+    # all 1e-39, screened as 0 against x = 1e30 lost to token 1). Both ways round:
+    w = torch.zeros(100, 64)
+    w[0] = 1e-39  # subnormal weights...
+    w[1, 0] = 2e-38
+    w[2:] = -1e-38 * (1 + _randn(98, 64, seed=10).abs())
+    x = torch.full((1, 64), 1e30)  # ...against a large hidden state
+    full, screened = _both(x, w)
+    assert full.item() == 0
+    assert screened.item() == 0
+    w = torch.zeros(100, 64)
+    w[0, 1:] = 1e30  # large weights...
+    w[1, 0] = 1e30
+    w[2:] = -1e30 * (1 + _randn(98, 64, seed=11).abs())
+    x = torch.full((1, 64), 1e-39)  # ...against a subnormal hidden state but for one feature
+    x[0, 0] = 2e-38
+    full, screened = _both(x, w)
+    assert full.item() == 0
+    assert screened.item() == 0
+
+
 def test_the_real_head_on_real_hidden_states(default_model_dir) -> None:
     from transformers import AutoModelForCausalLM
 
