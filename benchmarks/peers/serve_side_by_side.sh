@@ -10,6 +10,8 @@
 # SERVERS: vllm; kvpilot (its engine core in a process of its own, the default);
 # kvpilot-thread (`--no-engine-core-process`: the engine core on a thread of the API's process).
 # KVPILOT_ARGS: more flags for kvpilot's server (e.g. "--max-num-batched-tokens 512").
+# TEMPERATURE: the requests' temperature (e.g. 0 for greedy); unset, `vllm bench serve` sends
+# none and each server samples at its default.
 # Prints vLLM bench's own report per run; JSON results under $OUT (default /tmp/serve-bench).
 set -euo pipefail
 REPO=$(cd "$(dirname "$0")/../.." && pwd)
@@ -20,6 +22,7 @@ PROMPTS=${PROMPTS:-16}
 RATE=${RATE:-2}
 OUT=${OUT:-/tmp/serve-bench}
 SERVERS=${SERVERS:-vllm kvpilot}
+TEMPERATURE=${TEMPERATURE:-}
 VLLM_PY=$("$REPO/benchmarks/peers/install-vllm.sh" | tail -1)
 MODEL=$("$REPO/.venv/bin/python" -c "from kvpilot.engine.model_loader import resolve_model; print(resolve_model(None))")
 NAME=smollm2
@@ -60,6 +63,7 @@ bench() {  # label port rate
     --tokenizer "$MODEL" --dataset-name random --random-input-len 128 --random-output-len 32 \
     --num-prompts "$PROMPTS" --request-rate "$3" --ignore-eos --seed 0 \
     --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,99 \
+    ${TEMPERATURE:+--temperature "$TEMPERATURE"} \
     --save-result --result-dir "$OUT" --result-filename "$1.json" 2>&1 \
     | sed -n '/Serving Benchmark Result/,/^=\+$/p'
 }
