@@ -93,7 +93,14 @@ def changes_logits(params: SamplingParams, num_output_tokens: int) -> bool:
         or params.bad_words_token_ids
         or num_output_tokens < params.min_tokens
         or params.logit_bias
-        or params.repetition_penalty != 1.0
+        or _penalized(params)
+    )
+
+
+def _penalized(params: SamplingParams) -> bool:
+    """Whether a row has a repetition, frequency or presence penalty."""
+    return (
+        params.repetition_penalty != 1.0
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
     )
@@ -105,11 +112,7 @@ def _apply_penalties(
     prompt_token_ids: list[list[int]],
     output_token_ids: list[list[int]],
 ) -> None:
-    rows = [
-        i
-        for i, p in enumerate(params)
-        if p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
-    ]
+    rows = [i for i, p in enumerate(params) if _penalized(p)]
     if not rows:
         return
     vocab_size = logits.shape[1]
