@@ -34,6 +34,7 @@ from typing import Any
 
 from kvpilot.engine import engine_core
 from kvpilot.engine.output_delta import OutputDeltaEncoder
+from kvpilot.engine.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger("kvpilot.engine")
 
@@ -60,6 +61,7 @@ def run_engine_core(
 
         engine = LLMEngine.from_engine_args(engine_args)
         info = engine_core.EngineCoreInfo.from_engine(engine)
+        freeze_startup_heap()
     except BaseException as exc:  # noqa: BLE001 - reported to the API, which stops
         _send_quietly(conn, ("load_failed", picklable(exc)))
         return

@@ -35,6 +35,7 @@ from kvpilot.engine.executor.abstract import DistributedExecutor, EngineDeadErro
 from kvpilot.engine.executor.worker import Worker, WorkerConfig
 from kvpilot.engine.executor.worker_input import WorkerInputEncoder
 from kvpilot.engine.model_shape import ModelShape, check_tensor_parallel_size
+from kvpilot.engine.startup_heap import freeze_startup_heap
 from kvpilot.ports import free_port
 
 logger = logging.getLogger("kvpilot.engine")
@@ -285,6 +286,7 @@ def _worker_main(
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
+    freeze_startup_heap()
     conn.send(("ok", None))
     try:
         while True:

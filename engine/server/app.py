@@ -75,6 +75,7 @@ from kvpilot.engine.server.serving_tokenization import (
     tokenize_request_type,
 )
 from kvpilot.engine.server.tool_parsers import TOOL_PARSERS
+from kvpilot.engine.startup_heap import freeze_startup_heap
 
 logger = logging.getLogger("kvpilot.server")
 
@@ -255,6 +256,8 @@ def create_app(
             if on_load_error is not None:
                 on_load_error(exc)
             return
+        # The engine client, tokenizer and app live as long as the process (startup_heap).
+        freeze_startup_heap()
         logger.info("model %s ready", config.served_model_names[0])
 
     @asynccontextmanager
