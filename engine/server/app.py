@@ -41,6 +41,7 @@ from kvpilot.engine.async_llm import AsyncLLM
 from kvpilot.engine.chat_content_format import CHAT_TEMPLATE_CONTENT_FORMATS
 from kvpilot.engine.engine_core import EngineDeadError
 from kvpilot.engine.metrics import PrometheusStatLogger
+from kvpilot.engine.server import invocations
 from kvpilot.engine.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from kvpilot.engine.server.async_tokenizer import AsyncTokenizer
 from kvpilot.engine.server.auth import APIKeyMiddleware
@@ -390,6 +391,14 @@ def create_app(
         serving = ready_state().chat
         body = _from_headers(body, raw)
         return await _respond(raw, serving.create_chat_completion(body, now()))
+
+    @app.post(invocations.PATH)  # vLLM's (SageMaker's) route for either of the two above
+    async def invoke(raw: Request) -> Response:
+        kind = raw.headers.get("content-type")
+        body = read_body(await raw.body(), kind, invocations.invocation_request_type)
+        if isinstance(body, ChatCompletionRequest):
+            return await chat_completions(body, raw)
+        return await completions(body, raw)
 
     @v1.post("/messages")
     @server_load.track

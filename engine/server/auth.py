@@ -3,8 +3,8 @@
 A plain ASGI middleware rather than a FastAPI dependency: dependencies run after the body has
 been read and validated, so a request without a key would learn from a 400 what its body got
 wrong before it is told it may not ask at all. Here a request to ``/v1/...`` (or
-``/kv_events``) without ``Authorization: Bearer <key>`` is answered 401 before its body is read,
-as vLLM's server does; ``/health``, ``/version`` and ``/metrics`` stay open (probes and
+``/kv_events``, or ``/invocations``, which vLLM leaves open) without ``Authorization: Bearer
+<key>`` is answered 401 before its body is read, as vLLM's server does; ``/health``, ``/version`` and ``/metrics`` stay open (probes and
 Prometheus scrape them without a key).
 """
 
@@ -17,12 +17,13 @@ from http import HTTPStatus
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kvpilot.engine.server import invocations
 from kvpilot.engine.server.anthropic_protocol import error_body as anthropic_error_body
 from kvpilot.engine.server.errors import error_response
 
 # Paths (a prefix, or the whole path) that need the key.
 PROTECTED_PREFIX = "/v1"
-PROTECTED_PATHS = frozenset({"/v1", "/kv_events"})
+PROTECTED_PATHS = frozenset({"/v1", "/kv_events", invocations.PATH})
 ANTHROPIC_PREFIX = "/v1/messages"
 """Anthropic's routes, whose 401 has Anthropic's error body."""
 

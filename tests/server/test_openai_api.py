@@ -108,6 +108,39 @@ def test_vllm_routes_and_names_a_client_may_rely_on(http, server, offline):
     assert 50e6 < rss < 64e9
 
 
+def test_invocations_serves_a_chat_or_a_completion_by_its_body_as_vllm_routes_it(
+    http, server, offline
+):
+    # SageMaker's one route: a body with a prompt is a completion, one with messages a chat.
+    completion = http.post(
+        "/invocations", json={"prompt": PROMPT, "max_tokens": 5, "temperature": 0}
+    ).json()
+    assert completion["object"] == "text_completion"
+    assert completion["choices"][0]["text"] == offline_text(
+        offline, PROMPT, temperature=0, max_tokens=5
+    )
+    chat = {"messages": CHAT, "max_tokens": 6, "temperature": 0}
+    answer = http.post("/invocations", json=chat).json()
+    assert answer["object"] == "chat.completion"
+    direct = http.post("/v1/chat/completions", json=chat).json()
+    assert answer["choices"][0]["message"]["content"] == direct["choices"][0]["message"]["content"]
+    assert answer["usage"] == direct["usage"]
+    # Streamed when the body asks, as the chat route streams.
+    with http.stream("POST", "/invocations", json={**chat, "stream": True}) as streamed:
+        lines = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert lines[-1] == "data: [DONE]" and '"chat.completion.chunk"' in lines[0]
+    # A chat body with a bad field gets the chat route's own 400; a body that is neither, one
+    # that says what /invocations takes; no key, 401 (vLLM leaves the route open).
+    bad = http.post("/invocations", json={**chat, "temperature": "hot"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "temperature"
+    neither = http.post("/invocations", json={"input": "hello"})
+    assert neither.status_code == 400
+    assert "'messages'" in neither.json()["error"]["message"]
+    unauthorized = httpx.post(f"{server.url}/invocations", json=chat)
+    assert unauthorized.status_code == 401
+
+
 def test_several_api_keys_and_cors_as_vllm_serves_them(server, api_key):
     url = f"{server.url}/v1/models"
     for key in (api_key, SECOND_KEY):

@@ -1,0 +1,41 @@
+"""``POST /invocations``: vLLM's (Amazon SageMaker's) one inference route, a chat completion or a
+completion by what its body holds.
+
+SageMaker sends every inference request to ``/invocations`` (and health checks to ``/ping``);
+vLLM's server answers it by validating the body as a chat completion request, then as a
+completion request, and serving the first that fits. Here the body's keys decide the same way
+(``messages``: chat; ``prompt``: a completion), so that a chat body with a bad field gets the chat
+route's own 400 naming that field instead of a list of request types. The response is the one
+``/v1/chat/completions`` or ``/v1/completions`` gives, streamed when the body asks for it. Unlike
+vLLM, which leaves the route open (SageMaker authenticates at its edge), ``--api-key`` guards it
+as it does ``/v1``.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any
+
+from kvpilot.engine.server.errors import OpenAIError
+from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequest
+
+PATH = "/invocations"
+
+
+def invocation_request_type(body: Any) -> type[ChatCompletionRequest | CompletionRequest]:
+    """The request an ``/invocations`` body is: a chat completion when it has ``messages``, a
+    completion when it has ``prompt``.
+
+    Raises:
+        OpenAIError: 400 for a body that is neither (not a JSON object, or no such key).
+    """
+    if isinstance(body, dict):
+        if "messages" in body:
+            return ChatCompletionRequest
+        if "prompt" in body:
+            return CompletionRequest
+    raise OpenAIError(
+        HTTPStatus.BAD_REQUEST,
+        "an /invocations body must be a chat completion request (with 'messages') or a "
+        "completion request (with 'prompt')",
+    )
