@@ -137,6 +137,16 @@ def test_invocations_serves_a_chat_or_a_completion_by_its_body_as_vllm_routes_it
     neither = http.post("/invocations", json={"input": "hello"})
     assert neither.status_code == 400
     assert "'messages'" in neither.json()["error"]["message"]
+    # A null messages is no chat (vLLM's order: a chat if it validates, else a completion).
+    completed = http.post(
+        "/invocations", json={"messages": None, "prompt": PROMPT, "max_tokens": 2}
+    )
+    assert completed.json()["object"] == "text_completion"
+    # JSON under another content type: the 400 says so, as /v1/completions does.
+    form = http.post(
+        "/invocations", content=b'{"prompt": "hi"}', headers={"Content-Type": "text/plain"}
+    )
+    assert form.status_code == 400 and "Content-Type" in form.json()["error"]["message"]
     unauthorized = httpx.post(f"{server.url}/invocations", json=chat)
     assert unauthorized.status_code == 401
 
