@@ -28,7 +28,7 @@ from kvpilot.engine.prompt_logprobs import compute_prompt_logprobs, rows_per_sli
 from kvpilot.engine.request import Request
 from kvpilot.engine.sampler import Sampler
 from kvpilot.engine.scheduler_output import SchedulerOutput
-from kvpilot.engine.spec_decode.rejection_sampler import RejectionSampler
+from kvpilot.engine.spec_decode.rejection_sampler import RejectionSampler, greedy_verify
 from kvpilot.engine.structured_output import apply_grammar_bitmask
 from kvpilot.engine.thinking_budget import forced_logits_rows
 from kvpilot.kernels.cpu import huge_pages
@@ -141,15 +141,7 @@ class ModelRunner:
         hidden = hidden if prune else hidden[logits_indices]
         requests = [scheduled[i].request for i in rows]
         ids = [r.request_id for r in requests]
-        if not any(spec_token_ids):
-            token_ids, logprobs = self._sample(hidden, requests, scheduler_output)
-        else:
-            logits = self.model.compute_logits(hidden).float()
-            num_rows = [len(d) + 1 for d in spec_token_ids]
-            _apply_grammar_bitmask(logits, scheduler_output, ids, num_rows)
-            forced = forced_logits_rows(scheduler_output.forced_token_ids, ids, num_rows)
-            spec_out = self.rejection_sampler(logits, requests, spec_token_ids, forced)
-            token_ids, logprobs = spec_out.token_ids, spec_out.logprobs
+        token_ids, logprobs = self._sample(hidden, requests, spec_token_ids, scheduler_output)
         return ModelRunnerOutput(
             sampled_token_ids=dict(zip(ids, token_ids, strict=True)),
             logprobs={rid: lp for rid, lp in zip(ids, logprobs, strict=True) if lp is not None},
@@ -157,46 +149,79 @@ class ModelRunner:
         )
 
     def _sample(
-        self, hidden: torch.Tensor, requests: list[Request], scheduler_output: SchedulerOutput
+        self,
+        hidden: torch.Tensor,
+        requests: list[Request],
+        spec_token_ids: list[list[int]],
+        scheduler_output: SchedulerOutput,
     ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None]]:
-        """One token per request from its row of ``hidden`` ``[num_reqs, hidden_size]``, and
-        its logprobs where asked.
+        """The tokens each request emits this step, and their logprobs where asked.
 
-        A row that only needs the argmax of its raw logits (greedy, no logprobs, no logits
-        processor at this step, no grammar, no forced token) takes the model's greedy head
-        where it has one (``greedy_tokens``: the same token as the argmax of every logit, bit
-        for bit, from a fraction of the work); the others, and any row it leaves undecided,
-        get their logits computed and go through the sampler.
+        Args:
+            hidden: ``[num_rows, hidden_size]``, each request's rows in turn: one per draft
+                token of ``spec_token_ids`` and one after the last (one row without drafts).
+            requests: the sampled requests, in row order.
+            spec_token_ids: per request its draft tokens (possibly none).
+            scheduler_output: the step (grammars, forced tokens).
+
+        A request whose every row only needs the argmax of its raw logits (greedy, no logprobs,
+        no logits processor at this step, no grammar, no forced token) takes the model's greedy
+        head where it has one (``greedy_tokens``: the same token as the argmax of every logit,
+        bit for bit, from a fraction of the work): without drafts it emits that argmax; with
+        drafts, greedy verification (``greedy_verify``, what the rejection sampler does for a
+        greedy request). The others, and a request with a row the head leaves undecided, get
+        their logits computed and go through the sampler, or through the rejection sampler
+        when the step verifies drafts (as every request of such a step did before the head).
         """
-        ids = [r.request_id for r in requests]
-        greedy = self._greedy_tokens(hidden, requests, scheduler_output)
+        num_rows = [len(d) + 1 for d in spec_token_ids]
+        starts = list(itertools.accumulate(num_rows, initial=0))
+        greedy = self._greedy_tokens(hidden, requests, starts, scheduler_output)
+        token_ids: list[list[int]] = [
+            greedy_verify(spec_token_ids[i], greedy[i]) if i in greedy else []
+            for i in range(len(requests))
+        ]
+        logprobs: list[list[TokenLogprobs] | None] = [None] * len(requests)
         rest = [i for i in range(len(requests)) if i not in greedy]
-        token_ids: list[list[int]] = [[greedy[i]] if i in greedy else [] for i in range(len(ids))]
-        logprobs: list[list[TokenLogprobs] | None] = [None] * len(ids)
         if not rest:
             return token_ids, logprobs
-        rest_ids = [ids[i] for i in rest]
+        rest_requests = [requests[i] for i in rest]
+        rest_ids = [r.request_id for r in rest_requests]
+        rest_rows = [row for i in rest for row in range(starts[i], starts[i + 1])]
         logits = self.model.compute_logits(
-            hidden if len(rest) == len(ids) else hidden[rest]
+            hidden if len(rest_rows) == hidden.shape[0] else hidden[rest_rows]
         ).float()
-        num_rows = [1] * len(rest)
-        _apply_grammar_bitmask(logits, scheduler_output, rest_ids, num_rows)
-        forced = forced_logits_rows(scheduler_output.forced_token_ids, rest_ids, num_rows)
-        out = self.sampler(logits, [requests[i] for i in rest], forced)
-        for i, token, lp in zip(rest, out.token_ids, out.logprobs, strict=True):
-            token_ids[i] = [token]
-            logprobs[i] = None if lp is None else [lp]
+        rest_num_rows = [num_rows[i] for i in rest]
+        _apply_grammar_bitmask(logits, scheduler_output, rest_ids, rest_num_rows)
+        forced = forced_logits_rows(scheduler_output.forced_token_ids, rest_ids, rest_num_rows)
+        if any(spec_token_ids):
+            rest_drafts = [spec_token_ids[i] for i in rest]
+            spec_out = self.rejection_sampler(logits, rest_requests, rest_drafts, forced)
+            rest_tokens, rest_logprobs = spec_out.token_ids, spec_out.logprobs
+        else:
+            out = self.sampler(logits, rest_requests, forced)
+            rest_tokens = [[token] for token in out.token_ids]
+            rest_logprobs = [None if lp is None else [lp] for lp in out.logprobs]
+        for i, tokens, lp in zip(rest, rest_tokens, rest_logprobs, strict=True):
+            token_ids[i] = tokens
+            logprobs[i] = lp
         return token_ids, logprobs
 
     def _greedy_tokens(
-        self, hidden: torch.Tensor, requests: list[Request], scheduler_output: SchedulerOutput
-    ) -> dict[int, int]:
-        """``{row: token}`` for the rows the model's greedy head decided (see :meth:`_sample`)."""
+        self,
+        hidden: torch.Tensor,
+        requests: list[Request],
+        starts: list[int],
+        scheduler_output: SchedulerOutput,
+    ) -> dict[int, list[int]]:
+        """``{request: its rows' tokens}`` for the requests whose every row (``starts[i]`` to
+        ``starts[i + 1]``) the model's greedy head decided (see :meth:`_sample`)."""
         greedy_tokens = self._greedy_head()
         if greedy_tokens is None:
             return {}
         constrained = set(scheduler_output.structured_output_request_ids)
-        rows = [
+        # changes_logits at the first row covers the drafts' rows: only min_tokens depends on
+        # the output's length, and a longer output reaches it sooner.
+        eligible = [
             i
             for i, r in enumerate(requests)
             if r.sampling_params.greedy
@@ -205,12 +230,21 @@ class ModelRunner:
             and r.request_id not in constrained
             and r.request_id not in scheduler_output.forced_token_ids
         ]
-        if not rows:
+        if not eligible:
             return {}
-        tokens = greedy_tokens(hidden if len(rows) == len(requests) else hidden[rows])
+        rows = [row for i in eligible for row in range(starts[i], starts[i + 1])]
+        tokens = greedy_tokens(hidden if len(rows) == hidden.shape[0] else hidden[rows])
         if tokens is None:
             return {}
-        return {i: t for i, t in zip(rows, tokens.tolist(), strict=True) if t >= 0}
+        flat = tokens.tolist()
+        decided: dict[int, list[int]] = {}
+        at = 0
+        for i in eligible:
+            mine = flat[at : at + starts[i + 1] - starts[i]]
+            at += len(mine)
+            if min(mine) >= 0:
+                decided[i] = mine
+        return decided
 
     def _greedy_head(self) -> Callable[[torch.Tensor], torch.Tensor | None] | None:
         """The model's greedy head (``greedy_tokens``) on the CPU, where it has one; else None

@@ -279,6 +279,33 @@ def rejection_sample(
     return outputs
 
 
+def greedy_verify(draft_token_ids: Sequence[int], target_token_ids: Sequence[int]) -> list[int]:
+    """The tokens greedy verification emits (:func:`rejection_sample` for a greedy request):
+    the drafts up to the first that differs from the target's argmax at its position, then
+    that argmax; all of them kept, the argmax after the last.
+
+    Args:
+        draft_token_ids: ``[k]`` the request's drafts.
+        target_token_ids: ``[k + 1]`` the target model's argmax at each draft's position and
+            after the last draft.
+
+    Returns:
+        The emitted tokens (1 to ``k + 1``).
+
+    Raises:
+        ValueError: ``target_token_ids`` is not one longer than ``draft_token_ids``.
+    """
+    if len(target_token_ids) != len(draft_token_ids) + 1:
+        raise ValueError(
+            f"{len(draft_token_ids)} drafts need {len(draft_token_ids) + 1} target tokens, got "
+            f"{len(target_token_ids)}"
+        )
+    for j, draft in enumerate(draft_token_ids):
+        if draft != target_token_ids[j]:
+            return list(target_token_ids[: j + 1])
+    return list(target_token_ids)
+
+
 def residual_distribution(
     target_probs: torch.Tensor, draft_probs: torch.Tensor | None, draft_token_ids: torch.Tensor
 ) -> torch.Tensor:

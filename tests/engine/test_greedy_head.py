@@ -66,3 +66,40 @@ def test_switched_off_it_gives_the_same_tokens(default_model_dir, monkeypatch):
     monkeypatch.undo()
     with_head = [o.outputs[0].token_ids for o in on.generate(prompts, params, use_tqdm=False)]
     assert with_head == off
+
+
+def test_draft_rows_of_greedy_requests_are_verified_by_the_greedy_head(
+    default_model_dir, monkeypatch
+):
+    # n-gram drafts on a prompt that repeats itself: a greedy request's draft rows and the row
+    # after them take the greedy head, and it keeps the drafts up to the first the argmax
+    # disagrees with; the tokens are those of plain greedy decoding (transformers') and of the
+    # same request with logprobs, whose rows go through the rejection sampler's full logits.
+    phrase = tokens(7, seed=5)
+    prompt = phrase * 4
+    llm = LLM(
+        str(default_model_dir),
+        max_model_len=256,
+        block_size=8,
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3},
+    )
+    model = llm.llm_engine.model_runner.model
+    real = model.greedy_tokens
+    rows_seen: list[int] = []
+
+    def spy(hidden):
+        rows_seen.append(hidden.shape[0])
+        return real(hidden)
+
+    monkeypatch.setattr(model, "greedy_tokens", spy)
+    plain = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    [head] = llm.generate([{"prompt_token_ids": prompt}], plain, use_tqdm=False)
+    assert max(rows_seen) > 1  # a step verified drafts with the head
+    calls = len(rows_seen)
+    with_logprobs = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=1)
+    [full] = llm.generate([{"prompt_token_ids": prompt}], with_logprobs, use_tqdm=False)
+    assert len(rows_seen) == calls  # a request with logprobs never reaches the head
+    stats = llm.llm_engine.get_stats().spec_decode
+    assert stats is not None and stats.num_accepted_tokens > 0
+    assert head.outputs[0].token_ids == full.outputs[0].token_ids
+    assert [head.outputs[0].token_ids] == hf_greedy(default_model_dir, [prompt], NEW)

@@ -181,6 +181,39 @@ def test_greedy_accepts_exact_argmax_prefix_then_corrects():
     assert outputs == [[1, 0], [2, 0], [1]]
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_verify_emits_what_rejection_sampling_emits_for_a_greedy_request(seed):
+    # greedy_verify (the greedy head's verification) on the argmax tokens against
+    # rejection_sample on the logits: the same tokens, drafts often right, sometimes wrong.
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.randint(0, 5, (6,), generator=generator).tolist()
+    logits = torch.randn(sum(counts) + len(counts), 4, generator=generator)
+    argmax = logits.argmax(dim=-1).tolist()
+    drafts, row = [], 0
+    for k in counts:
+        mine = [
+            argmax[row + j] if torch.rand(1, generator=generator) < 0.7 else 3 for j in range(k)
+        ]
+        drafts.append(mine)
+        row += k + 1
+    expected = rejection_sample(
+        draft_token_ids=torch.tensor([t for d in drafts for t in d], dtype=torch.int64),
+        num_draft_tokens=counts,
+        target_probs=logits,
+        draft_probs=None,
+        uniform=torch.ones(sum(counts)),
+        exponential=torch.ones_like(logits),
+        is_greedy=[True] * len(counts),
+    )
+    got, row = [], 0
+    for k, d in zip(counts, drafts, strict=True):
+        got.append(rejection_sampler.greedy_verify(d, argmax[row : row + k + 1]))
+        row += k + 1
+    assert got == expected
+    with pytest.raises(ValueError, match="2 drafts need 3 target tokens"):
+        rejection_sampler.greedy_verify([1, 2], [1, 2])
+
+
 def test_mixed_batch_rows_stay_with_their_request():
     """A random request with p concentrated on one token beside greedy ones: every request
     reads its own rows, whatever k each has."""
