@@ -187,6 +187,11 @@ class SamplingParams:
             bad("structured_outputs", "must be a StructuredOutputsParams")
         if self.logit_bias:
             for tok, bias in self.logit_bias.items():
+                if isinstance(tok, bool) or not isinstance(tok, int):
+                    bad(
+                        "logit_bias",
+                        f"keys must be token ids (int), got {tok!r} ({type(tok).__name__})",
+                    )
                 if not -100.0 <= float(bias) <= 100.0:
                     bad("logit_bias", f"values must be in [-100, 100], got {bias} for token {tok}")
 

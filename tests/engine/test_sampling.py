@@ -113,6 +113,8 @@ def test_mismatched_prompts_and_params_are_refused(llm, prompt):
         (dict(allowed_token_ids=[True]), "allowed_token_ids must be token ids"),
         (dict(allowed_token_ids=["a"]), "allowed_token_ids must be token ids"),
         (dict(bad_words=["\ud800"]), "bad_words the text is not valid Unicode"),
+        # OpenAI's JSON keys are strings; offline they must be ids (the server converts them).
+        (dict(logit_bias={"13": 1.0}), "logit_bias keys must be token ids \\(int\\), got '13'"),
     ],
 )
 def test_bad_token_restrictions_are_refused_and_the_llm_keeps_working(llm, prompt, params, match):
