@@ -4,8 +4,8 @@ A plain ASGI middleware rather than a FastAPI dependency: dependencies run after
 been read and validated, so a request without a key would learn from a 400 what its body got
 wrong before it is told it may not ask at all. Here a request to ``/v1/...`` (or
 ``/kv_events``, or ``/invocations``, which vLLM leaves open) without ``Authorization: Bearer
-<key>`` is answered 401 before its body is read, as vLLM's server does; ``/health``, ``/version`` and ``/metrics`` stay open (probes and
-Prometheus scrape them without a key).
+<key>`` is answered 401 before its body is read, as vLLM's server does; ``/health``,
+``/version`` and ``/metrics`` stay open (probes and Prometheus scrape them without a key).
 """
 
 from __future__ import annotations

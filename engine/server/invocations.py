@@ -5,10 +5,10 @@ SageMaker sends every inference request to ``/invocations`` (and health checks t
 vLLM's server answers it by validating the body as a chat completion request, then as a
 completion request, and serving the first that fits. Here the body's keys decide the same way
 (``messages``: chat; else ``prompt``: a completion), so that a chat body with a bad field gets
-the chat route's own 400 naming that field instead of a list of request types. The response is the one
-``/v1/chat/completions`` or ``/v1/completions`` gives, streamed when the body asks for it. Unlike
-vLLM, which leaves the route open (SageMaker authenticates at its edge), ``--api-key`` guards it
-as it does ``/v1``.
+the chat route's own 400 naming that field instead of a list of request types. The response is
+the one ``/v1/chat/completions`` or ``/v1/completions`` gives, streamed when the body asks for
+it. Unlike vLLM, which leaves the route open (SageMaker authenticates at its edge),
+``--api-key`` guards it as it does ``/v1``.
 """
 
 from __future__ import annotations

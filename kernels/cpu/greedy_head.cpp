@@ -332,10 +332,10 @@ void greedy_tokens(torch::Tensor tokens, const torch::Tensor& x, const torch::Te
       gap += (b - v) * (b - v);
     }
     finite[m] = ok;
-    bounds[m] = {round_up((std::sqrt(gap) + gamma * (std::sqrt(norm) + std::sqrt(norm_bf16)) +
-                           kSubnormal * std::sqrt(static_cast<double>(K))) *
-                          kInflate),
-                 round_up(std::sqrt(norm) * kInflate), round_up((kTiny + kSubnormal * l1) * kInflate)};
+    const double rho = std::sqrt(gap) + gamma * (std::sqrt(norm) + std::sqrt(norm_bf16)) +
+                       kSubnormal * std::sqrt(static_cast<double>(K));
+    const double sigma = std::sqrt(norm), tau = kTiny + kSubnormal * l1;
+    bounds[m] = {round_up(rho * kInflate), round_up(sigma * kInflate), round_up(tau * kInflate)};
   }
   const int64_t lda = P * kCols;
   const float* np = norms.data_ptr<float>();
