@@ -1,11 +1,12 @@
 """The router's HTTP front: OpenAI's routes, each request routed to one replica and relayed.
 
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` and Anthropic's
-``POST /v1/messages`` (the last two rendered as the chat conversation the engine makes of
-them): the body's ``model`` selects the
-replicas that serve it (served model names and LoRA adapter names, as each replica lists them in
-``/v1/models``). A model no replica serves is held while the wake hook (``wake.py``) wakes it, or
-a 404 in OpenAI's error body when the hook cannot. The prompt is tokenized on the tokenizer's
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/responses``, Anthropic's
+``POST /v1/messages`` (these two rendered as the chat conversation the engine makes of them) and
+vLLM's ``POST /invocations`` (read as a chat when its body has ``messages``, else as a
+completion, as the engine reads it): the body's ``model`` selects the replicas that serve it
+(served model names and LoRA adapter names, as each replica lists them in ``/v1/models``). A model
+no replica serves is held while the wake hook (``wake.py``) wakes it, or a 404 in OpenAI's error
+body when the hook cannot. The prompt is tokenized on the tokenizer's
 thread and hashed (``prompt_hashes``), unless it is longer than the replicas' context allows
 (``tokenization.max_prompt_chars`` of their ``max_model_len``: the engine will refuse it; the
 router refuses nothing and pays nothing for it, and routes it by consistent hashing); each
@@ -56,6 +57,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from kvpilot.engine.server import invocations
 from kvpilot.engine.server.errors import OpenAIError, error_response, read_body
 from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 from kvpilot.engine.server.responses_protocol import ResponsesRequest
@@ -81,7 +83,7 @@ from kvpilot.router.wake import NoWake, WakeHook
 
 logger = logging.getLogger("kvpilot.router")
 
-ROUTED_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH, MESSAGES_PATH)
+ROUTED_PATHS = ("/v1/completions", CHAT_PATH, RESPONSES_PATH, MESSAGES_PATH, invocations.PATH)
 CHAT_VIEWS = {RESPONSES_PATH: responses_chat_body, MESSAGES_PATH: messages_chat_body}
 """Paths whose bodies are planned as the chat body the engine renders from them."""
 TOKENIZER_PATHS = ("/tokenize", "/detokenize")
@@ -229,6 +231,8 @@ class Router:
         model = _requested_model(body)
         # A Responses API body is rendered as the chat body the engine makes of it.
         prompt_path, view, previous, pinned = path, body, None, None
+        if path == invocations.PATH:  # a chat or a completion, by its keys (as the engine reads)
+            prompt_path = CHAT_PATH if body.get("messages") is not None else ROUTED_PATHS[0]
         if path in CHAT_VIEWS:
             prompt_path, view = CHAT_PATH, CHAT_VIEWS[path](body) or {}
         if path == RESPONSES_PATH:

@@ -308,6 +308,31 @@ def test_anthropic_messages_are_routed_and_answered_as_directly(router, replicas
     assert routed.content == direct.content and routed.usage == direct.usage
 
 
+def test_invocations_are_routed_by_their_prompt_and_answered_as_directly(router, replicas):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    messages = [{"role": "user", "content": "Name three colors."}]
+    for body in ({"messages": messages}, {"prompt": "The capital of"}):
+        body = {"model": MODEL, **GREEDY, **body}
+        routed_tokens = sum(
+            router.metric("kvpilot:router_prompt_tokens_total", replica=s.url) for s in replicas
+        )
+        routed, direct = (
+            httpx.post(f"{url}/invocations", json=body, headers=headers, timeout=60)
+            for url in (router.url, replicas[0].url)
+        )
+        assert routed.status_code == direct.status_code == 200
+        ours, theirs = routed.json(), direct.json()
+        assert ours["object"] == theirs["object"] != ""
+        assert ours["choices"] == theirs["choices"] and ours["usage"] == theirs["usage"]
+        # The router tokenized it as the engine did (the chat template, or the bare prompt).
+        counted = sum(
+            router.metric("kvpilot:router_prompt_tokens_total", replica=s.url) for s in replicas
+        )
+        assert counted - routed_tokens == theirs["usage"]["prompt_tokens"]
+    neither = httpx.post(f"{router.url}/invocations", json={"model": MODEL}, headers=headers)
+    assert neither.status_code == 400 and "'messages'" in neither.json()["error"]["message"]
+
+
 def test_tokenize_and_detokenize_reach_a_replica_and_leave_no_prompt_behind(
     router, replicas
 ) -> None:
