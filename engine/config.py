@@ -119,7 +119,8 @@ def _token_count(text: str) -> int:
 
 def _max_model_len(text: str) -> int | None:
     """``--max-model-len``: a token count (``_token_count``), or ``auto`` / ``-1`` for the
-    default (None: the model's ``max_position_embeddings``)."""
+    default (None: the model's ``max_position_embeddings``, stretched by a linear, dynamic or
+    YaRN ``rope_scaling`` factor as vLLM stretches it)."""
     return None if text.strip() in ("auto", "-1") else _token_count(text)
 
 
@@ -644,7 +645,8 @@ class EngineArgs:
             type=_max_model_len,
             default=None,
             help="longest prompt + output in tokens, as vLLM reads it: 2048, 32k (32,000), 32K "
-            "(32,768); auto or -1: the default, the model's max_position_embeddings",
+            "(32,768); auto or -1: the default, the model's max_position_embeddings (times its "
+            "rope_scaling factor for linear, dynamic and YaRN scaling)",
         )
         group.add_argument(
             "--block-size",

@@ -61,8 +61,8 @@ class LLMEngine:
     Raises:
         FileNotFoundError: the model path or id does not exist.
         ValueError: an unsupported architecture, or arguments the model cannot honour (e.g.
-            ``max_model_len`` above the model's ``max_position_embeddings``, a KV budget below
-            one block).
+            ``max_model_len`` above the model's ``max_position_embeddings`` as a linear, dynamic
+            or YaRN ``rope_scaling`` factor stretches it, a KV budget below one block).
     """
 
     def __init__(self, args: EngineArgs, show_progress: bool = False) -> None:
@@ -298,16 +298,21 @@ class LLMEngine:
 
     def _scheduler_config(self) -> SchedulerConfig:
         args = self.args
-        model_max = int(getattr(self.model_config, "max_position_embeddings", 0) or 0)
+        # vLLM's derived max_model_len: max_position_embeddings, stretched by a linear, dynamic
+        # or YaRN rope_scaling factor (the planner sizes pods with the same number).
+        shape = self.model_shape
+        model_max = shape.derived_max_model_len
         max_model_len = args.max_model_len or model_max
-        if not max_model_len:
-            raise ValueError(
-                "max_model_len must be given: the model config has no max_position_embeddings"
+        if max_model_len > model_max:
+            stretched = (
+                f"; max_position_embeddings {shape.max_position_embeddings} stretched by the "
+                "rope_scaling factor"
+                if model_max != shape.max_position_embeddings
+                else ""
             )
-        if model_max and max_model_len > model_max:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
-                f"({model_max})"
+                f"({model_max}{stretched})"
             )
         on_gpu = self.device.type == "cuda"
         max_num_batched_tokens = resolve_max_num_batched_tokens(

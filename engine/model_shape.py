@@ -364,10 +364,27 @@ class ModelShape:
 
     def engine_support_error(self) -> str | None:
         """Why the kvpilot engine cannot serve this model (naming the architecture or the
-        quantization method and what is supported), or None if it can."""
+        quantization method and what is supported), or None if it can: the architecture
+        first, then the quantization (:meth:`quantization_support_error`)."""
+        return self.architecture_error() or self.quantization_support_error()
+
+    def architecture_error(self) -> str | None:
+        """Why the kvpilot engine cannot build this architecture (naming it and the supported
+        ones), or None if it can."""
+        return _architecture_error(self.architectures, self.model_type)
+
+    def quantization_support_error(self) -> str | None:
+        """Why the kvpilot engine cannot load this quantization (a method it does not
+        implement, or any quantization of a mixture of experts, whose experts it runs
+        unquantized only), or None if it can."""
         if self.quantization_error is not None:
             return self.quantization_error
-        return _architecture_error(self.architectures, self.model_type)
+        if self.num_experts and self.quantization_method is not None:
+            return (
+                f"a quantized mixture of experts ({self.quantization_method}) is not supported "
+                "by the kvpilot engine: serve the unquantized checkpoint, without --quantization"
+            )
+        return None
 
     def quantized_as(self, method: str | None) -> ModelShape:
         """This model as ``--quantization method`` loads it (vLLM's rule).

@@ -586,23 +586,30 @@ def _check_arguments(
 
 
 def _check_model(model: ModelShape) -> None:
+    """The architecture first (a model the engine does not run is refused for that, whatever
+    its quantization), then the checkpoint's quantization."""
+    error = model.architecture_error()
+    if error is not None:
+        raise PlanError("UnsupportedArchitecture", error)
     if model.quantization_error is not None:
         named = f" ({model.quantization_method})" if model.quantization_method else ""
         raise PlanError(
             "UnsupportedQuantization",
             f"the checkpoint is quantized{named}: {model.quantization_error}",
         )
-    error = model.engine_support_error()
-    if error is not None:
-        raise PlanError("UnsupportedArchitecture", error)
 
 
 def _quantized(model: ModelShape, quantization: str | None) -> ModelShape:
-    """``model`` as ``--quantization`` loads it (``ModelShape.quantized_as``)."""
+    """``model`` as ``--quantization`` loads it (``ModelShape.quantized_as``), refused when
+    the engine cannot load it so (``ModelShape.quantization_support_error``)."""
     try:
-        return model.quantized_as(quantization)
+        model = model.quantized_as(quantization)
     except UnsupportedQuantizationError as exc:
         raise PlanError("UnsupportedQuantization", f"quantization {quantization}: {exc}") from exc
+    error = model.quantization_support_error()
+    if error is not None:
+        raise PlanError("UnsupportedQuantization", error)
+    return model
 
 
 def _tensor_parallel_candidates(

@@ -49,8 +49,8 @@ class WorkerConfig:
             ranks before failing; the executors give a step this long plus a margin before
             declaring a silent rank dead.
         num_threads: torch CPU threads of each rank; None keeps torch's default.
-        max_model_len: the longest sequence served, tokens (LongRoPE models pick their rotary
-            factors by it); None for the model's ``max_position_embeddings``.
+        max_model_len: the longest sequence served, tokens (LongRoPE and dynamic-NTK models pick
+            their rotary frequencies by it); None for the model's ``max_position_embeddings``.
         model_config: the folder's transformers config as the engine read it (None: each rank
             reads ``config.json`` itself).
         model_shape: its shape, for the tensor-parallel checks (None: read from the folder).

@@ -51,6 +51,17 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _dynamic_inv_freq(
+    config: PretrainedConfig, max_model_len: int | None
+) -> tuple[torch.Tensor, float]:
+    # Dynamic NTK scaling: transformers raises the base once a forward call's sequence outgrows
+    # max_position_embeddings, so cached keys would hold two rotations; one set is chosen for
+    # the engine's whole life instead, the frequencies for max_model_len (vLLM's static form of
+    # it when max_model_len is the derived max_position_embeddings x factor; transformers' own
+    # up to max_position_embeddings).
+    return ROPE_INIT_FUNCTIONS["dynamic"](config, device="cpu", seq_len=max_model_len)
+
+
 @dataclass(frozen=True)
 class RotaryPositions:
     """One forward pass's positions, prepared once by :meth:`RotaryEmbedding.prepare` and
@@ -76,8 +87,9 @@ class RotaryEmbedding(CustomOp):
     ``self(rope, query, key)`` in each attention layer.
 
     Frequencies never switch as a sequence grows, since cached keys were rotated with the old
-    ones. ``rope_type`` ``"dynamic"`` uses its frequencies for the config's context length (what
-    transformers uses up to ``original_max_position_embeddings``). ``"longrope"`` (Phi-3) uses
+    ones. ``rope_type`` ``"dynamic"`` uses its frequencies for ``max_model_len`` (transformers'
+    up to ``max_position_embeddings``; vLLM's static NTK base when ``max_model_len`` is the
+    derived ``max_position_embeddings x factor``). ``"longrope"`` (Phi-3) uses
     its long factors when ``max_model_len`` exceeds ``original_max_position_embeddings`` and its
     short factors otherwise, for every position (vLLM's rule): transformers picks per forward
     call by the longest position in it, so the two agree whenever transformers' calls stay on
@@ -90,13 +102,15 @@ class RotaryEmbedding(CustomOp):
         head_dim: features per head; the first ``2 * len(inv_freq)`` of them are rotated.
         kernel_backend: ``"torch"`` or ``"triton"`` (see :class:`CustomOp`).
         max_model_len: the longest sequence the engine serves, tokens (default: the config's
-            ``max_position_embeddings``); only ``"longrope"`` reads it.
+            ``max_position_embeddings``); ``"longrope"`` and ``"dynamic"`` pick their
+            frequencies by it, and the Triton path's table covers it.
 
     Attributes:
         inv_freq: ``[rotary_dim / 2]`` float32 inverse frequencies, radians per position.
         attention_scaling: factor on cos and sin (YaRN's and LongRoPE's attention factor; 1
             otherwise).
-        max_position: rows of the Triton path's ``cos_sin_cache`` (positions must be below).
+        max_position: rows of the Triton path's ``cos_sin_cache`` (positions must be below):
+            the larger of ``max_position_embeddings`` and ``max_model_len``.
 
     Raises:
         ValueError: a ``rope_type`` transformers does not know (the message names it).
@@ -115,6 +129,8 @@ class RotaryEmbedding(CustomOp):
             inv_freq, attention_scaling = _default_inv_freq(config, head_dim)
         elif rope_type == "longrope":
             inv_freq, attention_scaling = _longrope_inv_freq(config, max_model_len)
+        elif rope_type == "dynamic":
+            inv_freq, attention_scaling = _dynamic_inv_freq(config, max_model_len)
         elif rope_type in ROPE_INIT_FUNCTIONS:
             inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device="cpu")
         else:
@@ -127,7 +143,7 @@ class RotaryEmbedding(CustomOp):
         inv_freq = inv_freq.to(torch.get_default_device(), torch.float32)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = float(attention_scaling)
-        self.max_position = int(config.max_position_embeddings)
+        self.max_position = max(int(config.max_position_embeddings), max_model_len or 0)
         self._cos_sin_cache: torch.Tensor | None = None
         self.cpu_kernel = elementwise.enabled()
 

@@ -33,7 +33,8 @@ def read_model_config(
     ``hf_overrides`` (vLLM's ``--hf-overrides``) replaces entries of the file before either is
     built; an entry naming a nested config (``text_config``) updates it key by key, as vLLM
     applies them. The checkpoint's dtype is checked as the planner checks it
-    (``checkpoint_dtype``) and handed to both by its canonical name.
+    (``checkpoint_dtype``) and handed to both by its canonical name; a legacy ``"su"`` RoPE
+    scaling is read as ``"longrope"`` (its later name).
 
     Raises:
         OSError: the file cannot be read; ValueError: not JSON, an unknown ``model_type``, a
@@ -46,11 +47,24 @@ def read_model_config(
     if model_type not in CONFIG_MAPPING:
         raise ValueError(f"{model_dir}/config.json: unknown model_type {model_type!r}")
     try:
-        raw = _with_canonical_dtype(raw)
+        raw = _with_longrope_named(_with_canonical_dtype(raw))
         return raw, CONFIG_MAPPING[model_type].from_dict(raw)
-    except (StrictDataclassError, TypeError, ValueError) as exc:
+    except (StrictDataclassError, TypeError, ValueError, KeyError) as exc:
         where = " with hf_overrides" if hf_overrides else ""
-        raise ValueError(f"{model_dir}/config.json{where}: {exc}") from None
+        # A KeyError's str() is its message quoted.
+        why = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        raise ValueError(f"{model_dir}/config.json{where}: {why}") from None
+
+
+def _with_longrope_named(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with a ``rope_scaling`` of type ``"su"`` (Phi-3-mini-128k's first release)
+    renamed ``"longrope"``, as vLLM renames it: transformers reads ``"su"`` as LongRoPE but then
+    misses the top-level ``original_max_position_embeddings`` it finds for ``"longrope"``."""
+    rope = config.get("rope_scaling")
+    if not isinstance(rope, dict) or "su" not in (rope.get("type"), rope.get("rope_type")):
+        return config
+    renamed = {k: v for k, v in rope.items() if k not in ("type", "rope_type")}
+    return {**config, "rope_scaling": {**renamed, "rope_type": "longrope"}}
 
 
 def _with_canonical_dtype(config: dict[str, Any]) -> dict[str, Any]:
@@ -145,7 +159,8 @@ def load_model(
             ``"triton"``); the norms, activations and rotary embedding run the same path.
         max_model_len: the longest sequence the engine serves, tokens; None for the config's
             ``max_position_embeddings``. LongRoPE models (Phi-3-128k, Phi-3.5) use their long
-            rotary factors when it exceeds ``original_max_position_embeddings``.
+            rotary factors when it exceeds ``original_max_position_embeddings``; dynamic-NTK
+            models take the frequencies for it.
         config: the folder's config already read (:func:`read_model_config`); read here when
             None.
         quantization: ``--quantization``: None loads the checkpoint's own

@@ -340,8 +340,9 @@ class LlamaModel(nn.Module):
         kernel_backend: the norms', activations' and rotary embedding's implementation,
             ``"torch"`` or ``"triton"`` (:class:`~kvpilot.engine.layers.custom_op.CustomOp`).
         model_options: embedding and residual multipliers and the norm class.
-        max_model_len: the longest sequence served, tokens (the rotary embedding's LongRoPE
-            factors depend on it); None for the config's ``max_position_embeddings``.
+        max_model_len: the longest sequence served, tokens (the rotary embedding's LongRoPE and
+            dynamic-NTK frequencies depend on it); None for the config's
+            ``max_position_embeddings``.
         quant_config: the checkpoint's weight quantization of the decoder layers' linear
             layers, or None; the embedding and the LM head stay in the compute dtype.
 
@@ -472,7 +473,8 @@ class LlamaForCausalLM(nn.Module):
             activations and rotary embedding run the same path (the Triton kernels with
             ``"triton"``).
         max_model_len: the longest sequence the engine serves, tokens; None for the config's
-            ``max_position_embeddings`` (only LongRoPE's frequencies depend on it).
+            ``max_position_embeddings`` (only LongRoPE's and dynamic NTK's frequencies depend on
+            it).
         quant_config: the checkpoint's weight quantization
             (:func:`~kvpilot.engine.layers.quantization.get_quantization_config`), or None.
 

@@ -9,7 +9,9 @@ Granite, Phi-3, Gemma, Mixtral and Qwen3-MoE models).
 
 from __future__ import annotations
 
+import json
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -301,6 +303,60 @@ def test_longrope_short_factors_while_max_model_len_fits_the_original_context(ti
     # The engine builds its model for its own max_model_len.
     engine_model = LLM(str(folder), max_model_len=64).llm_engine.executor.worker.model
     assert torch.equal(engine_model.model.rotary_emb.inv_freq, short.model.rotary_emb.inv_freq)
+
+
+def test_linear_rope_scaling_serves_past_max_position_embeddings_as_vllm_does(tiny_model_dir):
+    # Trained for 16 positions, stretched 4x: vLLM's derived max_model_len is 64, the default
+    # here too (the planner sizes pods with it), and positions past 16 match transformers.
+    folder = tiny_model_dir(
+        "llama", max_position_embeddings=16, rope_scaling={"rope_type": "linear", "factor": 4.0}
+    )
+    llm = LLM(str(folder), dtype="float32")
+    assert llm.llm_engine.scheduler_config.max_model_len == 64
+    prompts = [PROMPT_A, PROMPT_B]  # 16 and 20 tokens, then 24 more each
+    assert generate_ids(llm, prompts, greedy(24)) == hf_greedy(folder, prompts, 24)
+    assert_no_leak(llm.llm_engine)
+    with pytest.raises(ValueError) as refused:
+        LLM(str(folder), max_model_len=65)
+    assert str(refused.value) == (
+        "max_model_len 65 exceeds the model's max_position_embeddings (64; "
+        "max_position_embeddings 16 stretched by the rope_scaling factor)"
+    )
+
+
+def test_dynamic_ntk_takes_the_frequencies_for_max_model_len(tiny_model_dir):
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    folder = tiny_model_dir(
+        "llama", max_position_embeddings=16, rope_scaling={"rope_type": "dynamic", "factor": 2.0}
+    )
+    config = transformers.AutoConfig.from_pretrained(folder)
+    for max_model_len in (16, 32):  # transformers' own up to 16; its NTK base for 32 past it
+        model = LLM(str(folder), max_model_len=max_model_len).llm_engine.executor.worker.model
+        expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=max_model_len)
+        assert torch.equal(model.model.rotary_emb.inv_freq, expected)
+    short, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=16)
+    assert not torch.equal(expected, short)
+
+
+def test_phi3_su_rope_scaling_is_read_as_longrope(tiny_model_dir, tmp_path):
+    # Phi-3-mini-128k's first release named LongRoPE "su", beside a top-level
+    # original_max_position_embeddings that transformers then misses; vLLM renames it.
+    folder = tiny_model_dir("phi3", **PHI3_LONGROPE)
+    su = tmp_path / "su"
+    shutil.copytree(folder, su)
+    config = json.loads((su / "config.json").read_text())
+    rope = config.pop("rope_parameters")
+    config["rope_theta"] = rope["rope_theta"]
+    config["rope_scaling"] = {
+        "type": "su",
+        "short_factor": rope["short_factor"],
+        "long_factor": rope["long_factor"],
+    }
+    (su / "config.json").write_text(json.dumps(config))
+    prompts = [PROMPT_A, PROMPT_B]  # past the original context (8): the long factors
+    llm = LLM(str(su), max_model_len=256, dtype="float32")
+    assert generate_ids(llm, prompts, greedy()) == hf_greedy(folder, prompts, NEW_TOKENS)
 
 
 def test_bfloat16_model_tracks_float32(tiny_model_dir):

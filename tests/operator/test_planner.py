@@ -224,6 +224,41 @@ def test_unsupported_models():
     assert caught.value.reason == "UnsupportedQuantization"
     assert "quantization method 'bitsandbytes' is not supported" in caught.value.message
     assert caught.value.message.endswith("loads fp8, compressed-tensors, awq, gptq")
+    # An architecture the engine does not run is refused for that, whatever its quantization
+    # (gpt-oss: MXFP4 experts).
+    gpt_oss = spec(
+        "Mixtral-8x7B-v0.1",
+        architectures=["GptOssForCausalLM"],
+        model_type="gpt_oss",
+        quantization_config={"quant_method": "mxfp4"},
+    )
+    with pytest.raises(PlanError) as caught:
+        plan(gpt_oss, gpu=H100)
+    assert caught.value.reason == "UnsupportedArchitecture"
+    assert "'GptOssForCausalLM' is not implemented" in caught.value.message
+
+
+@pytest.mark.parametrize(
+    ("name", "quantization_config", "quantization"),
+    [
+        ("Mixtral-8x7B-v0.1", {"quant_method": "awq", "bits": 4, "group_size": 128}, None),
+        ("Qwen3-30B-A3B", None, "fp8"),
+    ],
+    ids=["awq-checkpoint", "fp8-online"],
+)
+def test_a_quantized_mixture_of_experts_is_refused_as_the_engine_refuses_it(
+    name, quantization_config, quantization
+):
+    model = spec(name, quantization_config=quantization_config)
+    with pytest.raises(PlanError) as caught:
+        plan(model, gpu=H100, quantization=quantization)
+    method = quantization or quantization_config["quant_method"]
+    assert (caught.value.reason, caught.value.message) == (
+        "UnsupportedQuantization",
+        f"a quantized mixture of experts ({method}) is not supported by the kvpilot engine: "
+        "serve the unquantized checkpoint, without --quantization",
+    )
+    assert not model.quantized_as(quantization).is_supported_by_engine
 
 
 @pytest.mark.parametrize(
