@@ -7,7 +7,8 @@ name for an engine feature, vLLM's extension name is used (``top_k``, ``min_p``,
 ``structured_outputs``, ``chat_template``; older vLLM's ``guided_json``, ``guided_regex``,
 ``guided_choice`` and ``guided_grammar`` as deprecated aliases of ``structured_outputs``).
 Unknown fields are accepted and ignored, as OpenAI and vLLM do; OpenAI's deprecated
-``functions``/``function_call`` are refused (they would change the answer). Float parameters
+``functions``/``function_call`` and vLLM's ``use_beam_search`` are refused (they would change
+the answer). Float parameters
 must be finite: JSON's ``NaN``/``Infinity``, which Python's parser accepts, are refused.
 """
 
@@ -200,6 +201,17 @@ class _SamplingFields(OpenAIModel):
                     raise ValueError(
                         f"{key}: the text is not valid Unicode (it holds a lone surrogate)"
                     )
+        return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_beam_search(cls, data: Any) -> Any:
+        # vLLM's use_beam_search: ignoring it would answer with samples, not beams.
+        if isinstance(data, dict) and data.get("use_beam_search"):
+            raise ValueError(
+                "use_beam_search: beam search is not supported by kvpilot; leave it out to "
+                "sample (n completions, best_of == n)"
+            )
         return data
 
     @field_validator("cache_salt")
@@ -433,9 +445,10 @@ class CompletionRequest(_ThinkingBudgetFields):
 
 
 class FunctionDefinition(OpenAIModel):
-    """A function the model may call: its name, what it does, its arguments' JSON Schema."""
+    """A function the model may call: its name (not empty: a call to it could not be routed),
+    what it does, its arguments' JSON Schema."""
 
-    name: str
+    name: Annotated[str, Field(min_length=1)]
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -4,6 +4,7 @@ with reasoning (``reasoning_parsers``) and tool calling (``tool_parsers``)."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -414,6 +415,7 @@ class OpenAIServingChat(OpenAIServing):
         first_output = None  # vLLM's cached tokens: the first output's
         texts = [""] * n  # each choice's generated text, for the log
         outputs: list[list[int]] = [[] for _ in range(n)]  # each choice's token ids
+        created = int(time.time())  # one timestamp for every chunk, as OpenAI's and vLLM's
 
         def chunk(choices: list[ChatCompletionStreamChoice], first: bool = False) -> str:
             usage = self.usage(num_prompt_tokens, sum(num_tokens)) if every else None
@@ -421,6 +423,7 @@ class OpenAIServingChat(OpenAIServing):
             return sse(
                 ChatCompletionStreamResponse(
                     id=request_id,
+                    created=created,
                     model=model,
                     choices=choices,
                     usage=usage,
@@ -484,7 +487,7 @@ class OpenAIServingChat(OpenAIServing):
                 reasoning = await run.reasoning_tokens(self, outputs)
                 usage = self.usage(num_prompt_tokens, sum(num_tokens), details, reasoning)
                 response = ChatCompletionStreamResponse(
-                    id=request_id, model=model, choices=[], usage=usage
+                    id=request_id, created=created, model=model, choices=[], usage=usage
                 )
                 yield sse(response, exclude_none=True)  # as vLLM sends it
             if self.log_outputs:

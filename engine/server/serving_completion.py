@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 
@@ -242,6 +243,7 @@ class OpenAIServingCompletion(OpenAIServing):
     ) -> AsyncIterator[str]:
         model = self.response_model(lora_request)
         include_usage, every = self.stream_usage(request)
+        created = int(time.time())  # one timestamp for every chunk, as OpenAI's and vLLM's
         first_output: RequestOutput | None = None  # vLLM's cached tokens: the first output's
         texts = [""] * (len(prompts) * request.n)  # each choice's generated text, for the log
         n = request.n
@@ -312,13 +314,19 @@ class OpenAIServingCompletion(OpenAIServing):
                     usage = self.usage(num_prompt_tokens, sum(num_tokens)) if every else None
                     yield sse(
                         CompletionResponse(
-                            id=request_id, model=model, choices=[choice], usage=usage
+                            id=request_id,
+                            created=created,
+                            model=model,
+                            choices=[choice],
+                            usage=usage,
                         )
                     )
             if include_usage:
                 details = self.prompt_tokens_details(first_output, num_prompt_tokens, False)
                 usage = self.usage(num_prompt_tokens, sum(num_tokens), details)
-                response = CompletionResponse(id=request_id, model=model, choices=[], usage=usage)
+                response = CompletionResponse(
+                    id=request_id, created=created, model=model, choices=[], usage=usage
+                )
                 yield sse(response, exclude_none=True)  # as vLLM sends it
             if self.log_outputs:
                 for index, text in enumerate(texts):

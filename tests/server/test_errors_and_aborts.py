@@ -103,6 +103,12 @@ CHAT = "/v1/chat/completions"
         (CHAT, chat(prompt_logprobs=21), "prompt_logprobs"),
         (CHAT, chat(prompt_logprobs=1, stream=True), "prompt_logprobs"),
         (CHAT, chat(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), "messages"),
+        # A field validator's error is its field's, whatever word the message starts with.
+        (CHAT, chat(messages=[{"role": "user", "content": [{"type": "text"}]}]), "messages"),
+        # vLLM's beam search: refused, not answered with samples.
+        (COMPLETIONS, completion(use_beam_search=True, n=2), "use_beam_search"),
+        (CHAT, chat(use_beam_search=True, length_penalty=2.0), "use_beam_search"),
+        (CHAT, chat(tools=[{"type": "function", "function": {"name": ""}}]), "tools"),
         (CHAT, chat(messages=[{"role": "user", "content": "hi " * 300}]), "messages"),
         # Far over the context by length alone: refused before it is tokenized.
         (COMPLETIONS, completion(prompt="x" * 50_000), "prompt"),

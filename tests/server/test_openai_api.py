@@ -68,6 +68,7 @@ def stream_completion(client, **kwargs) -> tuple[dict[int, str], dict[int, str],
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
     chunks = list(client.completions.create(stream=True, **kwargs))
+    assert len({(chunk.id, chunk.created) for chunk in chunks}) == 1  # one stamp a stream
     for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + choice.text
@@ -80,6 +81,7 @@ def stream_chat(client, **kwargs) -> tuple[dict[int, str], dict[int, str], list]
     texts: dict[int, str] = {}
     reasons: dict[int, str] = {}
     chunks = list(client.chat.completions.create(stream=True, **kwargs))
+    assert len({(chunk.id, chunk.created) for chunk in chunks}) == 1  # one stamp a stream
     for chunk in chunks:
         for choice in chunk.choices:
             texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
