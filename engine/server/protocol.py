@@ -53,10 +53,10 @@ GUIDED_FIELDS = (
 class OpenAIModel(BaseModel):
     """A request body's base: unknown fields ignored, and an explicit ``null`` for a field
     whose default is not ``null`` (``n``, ``stream``, ``echo``, chat's ``logprobs``,
-    ``parallel_tool_calls``, completions' ``max_tokens``: 16, ...) read as that default, as
-    OpenAI's API and vLLM read it (the ``openai`` client sends ``null`` for a parameter given as
-    ``None``). Fields that take ``null`` keep it (chat's ``max_tokens``: the rest of the
-    context)."""
+    ``parallel_tool_calls``, ...) read as that default, as OpenAI's API and vLLM read it (the
+    ``openai`` client sends ``null`` for a parameter given as ``None``). Fields that take
+    ``null`` keep it (``max_tokens``, chat's and completions' as vLLM reads them: the rest of
+    the context)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -388,8 +388,9 @@ class CompletionRequest(_ThinkingBudgetFields):
     """``POST /v1/completions``. ``prompt``: text, token ids, or a batch of either."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    # 0 only with echo: the prompt alone comes back (OpenAI's way to score a prompt).
-    max_tokens: Annotated[int, Field(ge=0)] = 16
+    # 0 only with echo: the prompt alone comes back (OpenAI's way to score a prompt). An
+    # explicit null, as vLLM reads it: the rest of the context.
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
     best_of: int | None = None

@@ -596,11 +596,14 @@ def test_a_stop_token_on_the_last_allowed_token_finishes_with_stop(client, offli
 
 def test_max_tokens_is_cut_to_the_context_left_as_vllm_cuts_it(client, offline):
     tokenizer = offline.get_tokenizer()
-    # null is completions' default of 16 (OpenAI's and vLLM's), not "no limit".
-    unset = client.completions.create(
-        model=MODEL, prompt=PROMPT, temperature=0, max_tokens=None, extra_body={"ignore_eos": True}
-    )
+    # Left out, completions' default of 16; an explicit null, as vLLM reads it (CompletionRequest
+    # max_tokens: int | None = 16), the rest of the context.
+    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
+    unset = client.completions.create(**kwargs)
     assert (unset.usage.completion_tokens, unset.choices[0].finish_reason) == (16, "length")
+    null = client.completions.create(max_tokens=None, **kwargs)
+    assert null.usage.prompt_tokens + null.usage.completion_tokens == MAX_MODEL_LEN
+    assert null.choices[0].finish_reason == "length"
     # A prompt one token short of the context with the default 16: one token, "length".
     long_prompt = tokenizer.encode(" hello" * (MAX_MODEL_LEN - 1))[: MAX_MODEL_LEN - 1]
     full = client.completions.create(model=MODEL, prompt=long_prompt, temperature=0)
