@@ -598,14 +598,13 @@ def test_max_tokens_is_cut_to_the_context_left_as_vllm_cuts_it(client, offline):
     tokenizer = offline.get_tokenizer()
     # Left out, completions' default of 16; an explicit null, as vLLM reads it (CompletionRequest
     # max_tokens: int | None = 16), the rest of the context.
-    kwargs = dict(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
-    unset = client.completions.create(**kwargs)
-    assert (unset.usage.completion_tokens, unset.choices[0].finish_reason) == (16, "length")
-    null = client.completions.create(max_tokens=None, **kwargs)
-    assert null.usage.prompt_tokens + null.usage.completion_tokens == MAX_MODEL_LEN
-    assert null.choices[0].finish_reason == "length"
-    # A prompt one token short of the context with the default 16: one token, "length".
     long_prompt = tokenizer.encode(" hello" * (MAX_MODEL_LEN - 1))[: MAX_MODEL_LEN - 1]
+    kwargs = dict(model=MODEL, temperature=0, extra_body={"ignore_eos": True})
+    unset = client.completions.create(prompt=long_prompt[:-40], **kwargs)
+    assert (unset.usage.completion_tokens, unset.choices[0].finish_reason) == (16, "length")
+    null = client.completions.create(prompt=long_prompt[:-40], max_tokens=None, **kwargs)
+    assert (null.usage.completion_tokens, null.choices[0].finish_reason) == (41, "length")
+    # A prompt one token short of the context with the default 16: one token, "length".
     full = client.completions.create(model=MODEL, prompt=long_prompt, temperature=0)
     assert (full.usage.prompt_tokens, full.usage.completion_tokens) == (MAX_MODEL_LEN - 1, 1)
     assert full.choices[0].finish_reason == "length"
