@@ -8,8 +8,8 @@ name for an engine feature, vLLM's extension name is used (``top_k``, ``min_p``,
 ``guided_choice`` and ``guided_grammar`` as deprecated aliases of ``structured_outputs``).
 Unknown fields are accepted and ignored, as OpenAI and vLLM do; OpenAI's deprecated
 ``functions``/``function_call`` and vLLM's ``use_beam_search`` are refused (they would change
-the answer). Float parameters
-must be finite: JSON's ``NaN``/``Infinity``, which Python's parser accepts, are refused.
+the answer). Float parameters must be finite: JSON's ``NaN``/``Infinity``, which Python's parser
+accepts, are refused.
 """
 
 from __future__ import annotations
