@@ -231,8 +231,8 @@ class Router:
         model = _requested_model(body)
         # A Responses API body is rendered as the chat body the engine makes of it.
         prompt_path, view, previous, pinned = path, body, None, None
-        if path == invocations.PATH:  # a chat or a completion, by its keys (as the engine reads)
-            prompt_path = CHAT_PATH if body.get("messages") is not None else ROUTED_PATHS[0]
+        if path == invocations.PATH:  # a chat or a completion, as the engine reads it
+            prompt_path = CHAT_PATH if invocations.is_chat(body) else ROUTED_PATHS[0]
         if path in CHAT_VIEWS:
             prompt_path, view = CHAT_PATH, CHAT_VIEWS[path](body) or {}
         if path == RESPONSES_PATH:

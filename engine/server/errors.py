@@ -139,8 +139,8 @@ def validation_error(exc: RequestValidationError, content_type: str | None) -> O
         message = message.removeprefix("Value error, ")
         # A model validator's error has no location: its message names the parameter. A field
         # validator's is that field's, whatever word its message starts with.
-        if not loc and _PARAM_PREFIX.match(message):
-            param = _PARAM_PREFIX.match(message).group(1)
+        if not loc and (named := _PARAM_PREFIX.match(message)):
+            param = named.group(1)
     where = ".".join(loc)
     text = f"{where}: {message}" if where and not message.startswith(f"{param}:") else message
     return OpenAIError(HTTPStatus.BAD_REQUEST, text, param)

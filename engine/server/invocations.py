@@ -22,6 +22,12 @@ from kvpilot.engine.server.protocol import ChatCompletionRequest, CompletionRequ
 PATH = "/invocations"
 
 
+def is_chat(body: dict[str, Any]) -> bool:
+    """Whether an ``/invocations`` JSON object is a chat completion (``messages``, not null);
+    the router plans its prompt by the same rule."""
+    return body.get("messages") is not None
+
+
 def invocation_request_type(body: Any) -> type[ChatCompletionRequest | CompletionRequest]:
     """The request an ``/invocations`` body is: a chat completion when it has ``messages`` (not
     null), a completion when it has ``prompt``; a body that is not a JSON object is read as a
@@ -33,7 +39,7 @@ def invocation_request_type(body: Any) -> type[ChatCompletionRequest | Completio
     """
     if not isinstance(body, dict):
         return CompletionRequest
-    if body.get("messages") is not None:
+    if is_chat(body):
         return ChatCompletionRequest
     if "prompt" in body:
         return CompletionRequest
