@@ -10,7 +10,11 @@ the old ``ModelShape`` reads, the GPU catalogue with 4 and 8 GPUs per node, CPU 
 context lengths, tensor parallel sizes, utilizations and concurrencies). Each argument set
 falls into one class, printed with its count:
 
-- ``same plan``: every field the old ``Plan`` has is equal, and the new plan is not pipelined;
+- ``same plan``: every field the old ``Plan`` has is equal, the new plan is pipelined only
+  where the old one was, over as many nodes (a ``Plan`` without ``nodes_per_replica`` had one
+  node a stage);
+- ``now on one node``: the same plan, pipelined over one node's GPUs where the old one put
+  each stage on a node of its own;
 - ``same error``: the same reason and message (an ``UnsupportedArchitecture`` message may list
   more supported architectures);
 - ``now pipelined``: the old planner found no fit on one node (``ModelTooLarge`` or
@@ -115,11 +119,19 @@ def _grid():
 def _classify(old, new, kwargs, before_plan_type) -> str:
     gpu = kwargs["gpu"]
     if isinstance(old, before_plan_type):
-        if isinstance(new, tuple) or new.pipeline_parallel_size != 1:
+        if isinstance(new, tuple):
             return "regression"
         fields = [f.name for f in dataclasses.fields(before_plan_type)]
-        same = all(getattr(old, f) == getattr(new, f) for f in fields)
-        return "same plan" if same else "regression"
+        if (
+            not all(getattr(old, f) == getattr(new, f) for f in fields)
+            or getattr(old, "pipeline_parallel_size", 1) != new.pipeline_parallel_size
+        ):
+            return "regression"
+        # Before nodes_per_replica, every pipeline stage had a node of its own.
+        old_nodes = getattr(old, "nodes_per_replica", new.pipeline_parallel_size)
+        if new.nodes_per_replica == old_nodes:
+            return "same plan"
+        return "now on one node" if new.nodes_per_replica == 1 else "regression"
     if old[0] in ("UnsupportedArchitecture", "UnsupportedQuantization") and (
         not isinstance(new, tuple) or new[0] != old[0]
     ):

@@ -577,6 +577,7 @@ PLAN = obj(
         "dtype": string(),
         "tensorParallelSize": integer(),
         "pipelineParallelSize": integer(),
+        "nodesPerReplica": integer(),
         "gpusPerReplica": integer(),
         "gpuMemoryUtilization": number(),
         "maxModelLen": integer(),

@@ -595,7 +595,7 @@ def leader_worker_sets_missing(plan: Plan) -> tuple[str, str]:
     the LeaderWorkerSet CRD."""
     return (
         "LeaderWorkerSetNotInstalled",
-        f"each replica needs {plan.pipeline_parallel_size} nodes (tensor parallel "
+        f"each replica needs {plan.nodes_per_replica} nodes (tensor parallel "
         f"{plan.tensor_parallel_size} x pipeline parallel {plan.pipeline_parallel_size}), "
         "which kvpilot runs as a LeaderWorkerSet; install the LeaderWorkerSet controller "
         "(sigs.k8s.io/lws) and restart the operator",

@@ -1,7 +1,8 @@
 """Multi-node replicas as a LeaderWorkerSet (``leaderworkerset.x-k8s.io/v1``), pure.
 
-A plan with ``pipeline_parallel_size`` P > 1 needs P nodes per replica (tensor parallel inside
-each node, pipeline stages across nodes, Ray actors as the ranks: vLLM's multi-node recipe).
+A plan with ``nodes_per_replica`` P > 1 (its ``pipeline_parallel_size`` stages outnumber one
+node's GPUs) needs P nodes per replica (tensor parallel inside each node, one pipeline stage a
+node, Ray actors as the ranks: vLLM's multi-node recipe).
 Each replica is one LeaderWorkerSet group of P pods:
 
 - the **leader** (worker index 0) runs ``kvpilot ray-node leader``: a Ray head, then, once the
@@ -47,7 +48,7 @@ RAY_PORT = 6379
 
 def is_multi_node(plan: Plan) -> bool:
     """Whether ``plan`` needs more than one node per replica (a LeaderWorkerSet)."""
-    return plan.pipeline_parallel_size > 1
+    return plan.nodes_per_replica > 1
 
 
 def worker_labels(name: str) -> dict[str, str]:
@@ -62,14 +63,14 @@ def leader_worker_set(
     name: str, namespace: str, spec: LLMDeploymentSpec, plan: Plan
 ) -> dict[str, Any]:
     """The LeaderWorkerSet of a multi-node ``plan``: ``spec.replicas`` groups of
-    ``plan.pipeline_parallel_size`` pods, each pod with ``plan.tensor_parallel_size`` GPUs.
+    ``plan.nodes_per_replica`` pods, each pod with ``plan.tensor_parallel_size`` GPUs.
 
     Raises:
         ValueError: ``plan`` fits one node (render a Deployment instead).
     """
     if not is_multi_node(plan):
         raise ValueError("a single-node plan is rendered as a Deployment, not a LeaderWorkerSet")
-    nodes = plan.pipeline_parallel_size
+    nodes = plan.nodes_per_replica
     leader = pod_template(name, spec, plan)
     engine = leader["spec"]["containers"][0]
     engine["args"] = ["ray-node", "leader", "--nodes", str(nodes), "--", *engine["args"]]

@@ -140,7 +140,9 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
     (the spec's, or the tuner's), ``--quantization`` when the spec forces one (else the engine
     reads the checkpoint's ``quantization_config``, as vLLM does). ``spec.adapters`` become
     ``--enable-lora --max-loras N --max-cpu-loras M --lora-modules name=path ...`` (M adapters,
-    N of them resident at most). ``engine.extraArgs`` come last.
+    N of them resident at most). A pipelined plan adds ``--pipeline-parallel-size``, and
+    ``--distributed-executor-backend ray`` when its replica spans nodes (on one node the stages
+    are processes of the pod, vLLM's ``mp`` backend). ``engine.extraArgs`` come last.
     """
     args = ["serve"]
     model = model_argument(spec)
@@ -157,10 +159,10 @@ def engine_args(spec: LLMDeploymentSpec, plan: Plan) -> list[str]:
         "--dtype", plan.dtype,
         "--tensor-parallel-size", str(plan.tensor_parallel_size),
         *(
-            ["--pipeline-parallel-size", str(plan.pipeline_parallel_size),
-             "--distributed-executor-backend", "ray"]
+            ["--pipeline-parallel-size", str(plan.pipeline_parallel_size)]
             if plan.pipeline_parallel_size > 1 else []
         ),
+        *(["--distributed-executor-backend", "ray"] if plan.nodes_per_replica > 1 else []),
         "--max-model-len", str(plan.max_model_len),
         "--max-num-seqs", str(plan.max_num_seqs),
         "--max-num-batched-tokens", str(plan.max_num_batched_tokens),
@@ -329,8 +331,8 @@ def template_hash(template: dict[str, Any]) -> str:
 
 def gpus_per_pod(plan: Plan) -> int:
     """GPUs one engine pod asks for: the whole replica's, or one node's share when the replica
-    spans ``plan.pipeline_parallel_size`` nodes."""
-    return plan.gpus_per_replica // plan.pipeline_parallel_size
+    spans ``plan.nodes_per_replica`` nodes."""
+    return plan.gpus_per_replica // plan.nodes_per_replica
 
 
 def pod_template(

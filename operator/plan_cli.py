@@ -210,6 +210,7 @@ def _print_table(model: str, plan) -> None:
         ("kvCacheDtype", plan.kv_cache_dtype),
         ("tensorParallelSize", str(plan.tensor_parallel_size)),
         ("pipelineParallelSize", str(plan.pipeline_parallel_size)),
+        ("nodesPerReplica", str(plan.nodes_per_replica)),
         ("gpusPerReplica", str(plan.gpus_per_replica)),
         ("gpuMemoryUtilization", "-" if utilization is None else f"{utilization:.2f}"),
         ("maxModelLen", f"{plan.max_model_len:,} tokens"),

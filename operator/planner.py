@@ -12,16 +12,19 @@ rule (``check_tensor_parallel_size``; any divisor, not only powers of two, as vL
 leaves room for ``concurrency`` sequences of ``max_model_len`` tokens.
 
 Pipeline parallel size: 1 whenever a ``tp`` within one node fits (those plans are exactly what
-they were before pipelining existed). A model that fits no node is split as vLLM's docs advise
-("Distributed inference and serving": tensor parallel size = GPUs per node, pipeline parallel
-size = nodes): ``tp = gpu.per_node`` (the largest valid size when that one does not divide the
-model) and the smallest ``pp`` in ``2..num_layers`` that fits, so ``gpus_per_replica = tp * pp``.
-Each stage holds its layers (``ModelShape.pipeline_stage_layers``, vLLM's split), the first also
-the embedding, the last the LM head; the plan's per-GPU bytes are the largest stage's and its KV
-capacity the smallest stage's (vLLM sizes every stage's cache to the same number of blocks). A
-user-set ``tensorParallelSize`` below ``gpu.per_node`` is never pipelined (the error stays the
-one-node error); a pipelined plan is rendered as a LeaderWorkerSet (one node per stage,
-:mod:`kvpilot.operator.leaderworkerset`).
+they were before pipelining existed). Otherwise the model is split along its layers as vLLM's
+docs advise ("Distributed inference and serving"): ``tp`` = the largest valid size within a
+node (``gpu.per_node`` when it divides the model) and the smallest ``pp`` in ``2..num_layers``
+that fits, so ``gpus_per_replica = tp * pp``. While ``tp * pp <= gpu.per_node`` the replica
+stays on one node, one pod whose ranks are processes (vLLM's edge case: a model that fits a
+node whose GPU count does not divide it, e.g. TP 1 x PP 2); beyond, it spans ``pp`` nodes,
+one stage per node (vLLM's multi-node recipe: TP = GPUs per node, PP = nodes), rendered as a
+LeaderWorkerSet (:mod:`kvpilot.operator.leaderworkerset`). Each stage holds its layers
+(``ModelShape.pipeline_stage_layers``, vLLM's split), the first also the embedding, the last
+the LM head; the plan's per-GPU bytes are the largest stage's and its KV capacity the smallest
+stage's (vLLM sizes every stage's cache to the same number of blocks). A user-set
+``tensorParallelSize`` below ``gpu.per_node`` is never pipelined (the error stays the one-node
+error).
 
 Weights are sized from the checkpoint's quantization (``ModelShape.weight_bytes``: packed
 weights and scales for fp8/AWQ/GPTQ/compressed-tensors, the rest at ``dtype``), or with
@@ -125,7 +128,10 @@ class Plan:
         kv_capacity_tokens: tokens the KV cache holds (per replica; every rank holds the same
             tokens for its own heads and layers; the fewest of any stage when pipelined).
         max_concurrency: sequences of ``max_model_len`` tokens the cache holds at once.
-        pipeline_parallel_size: pipeline stages (nodes) per replica; 1 within one node.
+        pipeline_parallel_size: pipeline stages per replica (1 unless no tensor parallel
+            size within one node fits).
+        nodes_per_replica: nodes a replica spans: 1, or ``pipeline_parallel_size`` when its
+            GPUs outnumber a node's (one stage per node, a LeaderWorkerSet group).
         kv_cache_dtype: ``--kv-cache-dtype`` (``auto`` = ``dtype``; ``fp8*`` = 1 byte).
         quantization: the weights' quantization method (the checkpoint's, or ``fp8`` forced on
             an unquantized one), None for unquantized weights.
@@ -153,6 +159,7 @@ class Plan:
     kv_cache_dtype: str = "auto"
     quantization: str | None = None
     num_active_parameters: int | None = None
+    nodes_per_replica: int = 1
 
     def to_status(self) -> dict[str, Any]:
         """The plan as ``status.plan`` (camelCase keys, JSON values)."""
@@ -161,6 +168,7 @@ class Plan:
             "dtype": self.dtype,
             "tensorParallelSize": self.tensor_parallel_size,
             "pipelineParallelSize": self.pipeline_parallel_size,
+            "nodesPerReplica": self.nodes_per_replica,
             "gpusPerReplica": self.gpus_per_replica,
             "maxModelLen": self.max_model_len,
             "numParameters": self.num_parameters,
@@ -357,8 +365,8 @@ def plan(
 
 
 def _pipelined(ask: _Ask) -> _Fit | None:
-    """The smallest pipeline parallel size at ``gpu.per_node`` that fits (None on CPU, with a
-    user-set tensor parallel size below ``per_node``, or when none does)."""
+    """The smallest pipeline parallel size at the largest valid tensor parallel size that fits
+    (None on CPU, with a user-set tensor parallel size below ``per_node``, or when none does)."""
     if ask.gpu is None:
         return None
     tp = max(ask.candidates)
@@ -454,13 +462,12 @@ def _fit(ask: _Ask, tp: int, pp: int = 1) -> _Fit:
 
 def _plan(ask: _Ask, fit: _Fit) -> Plan:
     tokens = fit.num_blocks * ask.block_size
+    gpus = 0 if ask.gpu is None else fit.tensor_parallel_size * fit.pipeline_parallel_size
     return Plan(
         gpu_type=CPU if ask.gpu is None else ask.gpu.name,
         dtype=ask.dtype_name,
         tensor_parallel_size=fit.tensor_parallel_size,
-        gpus_per_replica=(
-            0 if ask.gpu is None else fit.tensor_parallel_size * fit.pipeline_parallel_size
-        ),
+        gpus_per_replica=gpus,
         gpu_memory_utilization=ask.gpu_memory_utilization,
         max_model_len=ask.max_model_len,
         max_num_seqs=ask.max_num_seqs,
@@ -477,6 +484,9 @@ def _plan(ask: _Ask, fit: _Fit) -> Plan:
         kv_cache_dtype=ask.kv_cache_dtype,
         quantization=ask.model.quantization_method,
         num_active_parameters=ask.model.num_active_parameters(),
+        nodes_per_replica=(
+            1 if ask.gpu is None or gpus <= ask.gpu.per_node else fit.pipeline_parallel_size
+        ),
     )
 
 

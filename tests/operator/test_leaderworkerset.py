@@ -110,6 +110,47 @@ def test_a_single_node_plan_is_not_a_leader_worker_set():
         leaderworkerset.leader_worker_set("big", "team-a", spec, plan)
 
 
+def test_a_pipeline_that_fits_one_node_is_one_pod_without_ray():
+    """Qwen2.5-72B-Instruct as an unpadded AWQ checkpoint on L4s: its MLP's 231 groups of 128
+    split at TP 1 only, ~42 GB of weights need three 23 GB GPUs, and three GPUs fit one 8-GPU
+    node: one pod asking for 3 GPUs, its stages processes of vLLM's ``mp`` backend."""
+    body = {
+        "model": {"source": "hf://Qwen/Qwen2.5-72B-Instruct-AWQ"},
+        "engine": {"maxModelLen": 8192},
+        "gpu": {"type": "L4"},
+    }
+    spec = parse_spec(body)
+    config = json.loads((CONFIGS / "Qwen2.5-72B-Instruct.json").read_text())
+    config["quantization_config"] = {
+        "bits": 4, "group_size": 128, "quant_method": "awq", "version": "gemm", "zero_point": True
+    }  # fmt: skip
+    plan = plan_for_spec(spec, ModelShape.from_hf_config(config))
+    shape = (plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.gpus_per_replica)
+    assert shape == (1, 3, 3) and plan.nodes_per_replica == 1
+    assert plan.to_status()["nodesPerReplica"] == 1
+    assert not leaderworkerset.is_multi_node(plan)
+    (deployment,) = [
+        obj
+        for obj in manifests.children("big", "team-a", spec, plan)
+        if obj["kind"] == "Deployment" and obj["metadata"]["name"] == "big"
+    ]
+    (engine,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert flag(engine["args"], "--pipeline-parallel-size") == "3"
+    assert flag(engine["args"], "--tensor-parallel-size") == "1"
+    assert "--distributed-executor-backend" not in engine["args"]
+    assert engine["resources"]["limits"]["nvidia.com/gpu"] == "3"
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in engine["volumeMounts"]
+    # The same model on 2-GPU nodes spans two nodes per replica: one stage per node, at TP 1.
+    two_per_node = parse_spec({**body, "gpu": {"type": "L4", "perNode": 2}})
+    plan = plan_for_spec(two_per_node, ModelShape.from_hf_config(config))
+    assert (plan.pipeline_parallel_size, plan.nodes_per_replica) == (3, 3)
+    group = leaderworkerset.leader_worker_set("big", "team-a", two_per_node, plan)
+    assert group["spec"]["leaderWorkerTemplate"]["size"] == 3
+    (leader,) = group["spec"]["leaderWorkerTemplate"]["leaderTemplate"]["spec"]["containers"]
+    assert flag(leader["args"], "--distributed-executor-backend") == "ray"
+    assert leader["resources"]["limits"]["nvidia.com/gpu"] == "1"
+
+
 def test_ray_node_arguments():
     options, command = ray_node.parse_role_args(["--nodes", "2", "--", "serve", "--nodes", "x"])
     assert options.nodes == 2 and command == ["serve", "--nodes", "x"]

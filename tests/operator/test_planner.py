@@ -342,6 +342,7 @@ def test_plan_as_status_is_camel_case():
         "dtype": "bfloat16",
         "tensorParallelSize": 1,
         "pipelineParallelSize": 1,
+        "nodesPerReplica": 1,
         "gpusPerReplica": 1,
         "gpuMemoryUtilization": 0.9,
         "maxModelLen": 8192,

@@ -297,6 +297,7 @@ def test_llama31_405b_on_h100_is_tp8_by_pp2():
         assert (p.kv_bytes_per_token, p.kv_capacity_tokens) == (kv, expected_blocks * 16)
         assert p.max_concurrency == expected_blocks // (p.max_model_len // 16) == concurrency
         assert p.to_status()["pipelineParallelSize"] == 2
+        assert p.nodes_per_replica == 2  # 16 GPUs: one stage on each 8-GPU node
 
 
 def test_a_user_set_tp_below_the_node_is_not_pipelined():
