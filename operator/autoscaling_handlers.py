@@ -209,7 +209,8 @@ def larger_shape(
 
 
 def _plan_or_none(spec: LLMDeploymentSpec, model: ModelShape) -> Plan | None:
-    """The plan of ``spec``, or None when it has none or spans nodes (not rendered yet)."""
+    """The plan of ``spec``, or None when it has none or is pipelined (a ``Shape`` moves the
+    tensor parallel size and the GPU type, not a pipeline)."""
     try:
         plan = plan_for_spec(spec, model)
     except PlanError:

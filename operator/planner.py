@@ -12,19 +12,20 @@ rule (``check_tensor_parallel_size``; any divisor, not only powers of two, as vL
 leaves room for ``concurrency`` sequences of ``max_model_len`` tokens.
 
 Pipeline parallel size: 1 whenever a ``tp`` within one node fits (those plans are exactly what
-they were before pipelining existed). Otherwise the model is split along its layers as vLLM's
-docs advise ("Distributed inference and serving"): ``tp`` = the largest valid size within a
-node (``gpu.per_node`` when it divides the model) and the smallest ``pp`` in ``2..num_layers``
-that fits, so ``gpus_per_replica = tp * pp``. While ``tp * pp <= gpu.per_node`` the replica
-stays on one node, one pod whose ranks are processes (vLLM's edge case: a model that fits a
-node whose GPU count does not divide it, e.g. TP 1 x PP 2); beyond, it spans ``pp`` nodes,
-one stage per node (vLLM's multi-node recipe: TP = GPUs per node, PP = nodes), rendered as a
-LeaderWorkerSet (:mod:`kvpilot.operator.leaderworkerset`). Each stage holds its layers
-(``ModelShape.pipeline_stage_layers``, vLLM's split), the first also the embedding, the last
-the LM head; the plan's per-GPU bytes are the largest stage's and its KV capacity the smallest
-stage's (vLLM sizes every stage's cache to the same number of blocks). A user-set
-``tensorParallelSize`` below ``gpu.per_node`` is never pipelined (the error stays the one-node
-error).
+they were before pipelining existed). Otherwise the model is split along its layers, as vLLM's
+docs advise ("Distributed inference and serving"): first on one node, a model that fits a node
+whose GPU count does not divide it (``tp * pp <= gpu.per_node`` over the valid ``tp``, fewest
+GPUs first, then the largest ``tp``: e.g. TP 1 x PP 3), one pod whose ranks are processes;
+else across nodes, ``tp`` = the largest valid size within a node (``gpu.per_node`` when it
+divides the model) and the smallest ``pp`` that fits, one stage per node (vLLM's multi-node
+recipe: TP = GPUs per node, PP = nodes), rendered as a LeaderWorkerSet
+(:mod:`kvpilot.operator.leaderworkerset`); ``gpus_per_replica = tp * pp``. Each stage holds
+its layers (``ModelShape.pipeline_stage_layers``, vLLM's split), the first also the embedding,
+the last the LM head; the plan's per-GPU bytes are the largest stage's and its KV capacity the
+smallest stage's (vLLM sizes every stage's cache to the same number of blocks). A user-set
+``tensorParallelSize`` is pipelined at that size on one node, and across nodes only when it is
+``gpu.per_node``. Where no shape fits but a pipeline holds the weights, the error is the KV
+cache's (``InsufficientKVCache``, of the pipelined shape with the most KV).
 
 Weights are sized from the checkpoint's quantization (``ModelShape.weight_bytes``: packed
 weights and scales for fp8/AWQ/GPTQ/compressed-tensors, the rest at ``dtype``), or with
@@ -44,7 +45,8 @@ KV cache gets what is left after weights and activations and is passed as ``--kv
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvpilot.engine.config import (
@@ -358,25 +360,46 @@ def plan(
         fit = _fit(ask, tp)
         if fit.num_blocks >= ask.needed_blocks:
             return _plan(ask, fit)
-    pipelined = _pipelined(ask)
+    pipelined, tried = _pipelined(ask)
     if pipelined is not None:
         return _plan(ask, pipelined)
-    raise _no_fit(ask, fit)
+    # Where a pipeline holds the weights, the KV cache is what fell short: say so of it.
+    weights_fit = tried is not None and tried.weights + tried.reserve < ask.budget
+    raise _no_fit(ask, tried if weights_fit else fit)
 
 
-def _pipelined(ask: _Ask) -> _Fit | None:
-    """The smallest pipeline parallel size at the largest valid tensor parallel size that fits
-    (None on CPU, with a user-set tensor parallel size below ``per_node``, or when none does)."""
-    if ask.gpu is None:
-        return None
-    tp = max(ask.candidates)
-    if ask.requested_tensor_parallel_size is not None and tp != ask.gpu.per_node:
-        return None
-    for pp in range(2, ask.model.num_layers + 1):
+def _pipelined(ask: _Ask) -> tuple[_Fit | None, _Fit | None]:
+    """The first pipelined shape of :func:`_pipeline_shapes` that fits (None when none does),
+    and the shape tried with the most KV blocks (None when none was tried)."""
+    best = None
+    for tp, pp in _pipeline_shapes(ask):
         fit = _fit(ask, tp, pp)
         if fit.num_blocks >= ask.needed_blocks:
-            return fit
-    return None
+            return fit, fit
+        if best is None or fit.num_blocks > best.num_blocks:
+            best = fit
+    return None, best
+
+
+def _pipeline_shapes(ask: _Ask) -> Iterator[tuple[int, int]]:
+    """(tensor, pipeline) parallel sizes to try, in order: those on one node (``tp * pp <=
+    gpu.per_node``; fewest GPUs, then the largest ``tp``), then across nodes at the largest
+    valid ``tp`` (a user-set one only when it is ``per_node``). None on CPU."""
+    if ask.gpu is None:
+        return
+    per_node, layers = ask.gpu.per_node, ask.model.num_layers
+    one_node = sorted(
+        (tp * pp, -tp, pp)
+        for tp in ask.candidates
+        for pp in range(2, min(per_node // tp, layers) + 1)
+    )
+    for _, minus_tp, pp in one_node:
+        yield -minus_tp, pp
+    tp = max(ask.candidates)
+    if ask.requested_tensor_parallel_size is not None and tp != per_node:
+        return
+    for pp in range(max(2, per_node // tp + 1), layers + 1):
+        yield tp, pp
 
 
 def _max_model_len(model: ModelShape, max_model_len: int | None) -> int:
@@ -491,9 +514,11 @@ def _plan(ask: _Ask, fit: _Fit) -> Plan:
 
 
 def _no_fit(ask: _Ask, fit: _Fit) -> PlanError:
-    """Why the last candidate (``fit``) failed, and, when the user fixed the tensor parallel
-    size, which one would fit."""
+    """Why ``fit`` failed (the last one-node candidate, or the pipelined shape with the most
+    KV), and, when the user fixed the tensor parallel size, which shape would fit."""
     gpu, tp, budget = ask.gpu, fit.tensor_parallel_size, ask.budget
+    pp = fit.pipeline_parallel_size
+    shape = f"x{tp}" if pp == 1 else f"at tensor parallel size {tp} x pipeline parallel size {pp}"
     what = f"{ask.model.num_parameters() / 1e9:.1f}B parameters in {ask.dtype_name}"
     if ask.model.quantization is not None:
         what += f" ({ask.model.quantization.description} weights)"
@@ -505,22 +530,15 @@ def _no_fit(ask: _Ask, fit: _Fit) -> PlanError:
             f"{_gib(CPU_RUNTIME_BYTES)} runtime)"
         )
     else:
-        where, per = f"on {gpu.name} x{tp}", "per GPU"
+        where, per = f"on {gpu.name} {shape}", "per GPU"
         budget_text = (
             f"{_gib(budget)} budget ({ask.gpu_memory_utilization:.2f} of {_gib(gpu.memory_bytes)})"
         )
     if gpu is not None and ask.requested_tensor_parallel_size is not None:
         where = f"at the requested tensor parallel size {tp} on {gpu.name}"
-        fitting = [
-            other
-            for other in _tensor_parallel_candidates(ask.model, gpu, None)
-            if _fit(ask, other).num_blocks >= ask.needed_blocks
-        ]
-        alternative = (
-            f"; tensor parallel size {fitting[0]} would fit"
-            if fitting
-            else f"; no tensor parallel size up to {gpu.per_node} would fit either"
-        )
+        if fit.pipeline_parallel_size > 1:
+            where += f" (pipeline parallel size {pp})"
+        alternative = _without_requested_tp(ask)
     if fit.weights + fit.reserve >= budget:
         exceed = (
             f"weights {_gib(fit.weights)} + activations {_gib(fit.reserve)} {per} exceed the "
@@ -546,6 +564,27 @@ def _no_fit(ask: _Ask, fit: _Fit) -> PlanError:
     )
 
 
+def _without_requested_tp(ask: _Ask) -> str:
+    """The error's hint when the user fixed the tensor parallel size: the shape the planner
+    would choose without it."""
+    free = replace(
+        ask,
+        candidates=_tensor_parallel_candidates(ask.model, ask.gpu, None),
+        requested_tensor_parallel_size=None,
+    )
+    fitting = [tp for tp in free.candidates if _fit(free, tp).num_blocks >= free.needed_blocks]
+    if fitting:
+        return f"; tensor parallel size {fitting[0]} would fit"
+    pipelined, _ = _pipelined(free)
+    if pipelined is None:
+        return f"; no tensor parallel size up to {ask.gpu.per_node} would fit either"
+    tp, pp = pipelined.tensor_parallel_size, pipelined.pipeline_parallel_size
+    return (
+        f"; tensor parallel size {tp} x pipeline parallel size {pp} would fit "
+        "(leave tensorParallelSize unset)"
+    )
+
+
 def plan_for_spec(spec: LLMDeploymentSpec, model: ModelShape, *, concurrency: int = 1) -> Plan:
     """Plan a parsed LLMDeployment spec: ``plan`` with the spec's GPU, engine and memory fields.
 
@@ -553,9 +592,11 @@ def plan_for_spec(spec: LLMDeploymentSpec, model: ModelShape, *, concurrency: in
     ``dataclasses.replace`` (``gpu``, ``tensor_parallel_size``).
 
     Raises:
-        PlanError: as ``plan``.
+        PlanError: as ``plan``; ``UnsupportedAdapters`` when ``spec.adapters`` meet a plan of
+            more than one GPU (the engine's ``--enable-lora`` runs at tensor and pipeline
+            parallel size 1 only, and refuses to start otherwise).
     """
-    return plan(
+    planned = plan(
         model,
         gpu=None if spec.gpu is None else spec.gpu.gpu_type(),
         dtype=spec.engine.dtype,
@@ -570,6 +611,16 @@ def plan_for_spec(spec: LLMDeploymentSpec, model: ModelShape, *, concurrency: in
         kv_cache_dtype=spec.engine.kv_cache_dtype,
         quantization=spec.engine.quantization,
     )
+    if spec.adapters and planned.tensor_parallel_size * planned.pipeline_parallel_size > 1:
+        raise PlanError(
+            "UnsupportedAdapters",
+            f"spec.adapters need one GPU a replica (the engine serves LoRA adapters at tensor "
+            f"and pipeline parallel size 1 only); this model needs tensor parallel size "
+            f"{planned.tensor_parallel_size} x pipeline parallel size "
+            f"{planned.pipeline_parallel_size} on {planned.gpu_type}: remove the adapters or "
+            "choose a GPU that holds the model alone",
+        )
+    return planned
 
 
 def _check_arguments(

@@ -28,7 +28,11 @@ DEFAULT_PORT = 6379
 
 
 def _options() -> argparse.ArgumentParser:
-    options = argparse.ArgumentParser(prog="kvpilot ray-node ROLE", add_help=False)
+    options = argparse.ArgumentParser(
+        prog="kvpilot ray-node ROLE",
+        description="leader: a Ray head, then the command after -- once --nodes have joined; "
+        "worker: a Ray node joining --address",
+    )
     options.add_argument("--nodes", type=int, default=1)
     options.add_argument("--address")
     options.add_argument("--port", type=int, default=DEFAULT_PORT)
@@ -70,7 +74,7 @@ def parse_role_args(rest: list[str]) -> tuple[argparse.Namespace, list[str]]:
         # (every option takes one value).
         cut = 0
         while cut < len(rest) and rest[cut].startswith("-"):
-            cut += 1 if "=" in rest[cut] else 2
+            cut += 1 if "=" in rest[cut] or rest[cut] in ("-h", "--help") else 2
         cut = min(cut, len(rest))
         rest = [*rest[:cut], "--", *rest[cut:]]
     return _options().parse_args(rest[:cut]), rest[cut + 1 :]

@@ -120,10 +120,7 @@ def test_a_pipeline_that_fits_one_node_is_one_pod_without_ray():
         "gpu": {"type": "L4"},
     }
     spec = parse_spec(body)
-    config = json.loads((CONFIGS / "Qwen2.5-72B-Instruct.json").read_text())
-    config["quantization_config"] = {
-        "bits": 4, "group_size": 128, "quant_method": "awq", "version": "gemm", "zero_point": True
-    }  # fmt: skip
+    config = json.loads((CONFIGS / "Qwen2.5-72B-Instruct-AWQ-unpadded.json").read_text())
     plan = plan_for_spec(spec, ModelShape.from_hf_config(config))
     shape = (plan.tensor_parallel_size, plan.pipeline_parallel_size, plan.gpus_per_replica)
     assert shape == (1, 3, 3) and plan.nodes_per_replica == 1
@@ -165,6 +162,10 @@ def test_ray_node_arguments():
         ray_node.serve_command([])
     with pytest.raises(SystemExit):
         ray_node.parse_role_args(["--bogus"])
+    for flag_ in ("-h", "--help"):  # help, not "unrecognized arguments"
+        with pytest.raises(SystemExit) as caught:
+            ray_node.parse_role_args([flag_])
+        assert caught.value.code == 0
     # ``leader -- serve ...``: the top-level parser takes the ``--``, the command stays whole.
     assert ray_node.parse_role_args(["serve", "--pipeline-parallel-size", "2"])[1] == [
         "serve",

@@ -96,7 +96,7 @@ def test_qwen25_72b_at_full_context_needs_tp4():
     assert p.max_concurrency == p.kv_capacity_tokens // 32768 >= 1
 
 
-def test_qwen25_72b_tp2_reports_the_context_that_would_fit():
+def test_qwen25_72b_at_tp2_holds_8k_and_pipelines_for_its_full_context():
     # Per rank at TP 2: embeddings 2 * 76032*8192; per layer q 8192*4096 + 4096 bias,
     # k,v 2 * (8192*512 + 512), o 4096*8192, MLP 3 * 8192*14784, norms 16384; final norm.
     layer = (8192 * 4096 + 4096) + 2 * (8192 * 512 + 512) + 4096 * 8192 + 3 * 8192 * 14784 + 16384
@@ -104,17 +104,18 @@ def test_qwen25_72b_tp2_reports_the_context_that_would_fit():
     reserve = 8192 * (3 * 14784 + 4 * 8192) * 2 + 256 * 152064 * 4 + GiB
     blocks = (H100_BUDGET - weights - reserve) // (163_840 * 16)
     assert blocks == 674
-    with pytest.raises(PlanError) as caught:
-        plan(spec("Qwen2.5-72B-Instruct"), gpu=H100, tensor_parallel_size=2)
-    assert caught.value.reason == "InsufficientKVCache"
-    assert "holds 10784 tokens" in caught.value.message
-    assert "at the requested tensor parallel size 2 on H100-80GB" in caught.value.message
-    # The size asked for is named, then the smallest one the same arithmetic fits: TP 4.
-    assert caught.value.message.endswith(
-        "a maxModelLen of at most 10784 fits; tensor parallel size 4 would fit"
-    )
     shorter = plan(spec("Qwen2.5-72B-Instruct"), gpu=H100, max_model_len=8192)
     assert (shorter.tensor_parallel_size, shorter.kv_capacity_tokens) == (2, 10_784)
+    # 10,784 tokens are short of its 32,768: at a requested TP 2 a second stage on the same
+    # node (4 GPUs, half the layers each) holds them; unasked, TP 4 does.
+    full = plan(spec("Qwen2.5-72B-Instruct"), gpu=H100, tensor_parallel_size=2)
+    assert (full.tensor_parallel_size, full.pipeline_parallel_size, full.gpus_per_replica) == (
+        2,
+        2,
+        4,
+    )
+    assert full.nodes_per_replica == 1
+    assert plan(spec("Qwen2.5-72B-Instruct"), gpu=H100).tensor_parallel_size == 4
 
 
 def test_mistral_7b_32k_context_on_l4_takes_two_gpus():
@@ -177,27 +178,32 @@ def test_model_too_large_names_the_largest_tp_tried():
 LLAMA3_70B_BYTES = 2 * 70_553_706_496
 
 
-def test_a_forced_tp_that_does_not_fit_names_itself_and_the_smallest_that_does():
-    with pytest.raises(PlanError) as caught:
-        plan(spec("Meta-Llama-3-70B"), gpu=H100, tensor_parallel_size=1)
-    assert caught.value.reason == "ModelTooLarge"
+def test_a_forced_tp_that_one_gpu_cannot_hold_takes_pipeline_stages_on_its_node():
     assert (round(LLAMA3_70B_BYTES / GiB, 1), round(H100_BUDGET / GiB, 1)) == (131.4, 71.7)
-    assert caught.value.message == (
-        "70.6B parameters in bfloat16 do not fit at the requested tensor parallel size 1 on "
-        "H100-80GB: weights 131.4 GiB + activations 2.9 GiB per GPU exceed the 71.7 GiB budget "
-        "(0.90 of 79.6 GiB); tensor parallel size 2 would fit"
-    )
+    # 131.4 GiB of weights at TP 1: two stages of 65.7 GiB on the node's GPUs.
+    at_one = plan(spec("Meta-Llama-3-70B"), gpu=H100, tensor_parallel_size=1)
+    assert (at_one.tensor_parallel_size, at_one.pipeline_parallel_size) == (1, 2)
+    assert (at_one.gpus_per_replica, at_one.nodes_per_replica) == (2, 1)
     at_two = plan(spec("Meta-Llama-3-70B"), gpu=H100, tensor_parallel_size=2)
     assert (at_two.kv_capacity_tokens, at_two.max_concurrency) == (24_208, 2)
+    assert at_two.pipeline_parallel_size == 1
+    # On 1-GPU nodes TP 1 is the whole node: the second stage is a second node.
+    one_gpu_nodes = gpu_type("H100-80GB", per_node=1)
+    across = plan(spec("Meta-Llama-3-70B"), gpu=one_gpu_nodes, tensor_parallel_size=1)
+    assert (across.pipeline_parallel_size, across.nodes_per_replica) == (2, 2)
 
 
-def test_a_forced_tp_when_no_size_fits_says_so():
+def test_a_forced_tp_that_no_node_holds_names_the_pipeline_that_would():
     with pytest.raises(PlanError) as caught:
         plan(spec("Meta-Llama-3-70B"), gpu=gpu_type("L4", per_node=4), tensor_parallel_size=2)
     assert caught.value.reason == "ModelTooLarge"
-    # A requested size below the GPUs per node is never pipelined: the one-node error stands.
+    # TP 2 x PP 2 fills the 4-GPU node and still does not hold it; a requested size below the
+    # GPUs per node does not span nodes, so the error names the shape that would.
     assert "at the requested tensor parallel size 2 on L4" in caught.value.message
-    assert caught.value.message.endswith("; no tensor parallel size up to 4 would fit either")
+    assert caught.value.message.endswith(
+        "; tensor parallel size 4 x pipeline parallel size 2 would fit (leave tensorParallelSize "
+        "unset)"
+    )
 
 
 def test_model_too_large_on_cpu_names_the_memory_limit():

@@ -24,18 +24,24 @@ Where the configs come from (tests/operator/configs/, the public config.json val
   torch_dtype float16.
 - Meta-Llama-3.1-405B.json: meta-llama/Llama-3.1-405B: 126 layers, hidden 16,384, 128 query / 8
   KV heads, MLP 53,248, vocab 128,256, 131,072 positions (llama3 rope scaling).
+- Qwen2.5-72B-Instruct-AWQ-unpadded.json: Qwen2.5-72B-Instruct's config with an AutoAWQ
+  quantization_config (bits 4, group_size 128, zero_point, gemm) and its own intermediate size
+  29,568, as a user's own AWQ export has it (Qwen's published AWQ checkpoint pads it to 29,696
+  so that it splits at TP 2 and 4).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from kvpilot.engine.model_shape import ModelShape
-from kvpilot.operator.gpus import CATALOGUE, GiB, MiB
-from kvpilot.operator.planner import PlanError, plan
+from kvpilot.operator.gpus import CATALOGUE, GiB, MiB, gpu_type
+from kvpilot.operator.planner import PlanError, plan, plan_for_spec
+from kvpilot.operator.spec import parse_spec
 
 CONFIGS = Path(__file__).parent / "configs"
 H100 = CATALOGUE["H100-80GB"]
@@ -300,13 +306,74 @@ def test_llama31_405b_on_h100_is_tp8_by_pp2():
         assert p.nodes_per_replica == 2  # 16 GPUs: one stage on each 8-GPU node
 
 
-def test_a_user_set_tp_below_the_node_is_not_pipelined():
+def test_a_user_set_tp_below_the_node_is_pipelined_on_one_node_only():
+    """TP 4 x PP 2 is the most one H100 node holds at TP 4 (94.5 GB of weights a GPU): refused,
+    naming the shape that fits; at TP 8 the replica spans two nodes."""
     with pytest.raises(PlanError) as caught:
         plan(shape("Meta-Llama-3.1-405B"), gpu=H100, tensor_parallel_size=4)
     assert caught.value.reason == "ModelTooLarge"
-    assert caught.value.message.endswith("; no tensor parallel size up to 8 would fit either")
+    assert caught.value.message.endswith(
+        "; tensor parallel size 8 x pipeline parallel size 2 would fit (leave "
+        "tensorParallelSize unset)"
+    )
     at_eight = plan(shape("Meta-Llama-3.1-405B"), gpu=H100, tensor_parallel_size=8)
     assert (at_eight.tensor_parallel_size, at_eight.pipeline_parallel_size) == (8, 2)
+    assert at_eight.nodes_per_replica == 2
+
+
+# ---- pipelines on one node: a model that fits a node whose GPU count does not divide it ----
+
+
+def test_a_pipeline_on_one_node_comes_before_one_across_nodes():
+    """Qwen2.5-72B in bf16 (145 GB) on 3-GPU H100 nodes: TP 1 and 2 are the valid sizes (64
+    heads), TP 2 alone does not hold it; TP 1 x PP 3 fits the node (3 GPUs), where the largest
+    TP with more stages, TP 2 x PP 2, would take two nodes. Mixtral-8x7B on 6-GPU L4 nodes: TP
+    2 x PP 3 on one node, not TP 4 x PP 2 across two; Qwen3-30B-A3B's 4 KV heads on 12 GiB GPUs:
+    TP 4 x PP 2 on one 8-GPU node, not TP 8 x PP 2 (whose KV heads are copies) on two."""
+    cases = [
+        ("Qwen2.5-72B-Instruct", gpu_type("H100-80GB", per_node=3), (1, 3, 3)),
+        ("Mixtral-8x7B-v0.1", gpu_type("L4", per_node=6), (2, 3, 6)),
+        ("Qwen3-30B-A3B", gpu_type("custom", memory_gib=12, per_node=8), (4, 2, 8)),
+    ]
+    for name, gpu, expected in cases:
+        p = plan(shape(name), gpu=gpu)
+        assert (p.tensor_parallel_size, p.pipeline_parallel_size, p.gpus_per_replica) == expected
+        assert p.nodes_per_replica == 1
+
+
+def test_an_unpadded_awq_checkpoint_splits_only_at_tp1_and_pipelines_on_one_node():
+    """Its MLP's 29,568 columns are 231 groups of 128: TP 2 would cut a group, so TP 1 is the
+    only valid size; ~42 GB of 4-bit weights need three L4s, asked for or not."""
+    model = shape("Qwen2.5-72B-Instruct-AWQ-unpadded")
+    for tp in (None, 1):
+        p = plan(model, gpu=L4, max_model_len=8192, tensor_parallel_size=tp)
+        shape_ = (p.tensor_parallel_size, p.pipeline_parallel_size, p.gpus_per_replica)
+        assert shape_ == (1, 3, 3) and p.nodes_per_replica == 1
+    # No shape holds 2,000 sequences; pipelining holds the weights, so the KV cache is named.
+    with pytest.raises(PlanError) as caught:
+        plan(model, gpu=L4, max_model_len=8192, concurrency=2000)
+    assert caught.value.reason == "InsufficientKVCache"
+    assert "pipeline parallel size" in caught.value.message
+
+
+def test_adapters_are_refused_on_a_plan_of_more_than_one_gpu():
+    """The engine serves LoRA adapters at TP 1 and PP 1 only (it refuses --enable-lora else)."""
+    spec = parse_spec(
+        {
+            "model": {"source": "hf://Qwen/Qwen2.5-72B-Instruct-AWQ"},
+            "engine": {"maxModelLen": 8192},
+            "gpu": {"type": "L4"},
+            "adapters": [{"name": "sql", "source": "hf://someone/qwen-sql-lora"}],
+        }
+    )
+    with pytest.raises(PlanError) as caught:
+        plan_for_spec(spec, shape("Qwen2.5-72B-Instruct-AWQ-unpadded"))
+    assert caught.value.reason == "UnsupportedAdapters"
+    assert "tensor parallel size 1 x pipeline parallel size 3 on L4" in caught.value.message
+    on_one_gpu = dataclasses.replace(spec, gpu=dataclasses.replace(spec.gpu, type="H100-80GB"))
+    assert (
+        plan_for_spec(on_one_gpu, shape("Qwen2.5-72B-Instruct-AWQ-unpadded")).gpus_per_replica == 1
+    )
 
 
 def run_plan_cli(*argv: str) -> int:
