@@ -451,6 +451,13 @@ def _gpu_budget(
     """GPU mode: the valid tensor parallel sizes, and ``gpu_memory_utilization`` of one GPU."""
     candidates = _tensor_parallel_candidates(model, gpu, tensor_parallel_size)
     utilization = gpu_memory_utilization or default_gpu_memory_utilization(gpu)
+    if utilization <= 0:
+        raise PlanError(
+            "GpuTooSmall",
+            f"{gpu.name} has {_gib(gpu.memory_bytes)}, no more than the "
+            f"{_gib(OUTSIDE_BUDGET_HEADROOM_BYTES)} kept outside the budget for CUDA graphs and "
+            "the CUDA context: choose a larger GPU, or set gpuMemoryUtilization",
+        )
     return candidates, utilization, int(gpu.memory_bytes * utilization)
 
 

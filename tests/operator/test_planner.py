@@ -193,6 +193,18 @@ def test_a_forced_tp_that_one_gpu_cannot_hold_takes_pipeline_stages_on_its_node(
     assert (across.pipeline_parallel_size, across.nodes_per_replica) == (2, 2)
 
 
+def test_a_gpu_no_larger_than_the_headroom_is_named_not_given_a_negative_budget():
+    tiny = gpu_type("custom", memory_gib=2)
+    with pytest.raises(PlanError) as caught:
+        plan(spec("Meta-Llama-3-8B"), gpu=tiny)
+    assert caught.value.reason == "GpuTooSmall"
+    assert caught.value.message.startswith("custom has 2.0 GiB, no more than the 3.0 GiB kept")
+    # An explicit utilization is the user's: planned (and refused) by its own budget.
+    with pytest.raises(PlanError) as caught:
+        plan(spec("Meta-Llama-3-8B"), gpu=tiny, gpu_memory_utilization=0.9)
+    assert caught.value.reason == "ModelTooLarge" and "1.8 GiB budget" in caught.value.message
+
+
 def test_a_forced_tp_that_no_node_holds_names_the_pipeline_that_would():
     with pytest.raises(PlanError) as caught:
         plan(spec("Meta-Llama-3-70B"), gpu=gpu_type("L4", per_node=4), tensor_parallel_size=2)
