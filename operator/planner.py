@@ -356,16 +356,24 @@ def plan(
         concurrency=concurrency,
         block_size=block_size,
     )
+    fit, tried = _smallest_tensor_parallel(ask), None
+    if fit is None:
+        fit, tried = _pipelined(ask)
+    if fit is not None:
+        return _plan(ask, fit)
+    # Where a pipeline holds the weights, the KV cache is what fell short: say so of it.
+    weights_fit = tried is not None and tried.weights + tried.reserve < ask.budget
+    raise _no_fit(ask, tried if weights_fit else _fit(ask, ask.candidates[-1]))
+
+
+def _smallest_tensor_parallel(ask: _Ask) -> _Fit | None:
+    """The fit of the smallest candidate tensor parallel size that holds ``concurrency``
+    sequences without pipelining (None when none does)."""
     for tp in ask.candidates:
         fit = _fit(ask, tp)
         if fit.num_blocks >= ask.needed_blocks:
-            return _plan(ask, fit)
-    pipelined, tried = _pipelined(ask)
-    if pipelined is not None:
-        return _plan(ask, pipelined)
-    # Where a pipeline holds the weights, the KV cache is what fell short: say so of it.
-    weights_fit = tried is not None and tried.weights + tried.reserve < ask.budget
-    raise _no_fit(ask, tried if weights_fit else fit)
+            return fit
+    return None
 
 
 def _pipelined(ask: _Ask) -> tuple[_Fit | None, _Fit | None]:
@@ -525,7 +533,7 @@ def _no_fit(ask: _Ask, fit: _Fit) -> PlanError:
     KV), and, when the user fixed the tensor parallel size, which shape would fit."""
     gpu, tp, budget = ask.gpu, fit.tensor_parallel_size, ask.budget
     pp = fit.pipeline_parallel_size
-    shape = f"x{tp}" if pp == 1 else f"at tensor parallel size {tp} x pipeline parallel size {pp}"
+    stages = "" if pp == 1 else f" (pipeline parallel size {pp})"
     what = f"{ask.model.num_parameters() / 1e9:.1f}B parameters in {ask.dtype_name}"
     if ask.model.quantization is not None:
         what += f" ({ask.model.quantization.description} weights)"
@@ -537,14 +545,12 @@ def _no_fit(ask: _Ask, fit: _Fit) -> PlanError:
             f"{_gib(CPU_RUNTIME_BYTES)} runtime)"
         )
     else:
-        where, per = f"on {gpu.name} {shape}", "per GPU"
+        where, per = f"on {gpu.name} x{tp}{stages}", "per GPU"
         budget_text = (
             f"{_gib(budget)} budget ({ask.gpu_memory_utilization:.2f} of {_gib(gpu.memory_bytes)})"
         )
     if gpu is not None and ask.requested_tensor_parallel_size is not None:
-        where = f"at the requested tensor parallel size {tp} on {gpu.name}"
-        if fit.pipeline_parallel_size > 1:
-            where += f" (pipeline parallel size {pp})"
+        where = f"at the requested tensor parallel size {tp} on {gpu.name}{stages}"
         alternative = _without_requested_tp(ask)
     if fit.weights + fit.reserve >= budget:
         exceed = (
@@ -579,13 +585,12 @@ def _without_requested_tp(ask: _Ask) -> str:
         candidates=_tensor_parallel_candidates(ask.model, ask.gpu, None),
         requested_tensor_parallel_size=None,
     )
-    fitting = [tp for tp in free.candidates if _fit(free, tp).num_blocks >= free.needed_blocks]
-    if fitting:
-        return f"; tensor parallel size {fitting[0]} would fit"
-    pipelined, _ = _pipelined(free)
-    if pipelined is None:
+    fit = _smallest_tensor_parallel(free) or _pipelined(free)[0]
+    if fit is None:
         return f"; no tensor parallel size up to {ask.gpu.per_node} would fit either"
-    tp, pp = pipelined.tensor_parallel_size, pipelined.pipeline_parallel_size
+    tp, pp = fit.tensor_parallel_size, fit.pipeline_parallel_size
+    if pp == 1:
+        return f"; tensor parallel size {tp} would fit"
     return (
         f"; tensor parallel size {tp} x pipeline parallel size {pp} would fit "
         "(leave tensorParallelSize unset)"
